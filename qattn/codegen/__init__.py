@@ -1,0 +1,1 @@
+"""What to build (KernelSpec), in which operand format (recipes), and its source (render)."""

@@ -1,0 +1,195 @@
+"""Operand formats (recipes) and the kernel families that implement them, per backend.
+
+One table: adding a format means adding a Recipe here and, where it has a kernel, a template.
+A Family describes one template: which head dims and tiles it supports and how much shared
+memory and how many threads a tile needs. DESIGN §2 defines every format.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .tile import Tile
+
+CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100a", "sm_120")
+HIP_ARCHS = ("gfx90a", "gfx942", "gfx1100", "gfx1201")
+BACKENDS = ("cuda", "hip")
+KINDS = ("prefill",)
+SMEM_LIMIT = {"cuda": 227 * 1024, "hip": 64 * 1024}
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Pass thresholds against FP64: rows over max_rel count as failures; rel_l2 bounds the whole."""
+
+    max_rel: float
+    rel_l2: float
+
+
+@dataclass(frozen=True)
+class Family:
+    """One kernel template and the tiles it can be specialised to."""
+
+    template: str
+    head_dims: tuple[int, ...]
+    default_tiles: dict  # head_dim -> Tile
+    tile_problem: Callable[[Tile, int], str | None]  # why a (tile, head_dim) does not fit, or None
+    smem_bytes: Callable[[Tile, int], int]
+    archs: tuple[str, ...]
+    align_bytes: int = 16  # pointer and row-stride alignment the loads need (16: cp.async / vector)
+
+    def threads(self, tile: Tile) -> int:
+        return 32 * tile.warps
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    summary: str
+    input_dtypes: tuple[str, ...]  # NumPy dtype names the kernel takes for q, k, v
+    tolerance: Tolerance
+    families: dict = field(default_factory=dict)  # backend -> Family, for kinds with a kernel
+    ctype: dict = field(default_factory=dict)  # template values: element type names per backend
+
+    def family(self, backend: str) -> Family:
+        if backend not in self.families:
+            have = ", ".join(self.families) or "none yet (emulator only)"
+            raise ValueError(f"format {self.name!r}: no {backend} kernel; backends with a kernel: {have}")
+        return self.families[backend]
+
+
+# ---- CUDA tensor-core prefill (f16, bf16): each warp owns 16 * MT query rows ----------------
+
+def _padded_row_bytes(head_dim: int, elem_bytes: int) -> int:
+    # One 16-byte pad per row makes 8 consecutive rows hit 8 distinct 16-byte bank groups,
+    # so ldmatrix and cp.async are conflict-free for every head dim.
+    return (head_dim + 16 // elem_bytes) * elem_bytes
+
+
+def _mma_smem(tile: Tile, d: int) -> int:
+    return (tile.block_m + 2 * tile.stages * tile.block_n) * _padded_row_bytes(d, 2)
+
+
+def _mma_problem(tile: Tile, d: int) -> str | None:
+    rows_per_warp = tile.block_m / tile.warps
+    if rows_per_warp not in (16, 32):
+        return f"block_m/warps must be 16 or 32 rows per warp, got {tile.block_m}/{tile.warps}"
+    if tile.block_n % 16 or not 16 <= tile.block_n <= 128:
+        return f"block_n must be a multiple of 16 in [16, 128], got {tile.block_n}"
+    if not 1 <= tile.stages <= 4:
+        return f"stages must be 1..4, got {tile.stages}"
+    m_tiles = rows_per_warp // 16
+    accum = m_tiles * (d + tile.block_n) // 2  # fp32 accumulator registers per thread
+    if accum > 160:
+        return f"{accum} accumulator registers per thread (O and S) exceed 160; use fewer rows per warp or a narrower block_n"
+    if _mma_smem(tile, d) > SMEM_LIMIT["cuda"]:
+        return f"needs {_mma_smem(tile, d)} B of shared memory, over {SMEM_LIMIT['cuda']}"
+    return None
+
+
+CUDA_MMA = Family(
+    template="cuda/prefill_mma.cu.j2",
+    head_dims=(32, 64, 96, 128, 256),
+    default_tiles={32: Tile(128, 64, 4, 2), 64: Tile(128, 64, 4, 2), 96: Tile(128, 64, 8, 2),
+                   128: Tile(128, 64, 8, 2), 256: Tile(64, 64, 4, 2)},
+    tile_problem=_mma_problem,
+    smem_bytes=_mma_smem,
+    archs=CUDA_ARCHS,
+)
+
+
+# ---- CUDA fp32 SIMT prefill: TPR threads share a query row ---------------------------------
+
+def _simt_smem(tile: Tile, d: int) -> int:
+    return 4 * (tile.block_m * (d + 1) + tile.block_n * (d + 1) + tile.block_n * d + tile.block_m * (tile.block_n + 1))
+
+
+def _simt_problem(tile: Tile, d: int) -> str | None:
+    threads = 32 * tile.warps
+    if threads % tile.block_m:
+        return f"32*warps ({threads}) must be a multiple of block_m ({tile.block_m})"
+    per_row = threads // tile.block_m
+    if per_row not in (1, 2, 4, 8, 16, 32):
+        return f"threads per query row must be a power of two <= 32, got {per_row}"
+    if tile.block_n % per_row or d % per_row:
+        return f"block_n ({tile.block_n}) and head_dim ({d}) must be multiples of threads per row ({per_row})"
+    if tile.stages != 1:
+        return "the fp32 SIMT kernel is not pipelined: stages must be 1"
+    if _simt_smem(tile, d) > SMEM_LIMIT["cuda"]:
+        return f"needs {_simt_smem(tile, d)} B of shared memory, over {SMEM_LIMIT['cuda']}"
+    return None
+
+
+CUDA_SIMT = Family(
+    template="cuda/prefill_simt.cu.j2",
+    head_dims=(32, 64, 96, 128, 256),
+    default_tiles={d: Tile(32, 32, 4, 1) for d in (32, 64, 96, 128, 256)},
+    tile_problem=_simt_problem,
+    smem_bytes=_simt_smem,
+    archs=CUDA_ARCHS,
+    align_bytes=4,
+)
+
+
+# ---- HIP matrix-core prefill (MFMA on CDNA, WMMA on RDNA); 16 query rows per wave ----------
+
+def _hip_smem(tile: Tile, d: int) -> int:
+    return (tile.block_m + 2 * tile.block_n) * _padded_row_bytes(d, 2)
+
+
+def _hip_problem(tile: Tile, d: int) -> str | None:
+    if tile.block_m != 16 * tile.warps:
+        return f"block_m must be 16 rows per wave (16*warps), got {tile.block_m} with {tile.warps} waves"
+    if tile.block_n % 16 or not 16 <= tile.block_n <= 64:
+        return f"block_n must be a multiple of 16 in [16, 64], got {tile.block_n}"
+    if tile.stages != 1:
+        return "the HIP kernel is not pipelined yet: stages must be 1"
+    if _hip_smem(tile, d) > SMEM_LIMIT["hip"]:
+        return f"needs {_hip_smem(tile, d)} B of LDS, over {SMEM_LIMIT['hip']}"
+    return None
+
+
+HIP_MATRIX = Family(
+    template="hip/prefill_matrix.hip.j2",
+    head_dims=(64, 128),
+    default_tiles={64: Tile(64, 32, 4, 1), 128: Tile(64, 32, 4, 1)},
+    tile_problem=_hip_problem,
+    smem_bytes=_hip_smem,
+    archs=HIP_ARCHS,
+)
+
+
+RECIPES: dict[str, Recipe] = {}
+
+
+def _register(r: Recipe) -> None:
+    RECIPES[r.name] = r
+
+
+_register(Recipe("f16", "fp16 Q/K/V, fp32 accumulation, P rounded to fp16 (tensor cores)", ("float16",),
+                 Tolerance(max_rel=2e-2, rel_l2=2e-3), {"cuda": CUDA_MMA, "hip": HIP_MATRIX},
+                 {"mma": "f16", "cvt": "f16x2"}))
+_register(Recipe("bf16", "bf16 Q/K/V, fp32 accumulation, P rounded to bf16 (tensor cores)", ("bfloat16",),
+                 Tolerance(max_rel=1e-1, rel_l2=1e-2), {"cuda": CUDA_MMA},
+                 {"mma": "bf16", "cvt": "bf16x2"}))
+_register(Recipe("f32", "fp32 SIMT FMAs throughout: the noise floor for the exact formats", ("float32",),
+                 Tolerance(max_rel=1e-5, rel_l2=1e-5), {"cuda": CUDA_SIMT}))
+# Formats with a CPU emulator; their kernels arrive with their own families.
+_register(Recipe("i8-f16", "int8 QK with exact K smoothing, PV in fp16", ("float16", "bfloat16"),
+                 Tolerance(max_rel=1e-1, rel_l2=3e-2)))
+_register(Recipe("i8-i8", "int8 QK with exact K smoothing, PV in int8 (P static 127, V per channel)",
+                 ("float16", "bfloat16"), Tolerance(max_rel=2e-1, rel_l2=1e-1)))
+_register(Recipe("i8-f8", "int8 QK with exact K smoothing, PV in fp8 e4m3 (P static 448, V per channel)",
+                 ("float16", "bfloat16"), Tolerance(max_rel=2e-1, rel_l2=6e-2)))
+_register(Recipe("kv8-f32", "int8 KV cache dequantized to fp32, fp32 SIMT", ("float32",),
+                 Tolerance(max_rel=1e-5, rel_l2=1e-5)))
+_register(Recipe("kv8-split", "int8 KV cache, fp16 hi+lo split of the other operand, two fp16 MMAs",
+                 ("float32",), Tolerance(max_rel=1e-5, rel_l2=1e-5)))
+_register(Recipe("kv8-imma", "int8 KV cache on int8 tensor cores, 24-bit 3-way split of the other operand",
+                 ("float32",), Tolerance(max_rel=1e-5, rel_l2=1e-5)))
+
+
+def recipe(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise ValueError(f"format: unknown {name!r}; known formats: {', '.join(RECIPES)}")
+    return RECIPES[name]

@@ -1,0 +1,1 @@
+"""Compile, cache, load and launch kernels; FP64 reference, CPU emulators and metrics."""

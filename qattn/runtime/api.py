@@ -1,0 +1,51 @@
+"""The public entry points: attention() picks or builds the right kernel and runs it; build()
+turns a spec description into a Kernel."""
+from __future__ import annotations
+
+from ..codegen.recipes import recipe
+from ..codegen.spec import KernelSpec, device_arch
+from ..codegen.tile import Tile
+from .arrays import as_device_array
+from .kernel import Kernel, build_kernel
+
+
+def _spec_from(kind: str, fields: dict) -> KernelSpec:
+    fields = dict(fields)
+    if "format" in fields:
+        if "recipe" in fields:
+            raise ValueError("format: give format or recipe, not both")
+        fields["recipe"] = fields.pop("format")
+    tile = fields.get("tile")
+    if isinstance(tile, (tuple, list)):
+        fields["tile"] = Tile(*tile)
+    return KernelSpec(kind=kind, **fields)
+
+
+def build(kind: str = "prefill", **spec) -> Kernel:
+    """Build (or fetch from the cache) one kernel: build("prefill", format="f16", head_dim=128,
+    causal=True, tile=(128, 64, 8, 2), arch="sm_90a"). The arch defaults to the current GPU's."""
+    return build_kernel(_spec_from(kind, spec))
+
+
+def default_spec(format: str, head_dim: int, *, causal: bool = False, arch: str | None = None) -> KernelSpec:
+    rec = recipe(format)
+    if "cuda" not in rec.families:
+        raise ValueError(f"format {format!r} has no CUDA kernel yet; its CPU emulator is "
+                         f"qattn.runtime.emulate.emulate({format!r}, ...)")
+    return KernelSpec(kind="prefill", recipe=format, head_dim=head_dim, causal=causal,
+                      arch=arch or device_arch())
+
+
+def attention(q, k, v, *, format: str = "f16", causal: bool = False, scale: float | None = None,
+              return_lse: bool = False, out=None, tile: Tile | None = None):
+    """softmax(q kᵀ·scale) v on the GPU in the given format. q [B, Hq, Lq, D], k and v
+    [B, Hkv, Lk, D] (any strides on batch, head and sequence; D contiguous), Hq a multiple of
+    Hkv; causal masks are bottom-right aligned. Returns out (and the natural-log LSE [B, Hq, Lq]
+    in fp32 when return_lse)."""
+    q_dev = as_device_array(q, "q")
+    if q_dev.ndim != 4:
+        raise ValueError(f"q: expected 4 dimensions [batch, heads, seq, head_dim], got shape {q_dev.shape}")
+    spec = default_spec(format, int(q_dev.shape[-1]), causal=causal)
+    if tile is not None:
+        spec = spec.with_(tile=tile)
+    return build_kernel(spec)(q, k, v, scale=scale, return_lse=return_lse, out=out)

@@ -1,0 +1,34 @@
+"""Zero-copy interop: accept CuPy arrays and anything exposing DLPack or __cuda_array_interface__
+(torch tensors), and hand results back in the caller's array type."""
+from __future__ import annotations
+
+
+def as_device_array(x, name: str):
+    """A CuPy view of x on the GPU, or TypeError naming the argument."""
+    import cupy
+
+    if isinstance(x, cupy.ndarray):
+        return x
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        device_type = x.__dlpack_device__()[0]
+        if int(device_type) not in (2, 13):  # kDLCUDA, kDLCUDAManaged
+            raise TypeError(f"{name}: expected a CUDA array, got a {type(x).__module__}.{type(x).__name__} "
+                            f"on a non-CUDA device (DLPack device type {int(device_type)})")
+        try:
+            return cupy.from_dlpack(x)
+        except Exception:  # older exporters: fall back to the CUDA array interface below
+            pass
+    if hasattr(x, "__cuda_array_interface__"):
+        return cupy.asarray(x)
+    raise TypeError(f"{name}: expected a CUDA array (CuPy, or an object with DLPack/__cuda_array_interface__ "
+                    f"such as a torch CUDA tensor), got {type(x).__module__}.{type(x).__name__}")
+
+
+def like_input(result, example):
+    """Return result as the array type of example (torch in, torch out); CuPy otherwise."""
+    module = type(example).__module__.split(".")[0]
+    if module == "torch":
+        import torch
+
+        return torch.from_dlpack(result)
+    return result

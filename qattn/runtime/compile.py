@@ -1,0 +1,151 @@
+"""Compile rendered source to a binary: NVRTC for CUDA (any named arch, no GPU needed), clang for
+HIP offline checks. Compile errors raise CompileError carrying the spec name, the options, the
+compiler log and the numbered source lines around each reported error."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_ERROR_LINE = re.compile(r"\((\d+)\): (?:error|catastrophic error)|:(\d+):\d+: error")
+_CONTEXT = 3
+
+
+class CompileError(RuntimeError):
+    def __init__(self, spec_name: str, options: list[str], log: str, source: str):
+        self.spec_name, self.options, self.log, self.source = spec_name, list(options), log, source
+        super().__init__(f"failed to compile {spec_name}\noptions: {' '.join(options)}\n"
+                         f"--- compiler log ---\n{log.strip()}\n--- source ---\n{numbered_excerpt(source, log)}")
+
+
+def numbered_excerpt(source: str, log: str) -> str:
+    """Source lines around each line the log blames (all lines when it blames none), numbered."""
+    lines = source.splitlines()
+    blamed = sorted({int(a or b) for a, b in _ERROR_LINE.findall(log)})
+    keep = sorted({i for n in blamed for i in range(max(1, n - _CONTEXT), min(len(lines), n + _CONTEXT) + 1)})
+    if not keep:
+        keep = list(range(1, len(lines) + 1))
+    width = len(str(len(lines)))
+    out, prev = [], 0
+    for n in keep:
+        if prev and n != prev + 1:
+            out.append("...")
+        mark = ">" if n in blamed else " "
+        out.append(f"{mark}{n:>{width}} | {lines[n - 1]}")
+        prev = n
+    return "\n".join(out)
+
+
+@dataclass
+class Binary:
+    """A compiled kernel image plus what the compiler reported about it."""
+
+    data: bytes
+    log: str
+    resources: dict = field(default_factory=dict)
+    ptx: str = ""
+
+
+def nvrtc_version() -> str:
+    from cupy.cuda import nvrtc
+
+    major, minor = nvrtc.getVersion()
+    return f"nvrtc-{major}.{minor}"
+
+
+def cuda_options(arch: str) -> list[str]:
+    return [f"--gpu-architecture={arch}", "-std=c++17", "--ptxas-options=-v", "-lineinfo"]
+
+
+_PTXAS = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "static_smem": re.compile(r"(\d+) bytes smem"),
+    "stack": re.compile(r"(\d+) bytes stack frame"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+}
+
+
+def parse_ptxas(log: str) -> dict:
+    found = {}
+    for key, pattern in _PTXAS.items():
+        m = pattern.search(log)
+        found[key] = int(m.group(1)) if m else 0
+    return found
+
+
+def compile_cuda(source: str, arch: str, spec_name: str, options: list[str] | None = None) -> Binary:
+    """NVRTC -> cubin for a named arch (sm_80 ... sm_120, sm_90a)."""
+    from cupy.cuda import nvrtc
+
+    options = options or cuda_options(arch)
+    program = nvrtc.createProgram(source, spec_name + ".cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(program, options)
+        except nvrtc.NVRTCError:
+            raise CompileError(spec_name, options, nvrtc.getProgramLog(program), source) from None
+        log = nvrtc.getProgramLog(program)
+        return Binary(data=nvrtc.getCUBIN(program), log=log, resources=parse_ptxas(log), ptx=nvrtc.getPTX(program))
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def find_tool(*names: str) -> str | None:
+    """A compiler or disassembler on PATH, in CUDA_HOME, or shipped by an nvidia-* wheel."""
+    import os
+
+    for name in names:
+        hit = shutil.which(name)
+        if hit:
+            return hit
+    dirs = [Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin"]
+    try:
+        import nvidia
+
+        dirs += [Path(p) / "cu13" / "bin" for p in nvidia.__path__]
+    except ImportError:
+        pass
+    for d in dirs:
+        for name in names:
+            if (d / name).is_file():
+                return str(d / name)
+    return None
+
+
+def hip_options(arch: str) -> list[str]:
+    return ["-x", "hip", f"--offload-arch={arch}", "-nogpulib", "-nogpuinc", "--offload-device-only",
+            "--no-gpu-bundle-output", "-O3", "-std=c++17", "-DQATTN_OFFLINE_HIP=1"]
+
+
+def compile_hip_offline(source: str, arch: str, spec_name: str) -> Binary:
+    """clang (19 or newer) -> AMDGPU code object, no ROCm needed; for CI checks and `qattn compile`."""
+    clang = find_tool("clang++-19", "clang++-20", "clang++")
+    if clang is None:
+        raise RuntimeError("backend hip: offline compiles need clang-19 "
+                           "(apt-get install --no-install-recommends clang-19 lld-19 llvm-19)")
+    options = hip_options(arch)
+    with tempfile.TemporaryDirectory() as tmp:
+        src, obj = Path(tmp) / f"{spec_name}.hip", Path(tmp) / f"{spec_name}.co"
+        src.write_text(source)
+        run = subprocess.run([clang, *options, "-c", str(src), "-o", str(obj)], capture_output=True, text=True)
+        log = run.stdout + run.stderr
+        if run.returncode != 0 or not obj.exists():
+            raise CompileError(spec_name, options, log.replace(str(src), spec_name + ".hip"), source)
+        return Binary(data=obj.read_bytes(), log=log)
+
+
+def disassemble(binary: bytes, backend: str) -> str | None:
+    """SASS (cuobjdump) or AMDGPU assembly (llvm-objdump) text, or None where no tool is found."""
+    tool = find_tool("cuobjdump") if backend == "cuda" else find_tool("llvm-objdump-19", "llvm-objdump-20", "llvm-objdump")
+    if tool is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / ("k.cubin" if backend == "cuda" else "k.co")
+        path.write_bytes(binary)
+        args = [tool, "--dump-sass", str(path)] if backend == "cuda" else [tool, "-d", str(path)]
+        run = subprocess.run(args, capture_output=True, text=True)
+        return run.stdout if run.returncode == 0 else None
