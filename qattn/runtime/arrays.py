@@ -32,3 +32,14 @@ def like_input(result, example):
 
         return torch.from_dlpack(result)
     return result
+
+
+def numpy_dtype(name: str):
+    """np.dtype for a recipe's dtype name; bfloat16 comes from ml_dtypes."""
+    import numpy as np
+
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)

@@ -34,3 +34,77 @@ def time_cuda(fn, *, warmup: int = 3, runs: int = 20, min_ms: float = 200.0) -> 
 def attention_flops(batch: int, heads: int, lq: int, lk: int, head_dim: int, causal: bool) -> float:
     """4·B·H·Lq·Lk·D, halved for causal (the convention peers report TFLOPS with)."""
     return 4.0 * batch * heads * lq * lk * head_dim / (2.0 if causal else 1.0)
+
+
+PEERS = ("sdpa_flash", "sdpa_cudnn")
+
+
+def _torch_peer(name: str):
+    """A callable (q, k, v, causal) -> out running torch SDPA on one backend, or None without torch."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return None
+    backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[name]
+
+    def run(q, k, v, causal):
+        with sdpa_kernel([backend]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                    enable_gqa=q.shape[1] != k.shape[1])
+    return run
+
+
+def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers=PEERS, seed=0,
+                  tiles=None) -> list[dict]:
+    """Time qattn prefill kernels and torch SDPA peers on the same inputs in the same run.
+    shapes: iterable of (batch, heads, seq) with Lq = Lk = seq. Returns one record per
+    (shape, implementation) with median ms, TFLOPS and the ratio to each peer."""
+    import cupy
+
+    from .api import default_spec
+    from .kernel import build_kernel
+
+    records = []
+    rng = cupy.random.default_rng(seed)
+    for batch, heads, seq in shapes:
+        flops = attention_flops(batch, heads, seq, seq, head_dim, causal)
+        shape_rec = {"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim, "causal": causal}
+        q, k, v = (rng.standard_normal((batch, heads, seq, head_dim), dtype=cupy.float32).astype(cupy.float16)
+                   for _ in range(3))
+        peer_ms = {}
+        torch_inputs = None
+        for name in peers:
+            fn = _torch_peer(name)
+            if fn is None:
+                continue
+            import torch
+
+            torch_inputs = torch_inputs or tuple(torch.from_dlpack(x) for x in (q, k, v))
+            try:
+                t = time_cuda(lambda: fn(*torch_inputs, causal))
+            except RuntimeError as exc:  # backend unavailable for this shape/GPU
+                records.append(dict(shape_rec, impl=name, error=str(exc).splitlines()[0]))
+                continue
+            peer_ms[name] = t.median_ms
+            records.append(dict(shape_rec, impl=name, ms=t.median_ms, tflops=flops / t.median_ms / 1e9))
+        for fmt in formats:
+            spec = default_spec(fmt, head_dim, causal=causal)
+            if tiles:
+                spec = spec.with_(tile=tiles[fmt] if isinstance(tiles, dict) else tiles)
+            kernel = build_kernel(spec)
+            xs = (q, k, v) if fmt == "f16" else tuple(x.astype(recipe_dtype(fmt)) for x in (q, k, v))
+            out = cupy.empty_like(xs[0])
+            t = time_cuda(lambda: kernel(*xs, out=out))
+            rec = dict(shape_rec, impl=f"qattn:{fmt}", kernel=spec.name, ms=t.median_ms,
+                       tflops=flops / t.median_ms / 1e9)
+            rec.update({f"vs_{p}": ms / t.median_ms for p, ms in peer_ms.items()})
+            records.append(rec)
+    return records
+
+
+def recipe_dtype(fmt: str):
+    from ..codegen.recipes import recipe
+    from .arrays import numpy_dtype
+
+    return numpy_dtype(recipe(fmt).input_dtypes[0])

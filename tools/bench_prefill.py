@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""Time qattn prefill kernels beside torch SDPA (flash, cuDNN) on the same inputs, same run.
+
+    tools/bench_prefill.py --shape 4x32x4096 --shape 1x32x32768 --causal both --json out.json
+    tools/bench_prefill.py --shape 4x32x4096 --tile 128x64x8x2 --tile 128x64x4x2   # tile sweep
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from qattn.codegen.tile import Tile  # noqa: E402
+from qattn.runtime.bench import bench_prefill  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", action="append", help="BATCHxHEADSxSEQ (repeatable)")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--format", action="append", help="qattn formats (default f16)")
+    ap.add_argument("--causal", choices=["no", "yes", "both"], default="no")
+    ap.add_argument("--tile", action="append", help="BMxBNxWARPSxSTAGES to sweep (default: tuned tile)")
+    ap.add_argument("--json", help="write the records here")
+    args = ap.parse_args()
+    shapes = [tuple(int(x) for x in s.split("x")) for s in (args.shape or ["4x32x4096"])]
+    tiles = [Tile(*(int(x) for x in t.split("x"))) for t in args.tile] if args.tile else [None]
+    causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+    records = []
+    for causal in causals:
+        for i, tile in enumerate(tiles):
+            peers = ("sdpa_flash", "sdpa_cudnn") if i == 0 else ()
+            records += bench_prefill(shapes, tuple(args.format or ["f16"]), head_dim=args.head_dim,
+                                     causal=causal, tiles=tile, peers=peers)
+    print(f"{'impl':<12}{'kernel':<44}{'B':>3}{'H':>4}{'L':>7}{'D':>5} {'causal':<7}{'ms':>9}{'TFLOPS':>8}"
+          f"{'vs flash':>9}{'vs cuDNN':>9}")
+    for r in records:
+        if "error" in r:
+            print(f"{r['impl']:<12} error: {r['error']}")
+            continue
+        print(f"{r['impl']:<12}{r.get('kernel', ''):<44}{r['batch']:>3}{r['heads']:>4}{r['seq']:>7}{r['head_dim']:>5} "
+              f"{str(r['causal']):<7}{r['ms']:>9.3f}{r['tflops']:>8.1f}"
+              f"{r.get('vs_sdpa_flash', float('nan')):>9.2f}{r.get('vs_sdpa_cudnn', float('nan')):>9.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
