@@ -80,8 +80,8 @@ def _mma_problem(tile: Tile, d: int) -> str | None:
         return f"stages must be 1..4, got {tile.stages}"
     m_tiles = rows_per_warp // 16
     accum = m_tiles * (d + tile.block_n) // 2  # fp32 accumulator registers per thread
-    if accum > 160:
-        return f"{accum} accumulator registers per thread (O and S) exceed 160; use fewer rows per warp or a narrower block_n"
+    if accum > 192:
+        return f"{accum} accumulator registers per thread (O and S) exceed 192; use fewer rows per warp or a narrower block_n"
     if _mma_smem(tile, d) > SMEM_LIMIT["cuda"]:
         return f"needs {_mma_smem(tile, d)} B of shared memory, over {SMEM_LIMIT['cuda']}"
     return None

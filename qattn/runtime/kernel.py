@@ -49,7 +49,6 @@ class Kernel:
             module = cupy.cuda.function.Module()
             module.load(self.binary)
             fn = module.get_function(entry_name(self.spec))
-            fn._qattn_module = module  # keep the module alive with the function
             if self.shared_bytes > 48 * 1024:
                 driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                         self.shared_bytes)
