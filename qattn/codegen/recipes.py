@@ -90,8 +90,8 @@ def _mma_problem(tile: Tile, d: int) -> str | None:
 CUDA_MMA = Family(
     template="cuda/prefill_mma.cu.j2",
     head_dims=(32, 64, 96, 128, 256),
-    default_tiles={32: Tile(128, 64, 4, 2), 64: Tile(128, 64, 4, 2), 96: Tile(128, 64, 8, 2),
-                   128: Tile(128, 64, 8, 2), 256: Tile(64, 64, 4, 2)},
+    default_tiles={32: Tile(128, 64, 4, 2), 64: Tile(128, 64, 4, 2), 96: Tile(128, 64, 4, 2),
+                   128: Tile(128, 64, 4, 2), 256: Tile(64, 64, 4, 2)},
     tile_problem=_mma_problem,
     smem_bytes=_mma_smem,
     archs=CUDA_ARCHS,
@@ -131,15 +131,20 @@ CUDA_SIMT = Family(
 )
 
 
-# ---- HIP matrix-core prefill (MFMA on CDNA, WMMA on RDNA); 16 query rows per wave ----------
+# ---- HIP matrix-core prefill (MFMA on CDNA, WMMA on RDNA); 16 query rows per 32 lanes ------
+# `warps` counts 32-lane warps on every target, so a tile is the same work and the same block of
+# 32*warps threads everywhere: on RDNA (wave32) each wave owns 16 query rows; on CDNA (wave64)
+# each wave is two warps and owns 32 rows. Q and K sit row-major in LDS, V transposed.
 
 def _hip_smem(tile: Tile, d: int) -> int:
-    return (tile.block_m + 2 * tile.block_n) * _padded_row_bytes(d, 2)
+    return (tile.block_m + tile.block_n) * _padded_row_bytes(d, 2) + d * _padded_row_bytes(tile.block_n, 2)
 
 
 def _hip_problem(tile: Tile, d: int) -> str | None:
+    if tile.warps % 2:
+        return f"warps must be even (a 64-lane CDNA wave is two warps), got {tile.warps}"
     if tile.block_m != 16 * tile.warps:
-        return f"block_m must be 16 rows per wave (16*warps), got {tile.block_m} with {tile.warps} waves"
+        return f"block_m must be 16 rows per warp (16*warps), got {tile.block_m} with {tile.warps} warps"
     if tile.block_n % 16 or not 16 <= tile.block_n <= 64:
         return f"block_n must be a multiple of 16 in [16, 64], got {tile.block_n}"
     if tile.stages != 1:

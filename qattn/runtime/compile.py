@@ -89,9 +89,28 @@ def compile_cuda(source: str, arch: str, spec_name: str, options: list[str] | No
         except nvrtc.NVRTCError:
             raise CompileError(spec_name, options, nvrtc.getProgramLog(program), source) from None
         log = nvrtc.getProgramLog(program)
-        return Binary(data=nvrtc.getCUBIN(program), log=log, resources=parse_ptxas(log), ptx=nvrtc.getPTX(program))
+        cubin = _complete_elf(nvrtc.getCUBIN(program))
+        return Binary(data=cubin, log=log, resources=parse_ptxas(log), ptx=nvrtc.getPTX(program))
     finally:
         nvrtc.destroyProgram(program)
+
+
+def _complete_elf(image: bytes) -> bytes:
+    """CuPy's getCUBIN drops the image's final (NUL) byte, which the driver tolerates but
+    disassemblers reject; pad back to the extent the ELF headers declare."""
+    import struct
+
+    if image[:4] != b"\x7fELF" or image[4] != 2:
+        return image
+    phoff, shoff = struct.unpack_from("<QQ", image, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", image, 0x36)
+    end = max(shoff + shentsize * shnum, phoff + phentsize * phnum)
+    for i in range(shnum):
+        sh_type, = struct.unpack_from("<I", image, shoff + i * shentsize + 4)
+        offset, size = struct.unpack_from("<QQ", image, shoff + i * shentsize + 0x18)
+        if sh_type != 8:  # SHT_NOBITS occupies no file space
+            end = max(end, offset + size)
+    return image + b"\0" * max(0, end - len(image))
 
 
 def find_tool(*names: str) -> str | None:
@@ -139,13 +158,13 @@ def compile_hip_offline(source: str, arch: str, spec_name: str) -> Binary:
 
 
 def disassemble(binary: bytes, backend: str) -> str | None:
-    """SASS (cuobjdump) or AMDGPU assembly (llvm-objdump) text, or None where no tool is found."""
-    tool = find_tool("cuobjdump") if backend == "cuda" else find_tool("llvm-objdump-19", "llvm-objdump-20", "llvm-objdump")
+    """SASS (nvdisasm) or AMDGPU assembly (llvm-objdump) text, or None where no tool is found."""
+    tool = find_tool("nvdisasm") if backend == "cuda" else find_tool("llvm-objdump-19", "llvm-objdump-20", "llvm-objdump")
     if tool is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / ("k.cubin" if backend == "cuda" else "k.co")
         path.write_bytes(binary)
-        args = [tool, "--dump-sass", str(path)] if backend == "cuda" else [tool, "-d", str(path)]
+        args = [tool, str(path)] if backend == "cuda" else [tool, "-d", str(path)]
         run = subprocess.run(args, capture_output=True, text=True)
         return run.stdout if run.returncode == 0 else None
