@@ -28,7 +28,7 @@ class KernelSpec:
     kind: str = "prefill"
     recipe: str = "f16"
     head_dim: int = 128
-    tile: Tile | None = None  # None: the family's tuned default for head_dim
+    tile: Tile | None = None  # None: the family's tuned default for head_dim, causal and arch
     causal: bool = False
     backend: str = "cuda"
     arch: str | None = None  # None: the current device's (CUDA only)
@@ -52,7 +52,7 @@ class KernelSpec:
         if self.arch not in fam.archs:
             raise ValueError(f"arch: {self.recipe} on {self.backend} supports {', '.join(fam.archs)}, got {self.arch!r}")
         if self.tile is None:
-            object.__setattr__(self, "tile", fam.default_tiles[self.head_dim])
+            object.__setattr__(self, "tile", fam.default_tile(self.head_dim, self.causal, self.arch))
         if not isinstance(self.tile, Tile):
             raise ValueError(f"tile: expected a qattn.Tile, got {self.tile!r}")
         problem = fam.tile_problem(self.tile, self.head_dim)

@@ -137,7 +137,27 @@ def find_tool(*names: str) -> str | None:
 
 def hip_options(arch: str) -> list[str]:
     return ["-x", "hip", f"--offload-arch={arch}", "-nogpulib", "-nogpuinc", "--offload-device-only",
-            "--no-gpu-bundle-output", "-O3", "-std=c++17", "-DQATTN_OFFLINE_HIP=1"]
+            "--no-gpu-bundle-output", "-O3", "-std=c++17", "-DQATTN_OFFLINE_HIP=1",
+            "-Rpass-analysis=kernel-resource-usage"]
+
+
+# clang's kernel-resource-usage remarks, named like the ptxas fields where they mean the same.
+_CLANG_REMARKS = {
+    "registers": re.compile(r"remark:\s+VGPRs: (\d+)"),
+    "sgprs": re.compile(r"remark:\s+SGPRs: (\d+)"),
+    "scratch": re.compile(r"remark:\s+ScratchSize \[bytes/lane\]: (\d+)"),
+    "vgpr_spills": re.compile(r"remark:\s+VGPRs Spill: (\d+)"),
+    "sgpr_spills": re.compile(r"remark:\s+SGPRs Spill: (\d+)"),
+    "occupancy_waves": re.compile(r"remark:\s+Occupancy \[waves/SIMD\]: (\d+)"),
+}
+
+
+def parse_clang_remarks(log: str) -> dict:
+    found = {}
+    for key, pattern in _CLANG_REMARKS.items():
+        m = pattern.search(log)
+        found[key] = int(m.group(1)) if m else 0
+    return found
 
 
 def compile_hip_offline(source: str, arch: str, spec_name: str) -> Binary:
@@ -154,7 +174,7 @@ def compile_hip_offline(source: str, arch: str, spec_name: str) -> Binary:
         log = run.stdout + run.stderr
         if run.returncode != 0 or not obj.exists():
             raise CompileError(spec_name, options, log.replace(str(src), spec_name + ".hip"), source)
-        return Binary(data=obj.read_bytes(), log=log)
+        return Binary(data=obj.read_bytes(), log=log, resources=parse_clang_remarks(log))
 
 
 def disassemble(binary: bytes, backend: str) -> str | None:

@@ -27,7 +27,7 @@ def compare(out, ref) -> Errors:
     if o.shape != r.shape:
         raise ValueError(f"out: shape {o.shape} does not match the reference's {r.shape}")
     nonfinite = int(np.count_nonzero(~np.isfinite(o)))
-    diff = np.abs(np.nan_to_num(o - r, nan=np.inf))
+    diff = np.abs(np.nan_to_num(o - r, nan=np.inf, posinf=np.inf, neginf=np.inf))
     row_scale = np.abs(r).max(axis=-1, keepdims=True)
     tiny = np.finfo(np.float64).tiny
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -76,3 +76,15 @@ def mass_below(p, floor: float) -> np.ndarray:
     pr = to_numpy(p).astype(np.float64)
     total = pr.sum(axis=-1)
     return np.where(total > 0, np.where(pr < floor, pr, 0.0).sum(axis=-1) / np.maximum(total, 1e-300), 0.0)
+
+
+def mass_histogram(p, edges) -> np.ndarray:
+    """Fraction of each probability row's mass whose entries fall in each bin
+    [edges[i], edges[i+1]) (values past either end count in the end bins); shape
+    [..., len(edges) - 1]."""
+    pr = to_numpy(p).astype(np.float64)
+    edges = np.asarray(edges, dtype=np.float64)
+    index = np.clip(np.searchsorted(edges, pr, side="right") - 1, 0, len(edges) - 2)
+    bins = np.stack([np.where(index == i, pr, 0.0).sum(axis=-1) for i in range(len(edges) - 1)], axis=-1)
+    total = pr.sum(axis=-1, keepdims=True)
+    return np.where(total > 0, bins / np.maximum(total, 1e-300), 0.0)

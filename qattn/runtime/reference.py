@@ -21,7 +21,9 @@ def to_numpy(x) -> np.ndarray:
         return x
     if hasattr(x, "get") and callable(x.get):  # CuPy
         return x.get()
-    if hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__") and hasattr(x, "device"):
+    if hasattr(x, "__dlpack_device__") and int(x.__dlpack_device__()[0]) == 1:  # kDLCPU (torch CPU tensors)
+        return np.asarray(x)
+    if hasattr(x, "__cuda_array_interface__") or (hasattr(x, "__dlpack__") and hasattr(x, "device")):
         import cupy
 
         return cupy.asnumpy(cupy.asarray(x) if hasattr(x, "__cuda_array_interface__") else cupy.from_dlpack(x))

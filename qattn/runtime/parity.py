@@ -1,0 +1,156 @@
+"""The parity job (`qattn parity`, `tools/parity`): run each format on fresh random inputs, on its
+GPU kernel or its CPU emulator, compare with FP64 and time the kernel (DESIGN §3, §4).
+
+Each check yields one flat record (a dict, JSON-ready apart from non-finite floats). A GPU result
+is only ever reported for a kernel that ran on a GPU: without one, `auto` runs the emulators and
+the record says backend "numpy" with ms and tflops None.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import numpy as np
+
+from ..codegen.recipes import recipe
+from ..codegen.spec import device_arch
+from . import bench, metrics, quant
+from .arrays import numpy_dtype
+from .emulate import KV8_FORMATS, emulate
+from .reference import attention as reference_attention
+
+BACKENDS = ("auto", "cuda", "numpy")
+# Formats with a CUDA kernel: the default set.
+DEFAULT_FORMATS = ("f16", "bf16", "f32")
+# (ctx, queries). The GPU set is large enough to fill an H200 for a meaningful time; the CPU set
+# keeps a default emulator run to seconds. Both have tails and Lq != Lk.
+DEFAULT_SHAPES = {
+    "cuda": ((4096, 4096), (2100, 1500), (4097, 129)),
+    "numpy": ((1024, 1024), (1500, 500), (4097, 129)),
+}
+
+
+def has_cuda_kernel(fmt: str) -> bool:
+    return "cuda" in recipe(fmt).families
+
+
+def resolve_backend(fmt: str, backend: str, gpu: bool) -> str:
+    """Which backend runs fmt: `auto` means the CUDA kernel when there is a GPU and a kernel."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "cuda":
+        if not has_cuda_kernel(fmt):
+            raise ValueError(f"format {fmt!r}: no CUDA kernel yet; run its CPU emulator with backend 'numpy'")
+        if not gpu:
+            raise ValueError("backend 'cuda': no CUDA GPU found; use backend 'numpy' (or 'auto') for the CPU emulators")
+        return "cuda"
+    if backend == "auto":
+        return "cuda" if gpu and has_cuda_kernel(fmt) else "numpy"
+    return "numpy"
+
+
+def make_inputs(fmt: str, shapes: tuple, seed) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Fresh N(0,1) q, k, v in the format's input dtype, and the float64 arrays the FP64 reference
+    sees: the same rounded values, or for kv8 formats K and V read back from the int8 cache."""
+    rng = np.random.default_rng(seed)
+    dtype = numpy_dtype(recipe(fmt).input_dtypes[0])
+    given = [rng.standard_normal(shape, dtype=np.float32).astype(dtype) for shape in shapes]
+    exact = [x.astype(np.float64) for x in given]
+    if fmt in KV8_FORMATS:  # the kernel and emulator quantize K and V with this same function
+        exact[1:] = [quant.quantize_kv_cache(x).dequantize() for x in given[1:]]
+    return given, exact
+
+
+def _run_cuda(fmt, q, k, v, *, head_dim, causal, time_it):
+    """Launch the format's default kernel into a NaN-poisoned output; return (out, ms, spec name)."""
+    import cupy
+
+    from .api import default_spec
+    from .kernel import build_kernel
+
+    kernel = build_kernel(default_spec(fmt, head_dim, causal=causal))
+    q, k, v = (cupy.asarray(x) for x in (q, k, v))
+    out = cupy.full(q.shape, float("nan"), dtype=q.dtype)  # any element left unwritten stays NaN
+    kernel(q, k, v, out=out)
+    result = cupy.asnumpy(out)
+    ms = bench.time_cuda(lambda: kernel(q, k, v, out=out)).median_ms if time_it else None
+    return result, ms, kernel.name
+
+
+def _emulator_block_n(fmt: str, head_dim: int) -> int:
+    """Model the key tile of the format's CUDA kernel where it has one (the summation order)."""
+    family = recipe(fmt).families.get("cuda")
+    if family is not None and head_dim in family.default_tiles:
+        return family.default_tiles[head_dim].block_n
+    return 64
+
+
+def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, heads: int = 8,
+          kv_heads: int | None = None, head_dim: int = 128, causal: bool = False, seed: int = 0,
+          time_it: bool = True) -> dict:
+    """One parity check on a resolved backend ("cuda" or "numpy"); returns its record."""
+    kv_heads = heads if kv_heads is None else kv_heads
+    tol = recipe(fmt).tolerance
+    shapes = ((batch, heads, queries, head_dim), (batch, kv_heads, ctx, head_dim), (batch, kv_heads, ctx, head_dim))
+    # Same seed for the same shape in every format: formats are compared on the same draws.
+    (q, k, v), (q64, k64, v64) = make_inputs(fmt, shapes, np.random.SeedSequence([seed, ctx, queries]))
+    ref = reference_attention(q64, k64, v64, causal=causal)
+    if backend == "cuda":
+        out, ms, kernel_name = _run_cuda(fmt, q, k, v, head_dim=head_dim, causal=causal, time_it=time_it)
+    else:
+        out = emulate(fmt, q, k, v, causal=causal, block_n=_emulator_block_n(fmt, head_dim))
+        ms, kernel_name = None, None
+    err = metrics.compare(out, ref)
+    flops = bench.attention_flops(batch, heads, queries, ctx, head_dim, causal)
+    return {
+        "format": fmt, "ctx": ctx, "queries": queries, "batch": batch, "heads": heads, "kv_heads": kv_heads,
+        "head_dim": head_dim, "causal": causal, "backend": backend, "kernel": kernel_name,
+        "input_dtype": recipe(fmt).input_dtypes[0], "seed": seed,
+        "max_rel": err.max_rel, "rel_l2": err.rel_l2, "cos": err.cos, "nonfinite": err.nonfinite,
+        "worst_index": list(err.worst_index), "failures": metrics.failures(out, ref, tol.max_rel),
+        "tolerance": {"max_rel": tol.max_rel, "rel_l2": tol.rel_l2},
+        "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12 if ms else None,
+        "passed": bool(err.nonfinite == 0 and err.max_rel <= tol.max_rel and err.rel_l2 <= tol.rel_l2),
+    }
+
+
+def plan(formats: Iterable[str], shapes: Iterable[tuple[int, int]] | None, *, backend: str = "auto",
+         head_dim: int = 128, causal: bool = False, gpu: bool | None = None) -> list[tuple[str, str, int, int]]:
+    """Validate everything up front, before any check runs, and list the checks as (format,
+    backend, ctx, queries). shapes None (or empty) picks each backend's default shapes."""
+    gpu = device_arch() is not None if gpu is None else gpu
+    shapes = list(shapes or ())
+    for ctx, queries in shapes:
+        if ctx < 1 or queries < 1:
+            raise ValueError(f"shape: ctx and queries must be >= 1, got {ctx}/{queries}")
+    checks = []
+    for fmt in formats or DEFAULT_FORMATS:
+        recipe(fmt)  # an unknown format raises, naming the known ones
+        ran = resolve_backend(fmt, backend, gpu)
+        if ran == "cuda":
+            from .api import default_spec
+
+            default_spec(fmt, head_dim, causal=causal)  # raises if no kernel fits this head_dim
+        checks += [(fmt, ran, ctx, queries) for ctx, queries in shapes or DEFAULT_SHAPES[ran]]
+    return checks
+
+
+def run_parity(formats: Iterable[str], shapes: Iterable[tuple[int, int]] | None, *, batch: int = 1,
+               heads: int = 8, kv_heads: int | None = None, head_dim: int = 128, causal: bool = False,
+               backend: str = "auto", seed: int = 0, time_it: bool = True,
+               progress: Callable[[dict], None] | None = None) -> list[dict]:
+    """Check every format on every shape (ctx, queries) against FP64; one record per check.
+    progress, if given, is called with each record as it completes."""
+    kv_heads = heads if kv_heads is None else kv_heads
+    if batch < 1 or heads < 1 or kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"heads: batch, heads and kv_heads must be >= 1 with heads a multiple of kv_heads, "
+                         f"got batch {batch}, heads {heads}, kv_heads {kv_heads}")
+    if head_dim < 1:
+        raise ValueError(f"head_dim: expected a positive integer, got {head_dim}")
+    records = []
+    for fmt, ran, ctx, queries in plan(list(formats), shapes, backend=backend, head_dim=head_dim, causal=causal):
+        record = check(fmt, ctx, queries, backend=ran, batch=batch, heads=heads, kv_heads=kv_heads,
+                       head_dim=head_dim, causal=causal, seed=seed, time_it=time_it)
+        records.append(record)
+        if progress is not None:
+            progress(record)
+    return records

@@ -1,0 +1,201 @@
+"""The command line through click's test runner (CPU only: parity runs the emulators, compiles
+need NVRTC but no GPU)."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import qattn.cli
+import qattn.runtime.parity
+from qattn.cli import blocks_per_sm, count_instructions, main
+from qattn.codegen.recipes import RECIPES, Tolerance
+from qattn.codegen.spec import KernelSpec
+from qattn.runtime.cache import KernelCache
+from qattn.runtime.compile import CompileError
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORD_KEYS = {"format", "ctx", "queries", "head_dim", "backend", "max_rel", "rel_l2", "cos", "failures", "ms",
+               "passed", "batch", "heads", "kv_heads", "causal", "nonfinite", "tflops", "kernel"}
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    path = tmp_path / "cache"
+    monkeypatch.setenv("QATTN_CACHE_DIR", str(path))
+    return path
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """Behave as on a machine without a GPU, wherever the tests run."""
+    for module in (qattn.cli, qattn.runtime.parity):
+        monkeypatch.setattr(module, "device_arch", lambda: None)
+
+
+def run(*args):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_list():
+    result = run("list")
+    assert result.exit_code == 0, result.output
+    tile = RECIPES["f16"].family("cuda").default_tiles[128].name
+    for text in ("prefill", "f16", "bf16", "kv8-imma", "sm_90a", "gfx942", tile):
+        assert text in result.output
+
+
+def test_gen_prints_source():
+    name = KernelSpec(recipe="f16", head_dim=64, arch="sm_80").name
+    result = run("gen", "prefill", "--format", "f16", "--head-dim", "64", "--arch", "sm_80")
+    assert result.exit_code == 0, result.output
+    assert name in result.stdout
+    assert "extern \"C\"" in result.stdout
+
+
+def test_gen_output_file_and_tile(tmp_path):
+    out = tmp_path / "k.cu"
+    result = run("gen", "-f", "f16", "-d", "128", "--tile", "64x64", "--warps", "4", "--stages", "3",
+                 "--causal", "--arch", "sm_90a", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    assert "prefill_f16_d128_m64n64w4s3_causal_sm90a" in out.read_text()
+
+
+def test_gen_default_arch_without_gpu(no_gpu):
+    result = run("gen", "-f", "f32")
+    assert result.exit_code == 0, result.output
+    assert "_sm90a" in result.stdout
+    assert "no CUDA GPU found" in result.output
+
+
+def test_inspect_json():
+    result = run("inspect", "prefill", "-f", "f16", "-d", "64", "--arch", "sm_90a", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["resources"]["registers"] > 0
+    assert report["resources"]["dynamic_smem"] > 0
+    assert report["resources"]["blocks_per_sm"] >= 1
+    assert report["instructions"]["listing"] in ("sass", "ptx")
+    assert sum(report["instructions"]["matrix"].values()) > 0
+
+
+def test_inspect_table():
+    result = run("inspect", "-f", "f32", "-d", "64", "--arch", "sm_80")
+    assert result.exit_code == 0, result.output
+    assert "registers / thread" in result.output and "blocks / SM" in result.output
+
+
+def test_count_instructions_and_occupancy():
+    sass = ("        /*0100*/                   HMMA.16816.F32 R4, R8, R12, R4 ;\n"
+            "        /*0110*/              @!P0 F2FP.F16.F32.PACK_AB R2, R3, R2 ;\n"
+            "        /*0120*/                   FADD R1, R1, R2 ;\n")
+    assert count_instructions(sass, "sass") == {"matrix": {"HMMA.16816.F32": 1}, "convert": {"F2FP.F16.F32.PACK_AB": 1}}
+    ptx = "\tmma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f1}, {%r1}, {%r2}, {%f1};\n\tcvta.to.global.u64 %rd1, %rd2;\n" \
+          "\tcvt.rn.f16x2.f32 %r3, %f1, %f2;\n"
+    counts = count_instructions(ptx, "ptx")
+    assert counts["matrix"] == {"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32": 1}
+    assert counts["convert"] == {"cvt.rn.f16x2.f32": 1}
+    assert blocks_per_sm("sm_90a", 256, 128, 100_000) == 2
+    assert blocks_per_sm("sm_86", 256, 128, 104_448) == 0  # over the 99 KiB per-block limit
+    assert blocks_per_sm("sm_75", 256, 128, 0) is None
+
+
+def test_compile_matrix():
+    result = run("compile", "prefill", "-f", "f16", "-f", "f32", "-d", "64", "--arch", "sm_80", "--arch", "sm_90a")
+    assert result.exit_code == 0, result.output
+    assert "4 of 4 compiled, 0 failed" in result.output
+    assert "prefill_f32_d64_m32n32w4s1_sm90a" in result.output
+
+
+def test_compile_failure_exits_nonzero(monkeypatch):
+    def broken(spec, cache=None):
+        raise CompileError(spec.name, ["-O3"], "k.cu(3): error: expected a ';'", "a\nb\nc\n")
+
+    monkeypatch.setattr("qattn.runtime.kernel.build_kernel", broken)
+    result = run("compile", "-f", "f16", "-d", "64", "--arch", "sm_80")
+    assert result.exit_code == 1
+    assert "FAILED" in result.output and "expected a ';'" in result.output
+
+
+@pytest.mark.parametrize("args, option", [
+    (["gen", "--format", "nope"], "--format"),
+    (["gen", "--head-dim", "80", "--arch", "sm_90a"], "--head-dim"),
+    (["gen", "--tile", "128by64", "--arch", "sm_90a"], "--tile"),
+    (["gen", "--tile", "128x24", "--arch", "sm_90a"], "--tile"),
+    (["gen", "--arch", "sm_70"], "--arch"),
+    (["gen", "--format", "i8-f8", "--arch", "sm_90a"], "--format"),
+    (["inspect", "--head-dim", "80", "--arch", "sm_90a"], "--head-dim"),
+    (["compile", "--head-dim", "80", "--arch", "sm_90a"], "--head-dim"),
+    (["parity", "--format", "f16,nope"], "--format"),
+    (["parity", "--shape", "4096x4096"], "--shape"),
+    (["parity", "--heads", "8", "--kv-heads", "3"], "--kv-heads"),
+    (["parity", "--format", "i8-f8", "--backend", "cuda"], "--format"),
+])
+def test_bad_inputs_name_the_option(args, option):
+    result = run(*args)
+    assert result.exit_code != 0
+    assert option in result.output
+    assert "Traceback" not in result.output
+
+
+def test_parity_numpy_json(tmp_path):
+    out = tmp_path / "parity.json"
+    result = run("parity", "--backend", "numpy", "-f", "f32,f16", "--shape", "70/33", "--shape", "5/9",
+                 "--heads", "4", "--kv-heads", "2", "-d", "64", "--causal", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    records = json.loads(out.read_text())
+    assert [(r["format"], r["ctx"], r["queries"]) for r in records] == [
+        ("f32", 70, 33), ("f32", 5, 9), ("f16", 70, 33), ("f16", 5, 9)]
+    for r in records:
+        assert RECORD_KEYS <= set(r)
+        assert r["backend"] == "numpy" and r["ms"] is None and r["kernel"] is None
+        assert r["passed"] and r["nonfinite"] == 0 and r["failures"] == 0
+    assert "pass" in result.output and "FAIL" not in result.output
+
+
+def test_parity_auto_without_gpu_runs_emulators(no_gpu):
+    result = run("parity", "-f", "bf16", "--shape", "40/40", "--heads", "1")
+    assert result.exit_code == 0, result.output
+    assert "emulators" in result.output
+    assert "numpy" in result.stdout
+
+
+def test_parity_cuda_without_gpu_is_an_error(no_gpu):
+    result = run("parity", "-f", "f16", "--backend", "cuda", "--shape", "8/8")
+    assert result.exit_code != 0
+    assert "no CUDA GPU" in result.output
+
+
+def test_parity_fails_over_tolerance(monkeypatch):
+    monkeypatch.setitem(RECIPES, "f32", dataclasses.replace(RECIPES["f32"], tolerance=Tolerance(0.0, 0.0)))
+    result = run("parity", "--backend", "numpy", "-f", "f32", "--shape", "16/16", "--heads", "1")
+    assert result.exit_code == 1
+    assert "FAIL" in result.output
+
+
+def test_bench_needs_a_gpu(no_gpu):
+    result = run("bench", "--shape", "1/1/128")
+    assert result.exit_code != 0 and "GPU" in result.output
+
+
+def test_cache_commands(cache_dir):
+    result = run("cache", "path")
+    assert result.exit_code == 0 and result.output.strip() == str(cache_dir)
+    KernelCache().store("prefill_f16_d64_test", "ab" * 32, b"\0binary", "// source", {"name": "prefill_f16_d64_test"})
+    result = run("cache", "list")
+    assert result.exit_code == 0 and "prefill_f16_d64_test" in result.output
+    result = run("cache", "clear")
+    assert result.exit_code == 0 and "removed 1" in result.output
+    assert KernelCache().entries() == []
+
+
+def test_tools_parity_help():
+    path = ROOT / "tools" / "parity"
+    assert os.access(path, os.X_OK)
+    result = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, cwd="/")
+    assert result.returncode == 0, result.stderr
+    assert "--shape CTX/QUERIES" in result.stdout and "--backend" in result.stdout

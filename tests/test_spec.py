@@ -1,0 +1,235 @@
+"""KernelSpec and Tile: validation (each bad field named, with the supported set or the reason),
+readable unique names, stable distinct keys, and Tile.parse. CPU only."""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import qattn
+from qattn.codegen import spec as spec_module
+from qattn.codegen.recipes import RECIPES
+from qattn.codegen.spec import KernelSpec
+from qattn.codegen.tile import Tile
+
+REPO = Path(__file__).resolve().parents[1]
+NAME_RE = re.compile(r"^prefill_[a-z0-9-]+_d\d+_m\d+n\d+w\d+s\d+(_causal)?_(sm\d+a?|gfx\d+[a-z]?)$")
+
+
+def cuda_recipes():
+    return [name for name, rec in RECIPES.items() if "cuda" in rec.families]
+
+
+def supported_cuda_specs(arch="sm_90a"):
+    for name in cuda_recipes():
+        fam = RECIPES[name].families["cuda"]
+        for d in fam.head_dims:
+            for causal in (False, True):
+                yield KernelSpec(recipe=name, head_dim=d, causal=causal, arch=arch)
+
+
+# ---- construction and defaults ------------------------------------------------------------
+
+def test_required_head_dims_and_recipes_are_supported():
+    for name in ("f16", "bf16", "f32"):
+        fam = RECIPES[name].family("cuda")
+        assert {64, 128} <= set(fam.head_dims), name
+    for arch in ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_120"):
+        assert arch in RECIPES["f16"].family("cuda").archs
+
+
+def test_default_tile_is_filled_in_and_valid():
+    for s in supported_cuda_specs():
+        fam = s.family
+        assert s.tile == fam.default_tile(s.head_dim, s.causal, s.arch)
+        assert fam.tile_problem(s.tile, s.head_dim) is None
+
+
+def test_spec_is_frozen_and_hashable():
+    s = KernelSpec(recipe="f16", head_dim=128, arch="sm_90a")
+    with pytest.raises(Exception):
+        s.head_dim = 64  # type: ignore[misc]
+    assert {s: 1}[KernelSpec(recipe="f16", head_dim=128, arch="sm_90a")] == 1
+    assert s.with_(causal=True).causal is True and s.causal is False
+
+
+# ---- validation -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, field, mentions", [
+    (dict(kind="decode-ish"), "kind", ["prefill"]),
+    (dict(backend="metal"), "backend", ["cuda", "hip"]),
+    (dict(recipe="f7"), "format", ["f16", "bf16", "f32"]),
+    (dict(recipe="f16", head_dim=80), "head_dim", ["64", "128", "80"]),
+    (dict(recipe="f32", head_dim=100), "head_dim", ["64", "128", "100"]),
+    (dict(recipe="f16", head_dim="128"), "head_dim", ["128"]),
+    (dict(recipe="f16", arch="sm_70"), "arch", ["sm_80", "sm_90a", "sm_70"]),
+    (dict(recipe="f16", arch="gfx942"), "arch", ["sm_90a", "gfx942"]),
+    (dict(recipe="f16", backend="hip", head_dim=64, arch="sm_90a"), "arch", ["gfx942", "sm_90a"]),
+    (dict(recipe="f16", causal=1), "causal", ["bool"]),
+    (dict(recipe="f16", tile=(128, 64, 8, 2)), "tile", ["Tile"]),
+])
+def test_invalid_field_is_named(kwargs, field, mentions):
+    full = dict(kind="prefill", recipe="f16", head_dim=128, arch="sm_90a")
+    full.update(kwargs)
+    with pytest.raises(ValueError) as info:
+        KernelSpec(**full)
+    msg = str(info.value)
+    assert msg.startswith(field), msg
+    for word in mentions:
+        assert word in msg, (word, msg)
+
+
+@pytest.mark.parametrize("name, backend", [("i8-f8", "cuda"), ("kv8-imma", "cuda"), ("f32", "hip"), ("bf16", "hip")])
+def test_format_without_kernel_on_backend(name, backend):
+    arch = "sm_90a" if backend == "cuda" else "gfx942"
+    with pytest.raises(ValueError, match=rf"format '{re.escape(name)}': no {backend} kernel"):
+        KernelSpec(recipe=name, head_dim=128, backend=backend, arch=arch)
+
+
+@pytest.mark.parametrize("recipe_name, d, tile, reason", [
+    ("f16", 128, Tile(128, 64, 2, 2), r"16 or 32 rows per warp"),
+    ("f16", 128, Tile(128, 48, 8, 2), None),  # 48 is a multiple of 16: valid
+    ("f16", 128, Tile(128, 40, 8, 2), r"block_n must be a multiple of 16"),
+    ("bf16", 64, Tile(128, 256, 8, 2), r"block_n must be a multiple of 16 in \[16, 128\]"),
+    ("f16", 64, Tile(128, 64, 8, 5), r"stages must be 1\.\.4"),
+    ("f16", 256, Tile(128, 128, 4, 2), r"accumulator registers"),
+    ("f16", 128, Tile(64, 128, 4, 4), r"shared memory"),
+    ("f32", 64, Tile(32, 32, 4, 2), r"stages must be 1"),
+    ("f32", 64, Tile(32, 32, 3, 1), r"power of two"),
+    ("f32", 64, Tile(64, 32, 1, 1), r"multiple of block_m"),
+])
+def test_bad_tile_gives_reason(recipe_name, d, tile, reason):
+    if reason is None:
+        s = KernelSpec(recipe=recipe_name, head_dim=d, tile=tile, arch="sm_90a")
+        assert s.tile == tile
+        return
+    with pytest.raises(ValueError) as info:
+        KernelSpec(recipe=recipe_name, head_dim=d, tile=tile, arch="sm_90a")
+    msg = str(info.value)
+    assert msg.startswith(f"tile {tile.name} for {recipe_name} d{d} on cuda:"), msg
+    assert re.search(reason, msg), msg
+
+
+def test_arch_none_without_gpu_names_arch(monkeypatch):
+    monkeypatch.setattr(spec_module, "device_arch", lambda: None)
+    with pytest.raises(ValueError) as info:
+        KernelSpec(recipe="f16", head_dim=128)
+    msg = str(info.value)
+    assert msg.startswith("arch:") and "sm_90a" in msg and "device" in msg
+
+
+def test_arch_none_takes_the_device_arch(monkeypatch):
+    monkeypatch.setattr(spec_module, "device_arch", lambda: "sm_86")
+    assert KernelSpec(recipe="bf16", head_dim=64).arch == "sm_86"
+
+
+def test_arch_none_for_hip_is_an_error_even_with_a_cuda_gpu(monkeypatch):
+    monkeypatch.setattr(spec_module, "device_arch", lambda: "sm_90a")
+    with pytest.raises(ValueError, match=r"^arch: no hip device"):
+        KernelSpec(recipe="f16", head_dim=64, backend="hip")
+
+
+def test_device_arch_is_none_or_a_known_arch():
+    arch = spec_module.device_arch()
+    assert arch is None or arch in RECIPES["f16"].family("cuda").archs
+    assert arch != "sm_90"  # Hopper is always named sm_90a
+
+
+# ---- names and keys -------------------------------------------------------------------------
+
+def test_name_format():
+    s = KernelSpec(recipe="f16", head_dim=128, tile=Tile(128, 64, 8, 2), causal=True, arch="sm_90a")
+    assert s.name == "prefill_f16_d128_m128n64w8s2_causal_sm90a"
+    s2 = KernelSpec(recipe="bf16", head_dim=64, tile=Tile(64, 32, 4, 3), arch="sm_80")
+    assert s2.name == "prefill_bf16_d64_m64n32w4s3_sm80"
+    assert KernelSpec(recipe="f32", head_dim=96, arch="sm_120").name.startswith("prefill_f32_d96_")
+
+
+def _spec_matrix():
+    archs = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_120")
+    specs = []
+    for s in supported_cuda_specs():
+        for arch in archs:
+            specs.append(s.with_(arch=arch))
+    extra_tiles = [Tile(64, 64, 4, 2), Tile(128, 32, 8, 3), Tile(64, 64, 2, 2), Tile(128, 64, 8, 1)]
+    for name, d, tile in itertools.product(("f16", "bf16"), (64, 128), extra_tiles):
+        specs.append(KernelSpec(recipe=name, head_dim=d, tile=tile, arch="sm_90a"))
+    specs.append(KernelSpec(recipe="f32", head_dim=64, tile=Tile(64, 32, 4, 1), arch="sm_90a"))
+    return list(dict.fromkeys(specs))  # distinct specs, order kept
+
+
+def test_names_and_keys_unique_across_specs():
+    specs = _spec_matrix()
+    assert len(specs) > 150
+    names = [s.name for s in specs]
+    keys = [s.key for s in specs]
+    assert len(set(names)) == len(specs)
+    assert len(set(keys)) == len(specs)
+    for n in names:
+        assert NAME_RE.match(n), n
+        assert n == n.strip() and " " not in n and "/" not in n
+
+
+def test_key_is_stable_hex_and_content_based():
+    s = KernelSpec(recipe="bf16", head_dim=64, causal=True, arch="sm_89")
+    again = KernelSpec(recipe="bf16", head_dim=64, causal=True, arch="sm_89", tile=s.tile)
+    assert s.key == again.key
+    assert re.fullmatch(r"[0-9a-f]{16}", s.key)
+    expected = hashlib.sha256(json.dumps(s.as_dict(), sort_keys=True).encode()).hexdigest()[:16]
+    assert s.key == expected
+    assert s.as_dict()["tile"] == {"block_m": s.tile.block_m, "block_n": s.tile.block_n,
+                                   "warps": s.tile.warps, "stages": s.tile.stages}
+    # every field changes the key
+    for change in (dict(causal=False), dict(arch="sm_90a"), dict(head_dim=128),
+                   dict(recipe="f16"), dict(tile=Tile(64, 64, 4, 3))):
+        assert s.with_(**change).key != s.key, change
+
+
+def test_key_is_stable_across_processes():
+    specs = [KernelSpec(recipe="f16", head_dim=128, causal=True, arch="sm_90a"),
+             KernelSpec(recipe="f32", head_dim=64, arch="sm_80")]
+    code = ("import qattn\n"
+            "print(qattn.KernelSpec(recipe='f16', head_dim=128, causal=True, arch='sm_90a').key)\n"
+            "print(qattn.KernelSpec(recipe='f32', head_dim=64, arch='sm_80').key)\n")
+    env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [s.key for s in specs]
+
+
+def test_public_exports():
+    assert qattn.KernelSpec is KernelSpec and qattn.Tile is Tile
+
+
+# ---- Tile -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, bm, bn", [("128x64", 128, 64), (" 64 X 32 ", 64, 32), ("16x16", 16, 16)])
+def test_tile_parse(text, bm, bn):
+    t = Tile.parse(text, warps=4, stages=3)
+    assert t == Tile(bm, bn, 4, 3)
+    assert t.name == f"m{bm}n{bn}w4s3"
+
+
+@pytest.mark.parametrize("text", ["128", "128x", "x64", "axb", "128x64x2", "128*64", "-128x64", ""])
+def test_tile_parse_rejects(text):
+    with pytest.raises(ValueError, match=r"^tile: expected BLOCK_MxBLOCK_N"):
+        Tile.parse(text, warps=4, stages=2)
+
+
+@pytest.mark.parametrize("args, field", [((0, 64, 4, 2), "block_m"), ((128, -1, 4, 2), "block_n"),
+                                         ((128, 64, True, 2), "warps"), ((128, 64, 4, 2.0), "stages")])
+def test_tile_fields_must_be_positive_ints(args, field):
+    with pytest.raises(ValueError, match=rf"^tile\.{field}: expected a positive integer"):
+        Tile(*args)
+
+
+def test_tile_parse_zero_is_rejected_by_tile():
+    with pytest.raises(ValueError, match=r"tile\.block_n"):
+        Tile.parse("128x0", warps=4, stages=2)
