@@ -80,8 +80,8 @@ def _mma_problem(tile: Tile, d: int) -> str | None:
         return f"block_m/warps must be 16 or 32 rows per warp, got {tile.block_m}/{tile.warps}"
     if tile.block_n % 16 or not 16 <= tile.block_n <= 128:
         return f"block_n must be a multiple of 16 in [16, 128], got {tile.block_n}"
-    if not 1 <= tile.stages <= 4:
-        return f"stages must be 1..4, got {tile.stages}"
+    if not 2 <= tile.stages <= 4:
+        return f"stages must be 2..4 (K/V slots in the cp.async ring), got {tile.stages}"
     m_tiles = rows_per_warp // 16
     accum = m_tiles * (d + tile.block_n) // 2  # fp32 accumulator registers per thread
     if accum > 192:

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU check before a kernel change lands: GPU tests, compute-sanitizer, benchmarks beside
+# torch SDPA, cold-compile and cache-hit load times. Logs and JSON go to ${OUT:-gpu_check}.
+#   tools/gpu_check.sh [tests] [sanitize] [bench] [load]     (default: all four)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu_check}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 QATTN_CACHE_DIR=${QATTN_CACHE_DIR:-$out/cache}
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install -q --no-deps -e .
+steps=${*:-tests sanitize bench load}
+status=0
+for step in $steps; do
+  echo "=== $step"
+  case $step in
+    tests) python3 -m pytest -q -m gpu -x tests 2>&1 | tee "$out/tests.log" | tail -5 || status=1 ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool $tool --error-exitcode 9 python3 tools/sanitize.py 2>&1 | tee "$out/$tool.log" | tail -3 || status=1
+      done ;;
+    bench)
+      python3 tools/bench_prefill.py --format f16 --format bf16 --shape 4x32x4096 --shape 1x32x32768 --shape 16x32x1024 \
+        --causal both --json "$out/bench_d128.json" || status=1
+      python3 tools/bench_prefill.py --format f16 --head-dim 64 --shape 4x32x8192 --causal both \
+        --tile 128x64x4x2 --tile 128x128x4x2 --tile 128x32x4x2 --json "$out/bench_d64.json" || status=1 ;;
+    load)
+      # First process compiles (cold, empty cache); a second one must load without NVRTC.
+      rm -rf "$QATTN_CACHE_DIR"
+      for run in cold cached; do
+        QATTN_NO_JIT=$([ $run = cached ] && echo 1 || echo 0) python3 -c "
+import time, qattn
+for fmt in ('f16', 'bf16', 'f32'):
+    for d in (64, 128):
+        t = time.perf_counter(); k = qattn.build('prefill', format=fmt, head_dim=d); k.function()
+        print(f'$run {k.spec.name:44} {1e3 * (time.perf_counter() - t):8.1f} ms')
+" || status=1
+      done ;;
+  esac
+done
+exit $status
