@@ -10,6 +10,7 @@ import functools
 import itertools
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -96,6 +97,42 @@ def _fmt(x, spec: str = ".3g") -> str:
     return "-" if x is None else format(x, spec)
 
 
+class _Progress:
+    """Progress over `total` steps on stderr: a live bar on a terminal; elsewhere (CI logs, pipes)
+    one line per finished step, so a long run shows it is alive and what it has done so far."""
+
+    def __init__(self, label: str, total: int):
+        self.label, self.total, self.count = label, total, 0
+        self.console = _console(stderr=True)
+        self.bar = None
+
+    def __enter__(self):
+        if self.console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), console=self.console, transient=True)
+            self.bar.__enter__()
+            self.task = self.bar.add_task(self.label, total=self.total)
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+    def start(self, item: str) -> None:
+        """Show what the next step works on (on the bar only: a log gets the line when it ends)."""
+        if self.bar is not None:
+            self.bar.update(self.task, description=f"{self.label} {item}")
+
+    def done(self, line: str) -> None:
+        self.count += 1
+        if self.bar is not None:
+            self.bar.advance(self.task)
+        else:
+            click.echo(f"[{self.count}/{self.total}] {line}", err=True)
+
+
 # ---- kernel specs ---------------------------------------------------------------------------
 
 def make_spec(kind: str, fmt: str, head_dim: int, tile: str | None, warps: int | None, stages: int | None,
@@ -103,12 +140,16 @@ def make_spec(kind: str, fmt: str, head_dim: int, tile: str | None, warps: int |
     """A validated KernelSpec from command-line values. Without --tile the family's tuned tile is
     used; --warps and --stages override its warps and stages."""
     spec = KernelSpec(kind=kind, recipe=fmt, head_dim=head_dim, causal=causal, backend=backend, arch=arch)
-    if tile is None and warps is None and stages is None:
+    given = [name for name, value in (("--tile", tile), ("--warps", warps), ("--stages", stages)) if value is not None]
+    if not given:
         return spec
     base = spec.tile
     warps, stages = warps or base.warps, stages or base.stages
-    new = Tile.parse(tile, warps, stages) if tile else Tile(base.block_m, base.block_n, warps, stages)
-    return spec.with_(tile=new)
+    try:
+        new = Tile.parse(tile, warps, stages) if tile else Tile(base.block_m, base.block_n, warps, stages)
+        return spec.with_(tile=new)
+    except ValueError as exc:  # the tile comes from up to three options: name the ones given
+        raise click.BadParameter(str(exc), param_hint=" / ".join(f"'{name}'" for name in given)) from None
 
 
 def spec_options(repeatable: bool = False):
@@ -250,7 +291,12 @@ def inspect_spec(spec: KernelSpec) -> dict:
     if spec.backend == "cuda":
         binary = compiler.compile_cuda(source, spec.arch, spec.name)
     else:
-        binary = compiler.compile_hip_offline(source, spec.arch, spec.name)
+        try:
+            binary = compiler.compile_hip_offline(source, spec.arch, spec.name)
+        except CompileError:
+            raise
+        except RuntimeError as exc:  # no clang: a setup problem with an install hint, not a crash
+            raise click.ClickException(str(exc)) from None
     family = spec.family
     resources = dict(binary.resources, threads=family.threads(spec.tile),
                      dynamic_smem=family.smem_bytes(spec.tile, spec.head_dim))
@@ -268,11 +314,27 @@ def inspect_spec(spec: KernelSpec) -> dict:
 
 
 _LISTING_NOTE = {
-    "sass": "counted in the SASS (cuobjdump)",
-    "ptx": "counted in the PTX: no cuobjdump found (pip install nvidia-cuda-cuobjdump for SASS)",
+    "sass": "counted in the SASS (nvdisasm)",
+    "ptx": "counted in the PTX: no nvdisasm found (pip install nvidia-cuda-nvdisasm for SASS)",
     "amdgpu": "counted in the AMDGPU disassembly (llvm-objdump)",
     None: "not counted: no disassembler found (llvm-objdump)",
 }
+
+
+def _resource_rows(backend: str, res: dict) -> list[tuple[str, object]]:
+    """(label, value) rows of `inspect`, in each compiler's terms: ptxas's per-thread registers,
+    shared memory and spill bytes; clang's per-lane VGPRs, per-wave SGPRs, LDS, scratch and
+    spilled registers."""
+    if backend == "cuda":
+        return [("registers / thread", res.get("registers")), ("threads / block", res["threads"]),
+                ("shared memory, static (B)", res.get("static_smem")),
+                ("shared memory, dynamic (B)", res["dynamic_smem"]), ("stack frame (B)", res.get("stack")),
+                ("spill stores (B)", res.get("spill_stores")), ("spill loads (B)", res.get("spill_loads")),
+                ("blocks / SM", res.get("blocks_per_sm"))]
+    return [("VGPRs / lane", res.get("registers")), ("SGPRs / wave", res.get("sgprs")),
+            ("threads / block", res["threads"]), ("LDS, dynamic (B)", res["dynamic_smem"]),
+            ("scratch (B / lane)", res.get("scratch")), ("VGPRs spilled", res.get("vgpr_spills")),
+            ("SGPRs spilled", res.get("sgpr_spills")), ("occupancy (waves / SIMD)", res.get("occupancy_waves"))]
 
 
 @main.command()
@@ -280,21 +342,17 @@ _LISTING_NOTE = {
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @user_errors
 def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, arch, as_json):
-    """Compile one spec and show its resources (registers, shared memory, stack, spills, blocks/SM)
-    and its matrix and conversion instructions."""
+    """Compile one spec and show its resources (CUDA: registers, shared memory, stack, spills,
+    blocks/SM; HIP: VGPRs, SGPRs, LDS, scratch, spills, waves/SIMD) and its matrix and conversion
+    instructions."""
     spec = make_spec(kind, fmt, head_dim, tile, warps, stages, bool(causal), backend, arch or _default_arch(backend))
     report = inspect_spec(spec)
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
     console = _console()
-    res = report["resources"]
     table = _table(spec.name, "resource", "value", right=("value",))
-    rows = [("registers / thread", res.get("registers")), ("threads / block", res["threads"]),
-            ("shared memory, static (B)", res.get("static_smem")), ("shared memory, dynamic (B)", res["dynamic_smem"]),
-            ("stack frame (B)", res.get("stack")), ("spill stores (B)", res.get("spill_stores")),
-            ("spill loads (B)", res.get("spill_loads")), ("blocks / SM", res.get("blocks_per_sm"))]
-    for label, value in rows:
+    for label, value in _resource_rows(spec.backend, report["resources"]):
         table.add_row(label, "-" if value is None else str(value))
     console.print(table)
     instr = report["instructions"]
@@ -324,6 +382,15 @@ def compile_matrix(kind, formats, head_dims, tile, warps, stages, causal, backen
     return list(dict.fromkeys(specs))
 
 
+def _spilled(backend: str, res: dict) -> int | None:
+    """What spilled: bytes stored plus loaded (ptxas), or VGPRs plus SGPRs (clang); None when the
+    compiler reported nothing (a cache entry without resources)."""
+    keys = ("spill_stores", "spill_loads") if backend == "cuda" else ("vgpr_spills", "sgpr_spills")
+    if not any(k in res for k in keys):
+        return None
+    return sum(res.get(k, 0) for k in keys)
+
+
 def _first_error_line(exc: Exception) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     return next((ln for ln in lines if "error" in ln.lower() and not ln.startswith("failed")), lines[0] if lines else "")
@@ -336,30 +403,28 @@ def _first_error_line(exc: Exception) -> str:
 @user_errors
 def compile_(kind, fmt, head_dim, tile, warps, stages, causal, backend, arch, every):
     """Compile a matrix of specs x archs into the kernel cache (no GPU needed); exit 1 if any fails."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from .runtime.kernel import build_kernel
 
     specs = compile_matrix(kind, list(fmt), list(head_dim), tile, warps, stages, causal, backend, list(arch), every)
-    summary = _table(None, "spec", "status", "s", "regs", "smem (B)", "spills (B)", right=("s", "regs", "smem (B)", "spills (B)"))
+    regs, spills = ("regs", "spills (B)") if backend == "cuda" else ("VGPRs", "spilled regs")
+    summary = _table(None, "spec", "status", "s", regs, "smem (B)", spills, right=("s", regs, "smem (B)", spills))
     failed, start = [], time.perf_counter()
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=_console(stderr=True), transient=True) as progress:
-        task = progress.add_task("compiling", total=len(specs))
+    with _Progress("compiling", len(specs)) as progress:
         for spec in specs:
-            progress.update(task, description=spec.name)
+            progress.start(spec.name)
             t0 = time.perf_counter()
             try:
                 kernel = build_kernel(spec)
             except Exception as exc:  # one bad spec must not stop the matrix; it is reported below
                 failed.append((spec, exc))
-                summary.add_row(spec.name, "[red]FAILED[/red]", f"{time.perf_counter() - t0:.2f}", "-", "-", "-")
+                seconds = f"{time.perf_counter() - t0:.2f}"
+                summary.add_row(spec.name, "[red]FAILED[/red]", seconds, "-", "-", "-")
+                progress.done(f"{spec.name} FAILED ({seconds} s)")
             else:
-                res = kernel.resources
-                spills = res.get("spill_stores", 0) + res.get("spill_loads", 0) if "registers" in res else None
-                summary.add_row(spec.name, "ok", f"{time.perf_counter() - t0:.2f}", _fmt(res.get("registers"), "d"),
-                                str(res.get("static_smem", 0) + res["dynamic_smem"]), _fmt(spills, "d"))
-            progress.advance(task)
+                res, seconds = kernel.resources, f"{time.perf_counter() - t0:.2f}"
+                summary.add_row(spec.name, "ok", seconds, _fmt(res.get("registers"), "d"),
+                                str(res.get("static_smem", 0) + res["dynamic_smem"]), _fmt(_spilled(backend, res), "d"))
+                progress.done(f"{spec.name} ok ({seconds} s)")
     console = _console()
     console.print(summary)
     console.print(f"{len(specs) - len(failed)} of {len(specs)} compiled, {len(failed)} failed "
@@ -402,6 +467,29 @@ def _finite_or_none(value):
     return value
 
 
+def _verdict(record: dict) -> str:
+    """pass, or FAIL with what broke the format's tolerance (NaN compares false: it fails too)."""
+    if record["passed"]:
+        return "pass"
+    tol = record["tolerance"]
+    why = [key for key in ("max_rel", "rel_l2") if not record[key] <= tol[key]]
+    if record["nonfinite"]:
+        why.append("nonfinite")
+    return f"FAIL {' '.join(why)}".strip()
+
+
+def _json_path(ctx, param, value: Path | None) -> Path | None:
+    """Refuse an unwritable --json FILE before the run rather than after it (click.Path only
+    checks a file that already exists)."""
+    if value is not None:
+        folder = value.parent
+        if not folder.is_dir():
+            raise click.BadParameter(f"folder {str(folder)!r} does not exist")
+        if not os.access(folder, os.W_OK):
+            raise click.BadParameter(f"folder {str(folder)!r} is not writable")
+    return value
+
+
 def write_json(path: Path, records) -> None:
     path.write_text(json.dumps(_finite_or_none(records), indent=2, allow_nan=False) + "\n")
 
@@ -419,36 +507,39 @@ def write_json(path: Path, records) -> None:
 @click.option("--backend", type=click.Choice(["auto", "cuda", "numpy"]), default="auto", show_default=True,
               help="cuda: the GPU kernel; numpy: the format's CPU emulator; auto: the kernel when a GPU is present")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, path_type=Path),
-              help="also write the records as JSON to FILE")
+              callback=_json_path, help="also write the records as JSON to FILE")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the random inputs")
 @click.option("--time/--no-time", "time_it", default=True, show_default=True, help="time each kernel (GPU only)")
 @user_errors
 def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, json_path, seed, time_it):
     """Check formats against FP64 on fresh random inputs and time their kernels; exit 1 if any
     check fails its format's tolerance."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from .runtime import parity as job
 
     if kv_heads is not None and heads % kv_heads:
         raise click.BadParameter(f"{kv_heads} does not divide --heads {heads}", param_hint="'--kv-heads'")
-    checks = job.plan(formats, shapes, backend=backend, head_dim=head_dim, causal=causal)
-    if backend == "auto" and device_arch() is None:
-        _note("no CUDA GPU found: running the CPU emulators (backend numpy); nothing is timed")
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=_console(stderr=True), transient=True) as progress:
-        task = progress.add_task("parity", total=len(checks))
+    gpu = device_arch() is not None
+    checks = job.plan(formats, shapes, backend=backend, head_dim=head_dim, causal=causal, gpu=gpu)
+    if backend == "auto":
+        if not gpu:
+            _note("no CUDA GPU found: running the CPU emulators (backend numpy); nothing is timed")
+        elif emulated := sorted({fmt for fmt, ran, *_ in checks if ran == "numpy"}):
+            _note(f"no CUDA kernel for {', '.join(emulated)}: running the CPU emulator there; not timed")
+    with _Progress("parity", len(checks)) as progress:
         records = job.run_parity(formats, shapes, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                                  causal=causal, backend=backend, seed=seed, time_it=time_it,
-                                 progress=lambda r: progress.advance(task))
+                                 progress=lambda r: progress.done(f"{r['format']} {r['ctx']}/{r['queries']} "
+                                                                  f"{r['backend']}: {_verdict(r)}"))
     kv = heads if kv_heads is None else kv_heads
     title = f"parity vs FP64: batch {batch}, heads {heads}/{kv}, D {head_dim}, {'causal' if causal else 'non-causal'}"
     table = _table(title, "format", "ctx/queries", "backend", "max_rel", "rel_l2", "failures", "ms", "TFLOPS",
-                   "result", right=("max_rel", "rel_l2", "failures", "ms", "TFLOPS"))
+                   "tolerance", "result", right=("max_rel", "rel_l2", "failures", "ms", "TFLOPS", "tolerance"))
     for r in records:
+        tol = r["tolerance"]
+        verdict = _verdict(r)
         table.add_row(r["format"], f"{r['ctx']}/{r['queries']}", r["backend"], _fmt(r["max_rel"], ".2e"),
                       _fmt(r["rel_l2"], ".2e"), str(r["failures"]), _fmt(r["ms"], ".3f"), _fmt(r["tflops"], ".1f"),
-                      "pass" if r["passed"] else "[red]FAIL[/red]")
+                      f"{tol['max_rel']:g} / {tol['rel_l2']:g}", verdict if r["passed"] else f"[red]{verdict}[/red]")
     _console().print(table)
     if json_path is not None:
         write_json(json_path, records)
@@ -480,7 +571,7 @@ def _parse_bench_shapes(ctx, param, values):
 @click.option("--peer", "peers", multiple=True, type=click.Choice(["sdpa_flash", "sdpa_cudnn"]),
               help="torch SDPA backends to time beside qattn; repeatable [default: both, when torch is importable]")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, path_type=Path),
-              help="also write the records as JSON to FILE")
+              callback=_json_path, help="also write the records as JSON to FILE")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the random inputs")
 @user_errors
 def bench(formats, shapes, head_dim, causal, peers, json_path, seed):

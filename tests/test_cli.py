@@ -5,18 +5,20 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
 
 import qattn.cli
 import qattn.runtime.parity
-from qattn.cli import blocks_per_sm, count_instructions, main
+from qattn.cli import blocks_per_sm, compile_matrix, count_instructions, main
 from qattn.codegen.recipes import RECIPES, Tolerance
 from qattn.codegen.spec import KernelSpec
 from qattn.runtime.cache import KernelCache
-from qattn.runtime.compile import CompileError
+from qattn.runtime.compile import CompileError, find_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD_KEYS = {"format", "ctx", "queries", "head_dim", "backend", "max_rel", "rel_l2", "cos", "failures", "ms",
@@ -37,8 +39,20 @@ def no_gpu(monkeypatch):
         monkeypatch.setattr(module, "device_arch", lambda: None)
 
 
+needs_clang = pytest.mark.skipif(find_tool("clang++-19", "clang++-20", "clang++") is None,
+                                 reason="offline HIP compiles need clang-19 (.ci/run installs it)")
+
+
 def run(*args):
     return CliRunner().invoke(main, list(args))
+
+
+def assert_usage_error(result, option):
+    """A clean click usage error naming the option: exit 2 and no exception escaped (CliRunner
+    catches a crash, so the absence of 'Traceback' in the output alone proves nothing)."""
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Usage:" in result.output and option in result.output, result.output
 
 
 def test_list():
@@ -87,6 +101,42 @@ def test_inspect_table():
     result = run("inspect", "-f", "f32", "-d", "64", "--arch", "sm_80")
     assert result.exit_code == 0, result.output
     assert "registers / thread" in result.output and "blocks / SM" in result.output
+    assert "spill stores (B)" in result.output and "VGPRs" not in result.output
+
+
+@needs_clang
+def test_inspect_hip():
+    report = json.loads(run("inspect", "--backend", "hip", "--arch", "gfx942", "-d", "64", "--json").stdout)
+    res = report["resources"]
+    assert {"registers", "sgprs", "scratch", "vgpr_spills", "sgpr_spills", "occupancy_waves"} <= set(res)
+    assert res["registers"] > 0 and res["sgprs"] > 0 and res["occupancy_waves"] >= 1
+    assert report["instructions"]["listing"] == "amdgpu"
+    assert any(op.startswith("v_mfma") for op in report["instructions"]["matrix"])
+    assert any(op.startswith("v_cvt") for op in report["instructions"]["convert"])
+
+    result = run("inspect", "--backend", "hip", "--arch", "gfx942", "-d", "64")
+    assert result.exit_code == 0, result.output
+    values = {}
+    for line in result.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("│ ").split("│")]
+        if len(cells) == 2:
+            values[cells[0]] = cells[1]
+    # HIP rows in clang's terms, none of CUDA's (which would all read "-").
+    assert values["VGPRs / lane"] == str(res["registers"]) and values["SGPRs / wave"] == str(res["sgprs"])
+    assert values["scratch (B / lane)"] == str(res["scratch"]) and values["VGPRs spilled"] == str(res["vgpr_spills"])
+    assert values["occupancy (waves / SIMD)"] == str(res["occupancy_waves"])
+    assert values["LDS, dynamic (B)"] == str(res["dynamic_smem"])
+    assert "registers / thread" not in values and "blocks / SM" not in values
+
+
+def test_inspect_hip_without_clang(monkeypatch):
+    def no_clang(source, arch, name):
+        raise RuntimeError("backend hip: offline compiles need clang-19 (apt-get install clang-19)")
+
+    monkeypatch.setattr("qattn.runtime.compile.compile_hip_offline", no_clang)
+    result = run("inspect", "--backend", "hip", "--arch", "gfx942", "-d", "64")
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+    assert "need clang-19" in result.output and "Traceback" not in result.output
 
 
 def test_count_instructions_and_occupancy():
@@ -109,6 +159,38 @@ def test_compile_matrix():
     assert result.exit_code == 0, result.output
     assert "4 of 4 compiled, 0 failed" in result.output
     assert "prefill_f32_d64_m32n32w4s1_sm90a" in result.output
+
+
+def test_compile_shows_progress_and_summary():
+    result = run("compile", "-f", "f32", "-d", "32", "-d", "64", "--arch", "sm_80")
+    assert result.exit_code == 0, result.output
+    # Not a terminal: one progress line per spec on stderr, then the summary on stdout.
+    names = [KernelSpec(recipe="f32", head_dim=d, arch="sm_80").name for d in (32, 64)]
+    assert f"[1/2] {names[0]} ok" in result.stderr and f"[2/2] {names[1]} ok" in result.stderr
+    assert all(name in result.stdout for name in names)
+    assert "2 of 2 compiled, 0 failed" in result.stdout
+
+
+def test_compile_all_expands_what_is_left_out():
+    hip = compile_matrix("prefill", [], [64], None, None, None, None, "hip", ["gfx942"], True)
+    assert [(s.recipe, s.head_dim, s.causal, s.arch) for s in hip] == [("f16", 64, False, "gfx942"),
+                                                                       ("f16", 64, True, "gfx942")]
+    cuda = compile_matrix("prefill", ["f32"], [], None, None, None, False, "cuda", [], True)
+    family = RECIPES["f32"].family("cuda")
+    assert {(s.head_dim, s.arch) for s in cuda} == {(d, a) for d in family.head_dims for a in family.archs}
+    assert not any(s.causal for s in cuda)
+
+
+def test_compile_hip_summary_counts_spilled_registers(monkeypatch):
+    resources = {"registers": 128, "sgprs": 60, "scratch": 16, "vgpr_spills": 3, "sgpr_spills": 1,
+                 "occupancy_waves": 4, "threads": 128, "dynamic_smem": 18944}
+    monkeypatch.setattr("qattn.runtime.kernel.build_kernel", lambda spec, cache=None: SimpleNamespace(resources=resources))
+    result = run("compile", "--backend", "hip", "-d", "64", "--arch", "gfx942")
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.stdout.splitlines() if "gfx942" in line)
+    cells = [c.strip() for c in row.strip("│ ").split("│")]
+    assert cells[1] == "ok" and cells[3:] == ["128", "18944", "4"], cells
+    assert "VGPRs" in result.stdout and "spilled regs" in result.stdout
 
 
 def test_compile_failure_exits_nonzero(monkeypatch):
@@ -136,10 +218,28 @@ def test_compile_failure_exits_nonzero(monkeypatch):
     (["parity", "--format", "i8-f8", "--backend", "cuda"], "--format"),
 ])
 def test_bad_inputs_name_the_option(args, option):
-    result = run(*args)
-    assert result.exit_code != 0
-    assert option in result.output
-    assert "Traceback" not in result.output
+    assert_usage_error(run(*args), option)
+
+
+@pytest.mark.parametrize("args, hint", [
+    (["--stages", "9"], "'--stages'"),
+    (["--warps", "8", "--tile", "64x64"], "'--tile' / '--warps'"),
+    (["--tile", "0x64"], "'--tile'"),
+    (["-f", "f32", "--stages", "2"], "'--stages'"),
+])
+def test_tile_errors_name_the_options_given(args, hint):
+    result = run("gen", "--arch", "sm_90a", *args)
+    assert_usage_error(result, hint)
+    if "--tile" not in args:
+        assert "'--tile'" not in result.output  # the user gave no --tile: don't blame it
+
+
+def test_json_folder_checked_before_running(monkeypatch, tmp_path):
+    def never(*args, **kwargs):
+        raise AssertionError("parity ran although --json cannot be written")
+
+    monkeypatch.setattr(qattn.runtime.parity, "run_parity", never)
+    assert_usage_error(run("parity", "--backend", "numpy", "--json", str(tmp_path / "missing" / "p.json")), "--json")
 
 
 def test_parity_numpy_json(tmp_path):
@@ -174,7 +274,33 @@ def test_parity_fails_over_tolerance(monkeypatch):
     monkeypatch.setitem(RECIPES, "f32", dataclasses.replace(RECIPES["f32"], tolerance=Tolerance(0.0, 0.0)))
     result = run("parity", "--backend", "numpy", "-f", "f32", "--shape", "16/16", "--heads", "1")
     assert result.exit_code == 1
-    assert "FAIL" in result.output
+    assert "FAIL max_rel rel_l2" in result.stdout and "0 / 0" in result.stdout  # what failed, against what
+    assert "1 of 1 checks failed" in result.stderr
+
+
+def test_parity_auto_with_gpu_notes_formats_without_kernel(monkeypatch):
+    for module in (qattn.cli, qattn.runtime.parity):
+        monkeypatch.setattr(module, "device_arch", lambda: "sm_90a")
+    result = run("parity", "-f", "i8-f8", "--shape", "16/16", "--heads", "1")
+    assert result.exit_code == 0, result.output
+    assert "no CUDA kernel for i8-f8" in result.stderr and "no CUDA GPU" not in result.stderr
+
+
+@pytest.mark.slow
+def test_tools_parity_defaults_without_gpu():
+    """tools/parity with no options on a machine without a GPU (hidden here): it says so, runs
+    every default format on the emulators, writes no fake timing, and stays quick."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "parity")], capture_output=True, text=True,
+                            cwd="/", env=env, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert time.perf_counter() - start < 60
+    assert "no CUDA GPU found: running the CPU emulators" in result.stderr
+    rows = [line for line in result.stdout.splitlines() if "numpy" in line]
+    expected = len(qattn.runtime.parity.DEFAULT_FORMATS) * len(qattn.runtime.parity.DEFAULT_SHAPES["numpy"])
+    assert len(rows) == expected and all("pass" in row for row in rows)
+    assert "cuda" not in result.stdout
 
 
 def test_bench_needs_a_gpu(no_gpu):
