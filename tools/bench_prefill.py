@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Time qattn prefill kernels beside torch SDPA (flash, cuDNN) on the same inputs, same run.
+"""Time qattn prefill kernels beside torch SDPA (flash, cuDNN) and SageAttention (when installed)
+on the same inputs, same run; rel_l2 is against an FP64 reference of the first two heads.
 
     tools/bench_prefill.py --shape 4x32x4096 --shape 1x32x32768 --causal both --json out.json
     tools/bench_prefill.py --shape 4x32x4096 --tile 128x64x8x2 --tile 128x64x4x2   # tile sweep
@@ -12,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from qattn.codegen.tile import Tile  # noqa: E402
-from qattn.runtime.bench import bench_prefill  # noqa: E402
+from qattn.runtime.bench import PEERS, bench_prefill  # noqa: E402
 
 
 def main() -> int:
@@ -30,18 +31,19 @@ def main() -> int:
     records = []
     for causal in causals:
         for i, tile in enumerate(tiles):
-            peers = ("sdpa_flash", "sdpa_cudnn") if i == 0 else ()
+            peers = PEERS if i == 0 else ()
             records += bench_prefill(shapes, tuple(args.format or ["f16"]), head_dim=args.head_dim,
                                      causal=causal, tiles=tile, peers=peers)
-    print(f"{'impl':<12}{'kernel':<44}{'B':>3}{'H':>4}{'L':>7}{'D':>5} {'causal':<7}{'ms':>9}{'TFLOPS':>8}"
-          f"{'vs flash':>9}{'vs cuDNN':>9}")
+    print(f"{'impl':<13}{'kernel':<44}{'B':>3}{'H':>4}{'L':>7}{'D':>5} {'causal':<7}{'ms':>9}{'TFLOPS':>8}"
+          f"{'vs flash':>9}{'vs cuDNN':>9}{'vs sage':>8}{'rel_l2':>10}")
     for r in records:
         if "error" in r:
-            print(f"{r['impl']:<12} error: {r['error']}")
+            print(f"{r['impl']:<13} error: {r['error']}")
             continue
-        print(f"{r['impl']:<12}{r.get('kernel', ''):<44}{r['batch']:>3}{r['heads']:>4}{r['seq']:>7}{r['head_dim']:>5} "
+        print(f"{r['impl']:<13}{r.get('kernel', ''):<44}{r['batch']:>3}{r['heads']:>4}{r['seq']:>7}{r['head_dim']:>5} "
               f"{str(r['causal']):<7}{r['ms']:>9.3f}{r['tflops']:>8.1f}"
-              f"{r.get('vs_sdpa_flash', float('nan')):>9.2f}{r.get('vs_sdpa_cudnn', float('nan')):>9.2f}")
+              f"{r.get('vs_sdpa_flash', float('nan')):>9.2f}{r.get('vs_sdpa_cudnn', float('nan')):>9.2f}"
+              f"{r.get('vs_sageattn', float('nan')):>8.2f}{r['rel_l2']:>10.2e}")
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
     return 0

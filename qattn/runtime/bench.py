@@ -36,16 +36,23 @@ def attention_flops(batch: int, heads: int, lq: int, lk: int, head_dim: int, cau
     return 4.0 * batch * heads * lq * lk * head_dim / (2.0 if causal else 1.0)
 
 
-PEERS = ("sdpa_flash", "sdpa_cudnn")
+PEERS = ("sdpa_flash", "sdpa_cudnn", "sageattn")
 
 
-def _torch_peer(name: str):
-    """A callable (q, k, v, causal) -> out running torch SDPA on one backend, or None without torch."""
+def _peer(name: str):
+    """A callable (q, k, v, causal) -> out for a peer on torch tensors, or None where its library is
+    missing: torch SDPA on one backend, or SageAttention's sageattn (int8 QK, fp16 PV, K smoothing)."""
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
         return None
+    if name == "sageattn":
+        try:
+            from sageattention import sageattn
+        except ImportError:
+            return None
+        return lambda q, k, v, causal: sageattn(q, k, v, tensor_layout="HND", is_causal=causal)
     backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[name]
 
     def run(q, k, v, causal):
@@ -55,11 +62,36 @@ def _torch_peer(name: str):
     return run
 
 
+_CHECK_HEADS = 2  # heads of batch 0 whose output is compared with FP64 (all rows)
+
+
+def _fp64_slice(q, k, v, causal):
+    """FP64 attention (on the GPU) of the first _CHECK_HEADS heads of batch 0: the accuracy
+    yardstick every implementation in a run is measured against."""
+    import cupy
+
+    qs, ks, vs = (x[0, :_CHECK_HEADS].astype(cupy.float64) for x in (q, k, v))
+    s = qs @ ks.swapaxes(-1, -2) / float(q.shape[-1]) ** 0.5
+    if causal:
+        lq, lk = s.shape[-2:]
+        s = cupy.where(cupy.arange(lk)[None, :] <= cupy.arange(lq)[:, None] + (lk - lq), s, -cupy.inf)
+    p = cupy.exp(s - s.max(axis=-1, keepdims=True))
+    return (p / p.sum(axis=-1, keepdims=True)) @ vs
+
+
+def _rel_l2(out, ref) -> float:
+    import cupy
+
+    o = cupy.asarray(out)[0, :_CHECK_HEADS].astype(cupy.float64)
+    return float(cupy.linalg.norm(o - ref) / cupy.linalg.norm(ref))
+
+
 def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers=PEERS, seed=0,
                   tiles=None) -> list[dict]:
-    """Time qattn prefill kernels and torch SDPA peers on the same inputs in the same run.
+    """Time qattn prefill kernels and peers on the same inputs in the same run.
     shapes: iterable of (batch, heads, seq) with Lq = Lk = seq. Returns one record per
-    (shape, implementation) with median ms, TFLOPS and the ratio to each peer."""
+    (shape, implementation) with median ms, TFLOPS, the ratio to each peer and rel_l2 against
+    FP64 on the first heads (a GPU FP64 reference of the same inputs)."""
     import cupy
 
     from .api import default_spec
@@ -72,32 +104,37 @@ def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers
         shape_rec = {"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim, "causal": causal}
         q, k, v = (rng.standard_normal((batch, heads, seq, head_dim), dtype=cupy.float32).astype(cupy.float16)
                    for _ in range(3))
+        ref = _fp64_slice(q, k, v, causal)
         peer_ms = {}
         torch_inputs = None
         for name in peers:
-            fn = _torch_peer(name)
+            fn = _peer(name)
             if fn is None:
                 continue
             import torch
 
             torch_inputs = torch_inputs or tuple(torch.from_dlpack(x) for x in (q, k, v))
             try:
+                out = fn(*torch_inputs, causal)
                 t = time_cuda(lambda: fn(*torch_inputs, causal))
-            except RuntimeError as exc:  # backend unavailable for this shape/GPU
+            except Exception as exc:  # backend unavailable for this shape/GPU
                 records.append(dict(shape_rec, impl=name, error=str(exc).splitlines()[0]))
                 continue
             peer_ms[name] = t.median_ms
-            records.append(dict(shape_rec, impl=name, ms=t.median_ms, tflops=flops / t.median_ms / 1e9))
+            records.append(dict(shape_rec, impl=name, ms=t.median_ms, tflops=flops / t.median_ms / 1e9,
+                                rel_l2=_rel_l2(out, ref)))
         for fmt in formats:
             spec = default_spec(fmt, head_dim, causal=causal)
             if tiles:
                 spec = spec.with_(tile=tiles[fmt] if isinstance(tiles, dict) else tiles)
             kernel = build_kernel(spec)
-            xs = (q, k, v) if fmt == "f16" else tuple(x.astype(recipe_dtype(fmt)) for x in (q, k, v))
+            xs = (q, k, v) if recipe_dtype(fmt) == cupy.float16 else tuple(x.astype(recipe_dtype(fmt)) for x in (q, k, v))
             out = cupy.empty_like(xs[0])
+            kernel(*xs, out=out)
+            rel_l2 = _rel_l2(out, ref)
             t = time_cuda(lambda: kernel(*xs, out=out))
             rec = dict(shape_rec, impl=f"qattn:{fmt}", kernel=spec.name, ms=t.median_ms,
-                       tflops=flops / t.median_ms / 1e9)
+                       tflops=flops / t.median_ms / 1e9, rel_l2=rel_l2)
             rec.update({f"vs_{p}": ms / t.median_ms for p, ms in peer_ms.items()})
             records.append(rec)
     return records
