@@ -24,6 +24,7 @@ from .codegen.spec import KernelSpec, device_arch
 from .codegen.tile import Tile
 from .runtime.cache import KernelCache, KernelNotCached
 from .runtime.compile import CompileError
+from .runtime.parity import DEFAULT_FORMATS
 
 FALLBACK_ARCH = {"cuda": "sm_90a", "hip": "gfx942"}
 HELP = {"help_option_names": ["-h", "--help"]}
@@ -496,7 +497,7 @@ def write_json(path: Path, records) -> None:
 
 @main.command(context_settings=HELP)  # also run standalone by tools/parity
 @click.option("--format", "-f", "formats", multiple=True, callback=_split_formats, metavar="FORMAT[,FORMAT...]",
-              help="formats to check; repeatable, comma lists allowed (default: the formats with a CUDA kernel)")
+              help=f"formats to check; repeatable, comma lists allowed [default: {','.join(DEFAULT_FORMATS)}]")
 @click.option("--shape", "shapes", multiple=True, callback=_parse_shapes, metavar="CTX/QUERIES",
               help="keys/queries per sequence; repeatable (default: a small set with tails, per backend)")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="batch size")

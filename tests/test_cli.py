@@ -43,6 +43,13 @@ needs_clang = pytest.mark.skipif(find_tool("clang++-19", "clang++-20", "clang++"
                                  reason="offline HIP compiles need clang-19 (.ci/run installs it)")
 
 
+@pytest.fixture
+def kernelless(monkeypatch):
+    """A format with no generated kernel on any backend (emulator only), whatever kernels exist."""
+    monkeypatch.setitem(RECIPES, "i8-f8", dataclasses.replace(RECIPES["i8-f8"], families={}))
+    return "i8-f8"
+
+
 def run(*args):
     return CliRunner().invoke(main, list(args))
 
@@ -209,16 +216,20 @@ def test_compile_failure_exits_nonzero(monkeypatch):
     (["gen", "--tile", "128by64", "--arch", "sm_90a"], "--tile"),
     (["gen", "--tile", "128x24", "--arch", "sm_90a"], "--tile"),
     (["gen", "--arch", "sm_70"], "--arch"),
-    (["gen", "--format", "i8-f8", "--arch", "sm_90a"], "--format"),
     (["inspect", "--head-dim", "80", "--arch", "sm_90a"], "--head-dim"),
     (["compile", "--head-dim", "80", "--arch", "sm_90a"], "--head-dim"),
     (["parity", "--format", "f16,nope"], "--format"),
     (["parity", "--shape", "4096x4096"], "--shape"),
     (["parity", "--heads", "8", "--kv-heads", "3"], "--kv-heads"),
-    (["parity", "--format", "i8-f8", "--backend", "cuda"], "--format"),
 ])
 def test_bad_inputs_name_the_option(args, option):
     assert_usage_error(run(*args), option)
+
+
+@pytest.mark.parametrize("args", [["gen", "--arch", "sm_90a"], ["compile", "--arch", "sm_90a"],
+                                  ["gen", "--backend", "hip", "--arch", "gfx942"], ["parity", "--backend", "cuda"]])
+def test_format_without_kernel_names_format(kernelless, args):
+    assert_usage_error(run(*args, "--format", kernelless), "--format")
 
 
 @pytest.mark.parametrize("args, hint", [
@@ -278,12 +289,12 @@ def test_parity_fails_over_tolerance(monkeypatch):
     assert "1 of 1 checks failed" in result.stderr
 
 
-def test_parity_auto_with_gpu_notes_formats_without_kernel(monkeypatch):
+def test_parity_auto_with_gpu_notes_formats_without_kernel(monkeypatch, kernelless):
     for module in (qattn.cli, qattn.runtime.parity):
         monkeypatch.setattr(module, "device_arch", lambda: "sm_90a")
-    result = run("parity", "-f", "i8-f8", "--shape", "16/16", "--heads", "1")
+    result = run("parity", "-f", kernelless, "--shape", "16/16", "--heads", "1")
     assert result.exit_code == 0, result.output
-    assert "no CUDA kernel for i8-f8" in result.stderr and "no CUDA GPU" not in result.stderr
+    assert f"no CUDA kernel for {kernelless}" in result.stderr and "no CUDA GPU" not in result.stderr
 
 
 @pytest.mark.slow
@@ -325,3 +336,4 @@ def test_tools_parity_help():
     result = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, cwd="/")
     assert result.returncode == 0, result.stderr
     assert "--shape CTX/QUERIES" in result.stdout and "--backend" in result.stdout
+    assert f"[default: {','.join(qattn.runtime.parity.DEFAULT_FORMATS)}]" in result.stdout
