@@ -24,6 +24,7 @@ from .codegen.spec import KernelSpec, device_arch
 from .codegen.tile import Tile
 from .runtime.cache import KernelCache, KernelNotCached
 from .runtime.compile import CompileError
+from .runtime.bench import PEERS
 from .runtime.parity import DEFAULT_FORMATS
 
 FALLBACK_ARCH = {"cuda": "sm_90a", "hip": "gfx942"}
@@ -569,14 +570,16 @@ def _parse_bench_shapes(ctx, param, values):
               help="Lq = Lk = SEQ; repeatable [default: 4/32/4096 and 1/32/32768]")
 @click.option("--head-dim", "-d", type=click.IntRange(min=1), default=128, show_default=True, help="head dimension D")
 @click.option("--causal/--no-causal", default=False, show_default=True, help="bottom-right aligned causal mask")
-@click.option("--peer", "peers", multiple=True, type=click.Choice(["sdpa_flash", "sdpa_cudnn"]),
-              help="torch SDPA backends to time beside qattn; repeatable [default: both, when torch is importable]")
+@click.option("--peer", "peers", multiple=True, type=click.Choice(PEERS),
+              help="peers to time beside qattn: torch SDPA flash or cuDNN, SageAttention's sageattn; repeatable "
+                   "[default: all whose library is importable]")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, path_type=Path),
               callback=_json_path, help="also write the records as JSON to FILE")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the random inputs")
 @user_errors
 def bench(formats, shapes, head_dim, causal, peers, json_path, seed):
-    """Time qattn prefill kernels and torch SDPA (flash, cuDNN) on the same inputs in the same run."""
+    """Time qattn prefill kernels and their peers (torch SDPA flash and cuDNN, SageAttention) on the
+    same inputs in the same run; rel_l2 is each one's error against FP64 on the first heads."""
     from .runtime import bench as timing
 
     if device_arch() is None:
@@ -585,11 +588,12 @@ def bench(formats, shapes, head_dim, causal, peers, json_path, seed):
                                    causal=causal, peers=peers or timing.PEERS, seed=seed)
     ratios = sorted({k for r in records for k in r if k.startswith("vs_")})
     table = _table(f"prefill, D {head_dim}, {'causal' if causal else 'non-causal'}", "batch/heads/seq", "impl", "ms",
-                   "TFLOPS", *ratios, right=("ms", "TFLOPS", *ratios))
+                   "TFLOPS", "rel_l2", *ratios, right=("ms", "TFLOPS", "rel_l2", *ratios))
     for r in records:
         cells = [_fmt(r.get(k), ".2f") for k in ratios]
         table.add_row(f"{r['batch']}/{r['heads']}/{r['seq']}", r["impl"], _fmt(r.get("ms"), ".3f"),
-                      _fmt(r.get("tflops"), ".1f") if "error" not in r else r["error"], *cells)
+                      _fmt(r.get("tflops"), ".1f") if "error" not in r else r["error"], _fmt(r.get("rel_l2"), ".2e"),
+                      *cells)
     _console().print(table)
     if json_path is not None:
         write_json(json_path, records)

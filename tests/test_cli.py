@@ -315,8 +315,31 @@ def test_tools_parity_defaults_without_gpu():
 
 
 def test_bench_needs_a_gpu(no_gpu):
-    result = run("bench", "--shape", "1/1/128")
-    assert result.exit_code != 0 and "GPU" in result.output
+    result = run("bench", "--shape", "1/1/128", "--peer", "sageattn")  # every runtime peer is a choice
+    assert result.exit_code == 1 and "no CUDA GPU" in result.output
+
+
+def test_bench_table(monkeypatch, tmp_path):
+    calls = {}
+
+    def fake_bench(shapes, formats, **kwargs):
+        calls.update(kwargs, shapes=shapes, formats=formats)
+        base = {"batch": 1, "heads": 2, "seq": 128, "head_dim": 64, "causal": False}
+        return [dict(base, impl="sdpa_flash", ms=0.5, tflops=0.1, rel_l2=3.1e-4),
+                dict(base, impl="sageattn", error="needs sm_80 or newer"),
+                dict(base, impl="qattn f16", ms=0.25, tflops=0.2, rel_l2=2.7e-4, vs_sdpa_flash=2.0)]
+
+    monkeypatch.setattr(qattn.cli, "device_arch", lambda: "sm_90a")
+    monkeypatch.setattr("qattn.runtime.bench.bench_prefill", fake_bench)
+    out = tmp_path / "bench.json"
+    result = run("bench", "--shape", "1/2/128", "-d", "64", "--peer", "sdpa_flash", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    assert calls["shapes"] == [(1, 2, 128)] and calls["peers"] == ("sdpa_flash",) and calls["head_dim"] == 64
+    rows = {line.split("│")[2].strip(): [c.strip() for c in line.split("│")[3:-1]]
+            for line in result.stdout.splitlines() if line.count("│") > 3}
+    assert rows["qattn f16"] == ["0.250", "0.2", "2.70e-04", "2.00"]
+    assert rows["sageattn"][1] == "needs sm_80 or newer"
+    assert [r["impl"] for r in json.loads(out.read_text())] == ["sdpa_flash", "sageattn", "qattn f16"]
 
 
 def test_cache_commands(cache_dir):
