@@ -38,6 +38,10 @@ class Family:
     archs: tuple[str, ...]
     align_bytes: int = 16  # pointer and row-stride alignment the loads need (16: cp.async / vector)
     tuned: dict = field(default_factory=dict)  # (head_dim, causal, arch) -> Tile, where it beats the default
+    launcher: str = "prefill"  # key of runtime.launch.LAUNCHERS that runs this family's kernels
+    # Suffix of the entry point (entry_name(spec) + suffix) whose ptxas figures a Kernel reports,
+    # for templates whose module holds several kernels.
+    main_entry: str = ""
 
     def default_tile(self, head_dim: int, causal: bool, arch: str) -> Tile:
         return self.tuned.get((head_dim, causal, arch), self.default_tiles[head_dim])
@@ -172,6 +176,67 @@ HIP_MATRIX = Family(
 )
 
 
+# ---- CUDA int8 QK prefill (i8-f16, i8-i8, i8-f8): m16n8k32 s8 QK, PV in fp16, int8 or e4m3 -----
+# One module per spec also holds the quantization kernels (K mean, Q/K block codes, V codes).
+# Q8 and K8 sit in smem as rows of D + 16 bytes; V either as fp16 rows (D + 8 elements) or, for
+# 8-bit PV, transposed: D channel rows of BN + 16 key bytes. The epilogue stages the 16-bit output
+# rows over the same memory after the key loop.
+
+def _i8_v_tile_bytes(tile: Tile, d: int, pv: str) -> int:
+    return tile.block_n * _padded_row_bytes(d, 2) if pv == "f16" else d * (tile.block_n + 16)
+
+
+def _i8_smem(pv: str) -> Callable[[Tile, int], int]:
+    def smem(tile: Tile, d: int) -> int:
+        loop = tile.block_m * (d + 16) + tile.stages * (tile.block_n * (d + 16) + _i8_v_tile_bytes(tile, d, pv))
+        epilogue = tile.block_m * _padded_row_bytes(d, 2)
+        return max(loop, epilogue)
+
+    return smem
+
+
+def _i8_problem(pv: str) -> Callable[[Tile, int], str | None]:
+    def problem(tile: Tile, d: int) -> str | None:
+        rows_per_warp = tile.block_m / tile.warps
+        if rows_per_warp not in (16, 32):
+            return f"block_m/warps must be 16 or 32 rows per warp, got {tile.block_m}/{tile.warps}"
+        if tile.block_n % 32 or not 32 <= tile.block_n <= 128:
+            return f"block_n must be a multiple of 32 in [32, 128] (the int8 MMA's k step), got {tile.block_n}"
+        if not 2 <= tile.stages <= 4:
+            return f"stages must be 2..4 (K/V slots in the cp.async ring), got {tile.stages}"
+        m_tiles = rows_per_warp // 16
+        accum = m_tiles * (d + tile.block_n) // 2
+        if accum > 192:
+            return f"{accum} accumulator registers per thread (O and S) exceed 192; use fewer rows per warp or a narrower block_n"
+        need = _i8_smem(pv)(tile, d)
+        if need > SMEM_LIMIT["cuda"]:
+            return f"needs {need} B of shared memory, over {SMEM_LIMIT['cuda']}"
+        return None
+
+    return problem
+
+
+def _cuda_i8(pv: str) -> Family:
+    """The int8-QK family for one PV format ("f16", "i8" or "f8"); the e4m3 MMA needs sm_89+."""
+    archs = CUDA_ARCHS if pv != "f8" else tuple(a for a in CUDA_ARCHS if int(a[3:].rstrip("a")) >= 89)
+    return Family(
+        template="cuda/prefill_i8.cu.j2",
+        head_dims=(64, 128),
+        # 128 query rows per Q scale and 64 keys per K scale (the emulator's defaults). Eight warps
+        # of 16 rows: with four warps of 32 rows ptxas spills at d128 (and for e4m3 PV at d64 on
+        # sm_90a, where the e4m3 MMA is emulated with fp16 MMAs).
+        default_tiles={64: Tile(128, 64, 8, 3), 128: Tile(128, 64, 8, 3)},
+        tile_problem=_i8_problem(pv),
+        smem_bytes=_i8_smem(pv),
+        archs=archs,
+        launcher="prefill_i8",
+        main_entry="_f16",
+    )
+
+
+CUDA_I8 = {pv: _cuda_i8(pv) for pv in ("f16", "i8", "f8")}
+
+
 RECIPES: dict[str, Recipe] = {}
 
 
@@ -188,12 +253,17 @@ _register(Recipe("bf16", "bf16 Q/K/V, fp32 accumulation, P rounded to bf16 (tens
 _register(Recipe("f32", "fp32 SIMT FMAs throughout: the noise floor for the exact formats", ("float32",),
                  Tolerance(max_rel=1e-5, rel_l2=1e-5), {"cuda": CUDA_SIMT}))
 # Formats with a CPU emulator; their kernels arrive with their own families.
+# int8 QK: their CUDA modules also quantize (ctype "pv" names the PV operand format; mma/cvt
+# serve the fp16 PV helpers).
 _register(Recipe("i8-f16", "int8 QK with exact K smoothing, PV in fp16", ("float16", "bfloat16"),
-                 Tolerance(max_rel=1e-1, rel_l2=3e-2)))
+                 Tolerance(max_rel=1e-1, rel_l2=3e-2), {"cuda": CUDA_I8["f16"]},
+                 {"mma": "f16", "cvt": "f16x2", "pv": "f16"}))
 _register(Recipe("i8-i8", "int8 QK with exact K smoothing, PV in int8 (P static 127, V per channel)",
-                 ("float16", "bfloat16"), Tolerance(max_rel=2e-1, rel_l2=1e-1)))
+                 ("float16", "bfloat16"), Tolerance(max_rel=2e-1, rel_l2=1e-1), {"cuda": CUDA_I8["i8"]},
+                 {"mma": "f16", "cvt": "f16x2", "pv": "i8"}))
 _register(Recipe("i8-f8", "int8 QK with exact K smoothing, PV in fp8 e4m3 (P static 448, V per channel)",
-                 ("float16", "bfloat16"), Tolerance(max_rel=2e-1, rel_l2=6e-2)))
+                 ("float16", "bfloat16"), Tolerance(max_rel=2e-1, rel_l2=6e-2), {"cuda": CUDA_I8["f8"]},
+                 {"mma": "f16", "cvt": "f16x2", "pv": "f8"}))
 _register(Recipe("kv8-f32", "int8 KV cache dequantized to fp32, fp32 SIMT", ("float32",),
                  Tolerance(max_rel=1e-5, rel_l2=1e-5)))
 _register(Recipe("kv8-split", "int8 KV cache, fp16 hi+lo split of the other operand, two fp16 MMAs",

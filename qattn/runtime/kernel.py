@@ -23,7 +23,8 @@ class Kernel:
     binary: bytes
     resources: dict
     meta: dict = field(default_factory=dict)
-    _function: object = field(default=None, repr=False)
+    _functions: dict = field(default_factory=dict, repr=False)  # entry suffix -> loaded function
+    _module: object = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -37,28 +38,42 @@ class Kernel:
     def shared_bytes(self) -> int:
         return self.spec.family.smem_bytes(self.spec.tile, self.spec.head_dim)
 
-    def function(self):
-        """The loaded device function (needs a GPU of the spec's arch)."""
-        if self._function is None:
+    def function(self, suffix: str = ""):
+        """The loaded device function entry_name(spec) + suffix (needs a GPU of the spec's arch);
+        templates with several kernels in one module name the others by suffix."""
+        fn = self._functions.get(suffix)
+        if fn is None:
             if self.spec.backend != "cuda":
                 raise RuntimeError(f"{self.name}: running HIP kernels needs ROCm (CuPy for ROCm with hiprtc); "
                                    "on this machine HIP kernels are compiled offline only")
             import cupy
             from cupy.cuda import driver
 
-            module = cupy.cuda.function.Module()
-            module.load(self.binary)
-            fn = module.get_function(entry_name(self.spec))
+            if self._module is None:
+                module = cupy.cuda.function.Module()
+                module.load(self.binary)
+                self._module = module
+            fn = self._module.get_function(entry_name(self.spec) + suffix)
             if self.shared_bytes > 48 * 1024:
                 driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                         self.shared_bytes)
-            self._function = fn
-        return self._function
+            self._functions[suffix] = fn
+        return fn
 
     def __call__(self, *args, **kwargs):
         from .launch import LAUNCHERS
 
-        return LAUNCHERS[self.spec.kind](self, *args, **kwargs)
+        return LAUNCHERS[self.spec.family.launcher](self, *args, **kwargs)
+
+
+def entry_resources(log: str, entry: str) -> dict:
+    """The ptxas figures (as compile.parse_ptxas names them) of one entry point of a module that
+    holds several; {} when the log does not mention it."""
+    start = log.find(f"Compiling entry function '{entry}'")
+    if start < 0:
+        return {}
+    end = log.find("Compiling entry function", start + 1)
+    return compiler.parse_ptxas(log[start:end if end >= 0 else len(log)])
 
 
 def build_kernel(spec: KernelSpec, cache: KernelCache | None = None) -> Kernel:
@@ -83,8 +98,11 @@ def build_kernel(spec: KernelSpec, cache: KernelCache | None = None) -> Kernel:
             binary = compiler.compile_cuda(source, spec.arch, spec.name, options)
         else:
             binary = compiler.compile_hip_offline(source, spec.arch, spec.name)
+        resources = binary.resources
+        if spec.family.main_entry and spec.backend == "cuda":
+            resources = entry_resources(binary.log, entry_name(spec) + spec.family.main_entry) or resources
         meta = {"spec": spec.as_dict(), "name": spec.name, "options": options, "compiler": version,
-                "resources": binary.resources, "build_seconds": round(time.perf_counter() - start, 4),
+                "resources": resources, "build_seconds": round(time.perf_counter() - start, 4),
                 "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         entry = cache.store(spec.name, key, binary.data, source, meta)
     resources = dict(entry.meta.get("resources", {}))

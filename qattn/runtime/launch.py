@@ -73,4 +73,11 @@ def prefill(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = F
     return out_arr
 
 
-LAUNCHERS = {"prefill": prefill}
+def _prefill_i8(kernel, *args, **kwargs):
+    from .int8 import prefill_i8
+
+    return prefill_i8(kernel, *args, **kwargs)
+
+
+# Family.launcher -> function(kernel, q, k, v, *, scale, return_lse, out, stream)
+LAUNCHERS = {"prefill": prefill, "prefill_i8": _prefill_i8}

@@ -1,0 +1,340 @@
+"""int8-QK attention on the GPU (``i8-f16``, ``i8-i8``, ``i8-f8``; DESIGN §2): the quantization
+steps and the attention kernel, all entry points of the one module a spec compiles to.
+
+``qattn.attention(q, k, v, format="i8-f8")`` runs everything through ``prefill_i8``. The steps are
+public for callers that keep K (and V) quantized across calls::
+
+    kernel = qattn.build("prefill", format="i8-f8", head_dim=128, causal=True)
+    qkv = quantize(q, k, v, kernel=kernel, with_shift=True)     # Q8, K8, V operand, scales
+    out, lse = attention_quantized(kernel, qkv, return_lse=True)
+    qkv2 = qkv.with_query(q_next, kernel=kernel)                  # new queries, same K/V codes
+
+What the kernels compute is what ``emulate.emulate(fmt, ...)`` computes with its defaults when the
+kernel's tile is the default one (block_m query rows per Q scale, block_n keys per K scale):
+
+- K̄ = mean of K over keys (fp64 partial sums per chunk of keys, finished here, rounded to fp32);
+  K̃ = K − K̄; s_K = max|K̃| / 127 per block of block_n keys; K8 = rint(K̃ / s_K).
+- q̃ = Q·(τ·log2 e) in fp32; s_Q = max|q̃| / 127 per block of block_m rows; Q8 = rint(q̃ / s_Q);
+  optionally shift = q̃·K̄ per row (log2 domain), which the LSE needs.
+- V: fp16 rows (i8-f16; bf16 V is rounded to fp16 first), or per-channel codes
+  (s_V = max over keys |V_c| / 127 or / 448) stored transposed with the keys of every 16-key group
+  permuted into the order the PV MMA's A fragment packs P (see the template).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..codegen.recipes import recipe
+from . import quant
+from .arrays import as_device_array, like_input
+from .reference import check_shapes
+
+# Keys per partial column sum of the K-mean / V-absmax kernel (one fp64 partial per chunk).
+COLSTATS_CHUNK = 256
+# Threads of the quantization kernels (QT in quantize_i8.cuh.j2).
+QUANT_THREADS = 256
+# Rows per block of the bf16 -> fp16 V conversion (v_to_half_body).
+V_TO_HALF_ROWS = 64
+_SUFFIX = {"float16": "f16", "bfloat16": "bf16"}
+
+
+@dataclass(frozen=True)
+class QuantizedQKV:
+    """Operands of one int8-QK attention call, as the attention kernel reads them.
+
+    q8 int8 [B, Hq, Lq, D] and q_scale float32 [B, Hq, ceil(Lq/block_m)] (q̃ = Q·τ·log2 e);
+    k8 int8 [B, Hkv, Lk, D] and k_scale float32 [B, Hkv, ceil(Lk/block_n)] (of K − K̄);
+    k_mean float32 [B, Hkv, D]; shift float32 [B, Hq, Lq] (q̃·K̄, for the LSE) or None;
+    v: fp16 V [B, Hkv, Lk, D] (i8-f16) or V^T codes uint8 [B, Hkv, D, Lk_pad] (i8-i8: int8 bytes,
+    i8-f8: e4m3 bytes; keys permuted within each 16-key group, zero past Lk);
+    v_scale float32 [B, Hkv, D] (s_V) and v_out_scale (s_V / 127 or / 448), None for i8-f16.
+    """
+
+    format: str
+    dtype: str  # input (and output) dtype name: "float16" or "bfloat16"
+    dims: tuple  # (B, Hq, Hkv, Lq, Lk, D)
+    block_m: int
+    block_n: int
+    scale: float  # the softmax scale τ folded into q8
+    q8: object
+    q_scale: object
+    k8: object
+    k_scale: object
+    k_mean: object
+    shift: object
+    v: object
+    v_scale: object = None
+    v_out_scale: object = None
+
+    def with_query(self, q, *, kernel=None, with_shift: bool | None = None, scale: float | None = None,
+                   stream=None) -> "QuantizedQKV":
+        """The same K and V operands with new queries q [B, Hq', Lq', D] (same batch and head_dim)."""
+        kernel = kernel or _default_kernel(self.format, self.dims[5])
+        _check_kernel(kernel, self)
+        q = _checked(q, "q", self.dtype, fmt=self.format)
+        b, hq, lq, d = q.shape
+        if b != self.dims[0] or d != self.dims[5]:
+            raise ValueError(f"q: expected batch {self.dims[0]} and head_dim {self.dims[5]}, got shape {q.shape}")
+        check_shapes(q.shape, self.k8.shape, self.k8.shape)
+        with_shift = self.shift is not None if with_shift is None else with_shift
+        scale = self.scale if scale is None else _check_scale(scale, d)
+        with _on(q, stream):
+            q8, q_scale, shift = _quantize_q(kernel, q, self.k_mean, scale, self.dims[2], with_shift, stream)
+        return dataclasses.replace(self, dims=(b, hq, self.dims[2], lq, self.dims[4], d), scale=scale,
+                                   q8=q8, q_scale=q_scale, shift=shift)
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+def _default_kernel(fmt: str, head_dim: int, causal: bool = False):
+    from .api import default_spec
+    from .kernel import build_kernel
+
+    return build_kernel(default_spec(fmt, head_dim, causal=causal))
+
+
+def _check_kernel(kernel, qkv: QuantizedQKV) -> None:
+    spec = kernel.spec
+    if spec.family.launcher != "prefill_i8":
+        raise ValueError(f"kernel: {spec.name} is not an int8-QK kernel")
+    if spec.recipe != qkv.format:
+        raise ValueError(f"kernel: {spec.name} is format {spec.recipe!r}, the operands are {qkv.format!r}")
+    if spec.head_dim != qkv.dims[5]:
+        raise ValueError(f"kernel: {spec.name} has head_dim {spec.head_dim}, the operands {qkv.dims[5]}")
+    if (spec.tile.block_m, spec.tile.block_n) != (qkv.block_m, qkv.block_n):
+        raise ValueError(f"kernel: {spec.name} has scale blocks of {spec.tile.block_m} rows x {spec.tile.block_n} keys, "
+                         f"the operands were quantized with {qkv.block_m} x {qkv.block_n}")
+
+
+def _checked(x, name: str, dtype: str | None, allowed=("float16", "bfloat16"), fmt: str = "int8-QK"):
+    from .launch import _check_view
+
+    x = as_device_array(x, name)
+    if x.ndim != 4:
+        raise ValueError(f"{name}: expected 4 dimensions [batch, heads, seq, head_dim], got shape {x.shape}")
+    if x.dtype.name not in allowed:
+        raise TypeError(f"{name}: format {fmt!r} takes {' or '.join(allowed)}, got {x.dtype.name}")
+    if dtype is not None and x.dtype.name != dtype:
+        raise TypeError(f"{name}: expected {dtype} like the other operands, got {x.dtype.name}")
+    _check_view(x, name, x.itemsize, 16)
+    return x
+
+
+def _check_scale(scale, d: int) -> float:
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale: expected a positive finite number, got {scale}")
+    return scale
+
+
+def _strides(x) -> list:
+    return [np.int64(s // x.itemsize) for s in x.strides[:3]]
+
+
+def _null():
+    return np.uintp(0)
+
+
+@contextlib.contextmanager
+def _on(x, stream):
+    """Run on x's device, with CuPy's own work on stream (when given)."""
+    with x.device:
+        if stream is None:
+            yield
+        else:
+            with stream:
+                yield
+
+
+def _grid_check(b: int, h: int) -> None:
+    if b > 65535 or h > 65535:
+        raise ValueError(f"q: batch and heads must be <= 65535 (grid limits), got batch {b}, heads {h}")
+
+
+# ---- the quantization steps ------------------------------------------------------------------
+
+def _colstats(kernel, x, *, want_sum: bool, want_max: bool, stream):
+    """Per-channel fp64 sum and/or absmax over the key axis of x [B, H, L, D] (partials per chunk
+    of keys on the GPU, finished here; deterministic)."""
+    import cupy
+
+    b, h, length, d = x.shape
+    nchunks = -(-length // COLSTATS_CHUNK)
+    part_sum = cupy.empty((b, h, nchunks, d), dtype=cupy.float64) if want_sum else None
+    part_max = cupy.empty((b, h, nchunks, d), dtype=cupy.float32) if want_max else None
+    fn = kernel.function("_colstats_" + _SUFFIX[x.dtype.name])
+    fn((nchunks, h, b), (d,), (x, *_strides(x), np.int32(length), np.int32(COLSTATS_CHUNK),
+                               part_sum if want_sum else _null(), part_max if want_max else _null()), stream=stream)
+    total = part_sum.sum(axis=2) if want_sum else None
+    amax = part_max.max(axis=2) if want_max else None
+    return total, amax
+
+
+def _quantize_k(kernel, k, stream):
+    import cupy
+
+    b, hkv, lk, d = k.shape
+    bn = kernel.spec.tile.block_n
+    total, _ = _colstats(kernel, k, want_sum=True, want_max=False, stream=stream)
+    k_mean = cupy.ascontiguousarray((total / lk).astype(cupy.float32))  # as quant.smooth_k: fp64 mean -> fp32
+    k8 = cupy.empty((b, hkv, lk, d), dtype=cupy.int8)
+    k_scale = cupy.empty((b, hkv, -(-lk // bn)), dtype=cupy.float32)
+    fn = kernel.function("_quant_k_" + _SUFFIX[k.dtype.name])
+    fn((-(-lk // bn), hkv, b), (QUANT_THREADS,), (k, *_strides(k), np.int32(lk), k_mean, k8, k_scale), stream=stream)
+    return k8, k_scale, k_mean
+
+
+def _quantize_q(kernel, q, k_mean, scale, hkv, with_shift, stream):
+    import cupy
+
+    b, hq, lq, d = q.shape
+    bm = kernel.spec.tile.block_m
+    if hq % hkv:
+        raise ValueError(f"q: {hq} query heads is not a multiple of k's {hkv} kv heads (GQA needs Hq = g*Hkv)")
+    q8 = cupy.empty((b, hq, lq, d), dtype=cupy.int8)
+    q_scale = cupy.empty((b, hq, -(-lq // bm)), dtype=cupy.float32)
+    shift = cupy.empty((b, hq, lq), dtype=cupy.float32) if with_shift else None
+    mul = np.float32(scale * quant.LOG2E)  # as quant.fold_softmax_scale
+    fn = kernel.function("_quant_q_" + _SUFFIX[q.dtype.name])
+    fn((-(-lq // bm), hq, b), (QUANT_THREADS,),
+       (q, *_strides(q), np.int32(lq), np.int32(hq // hkv), mul, k_mean, q8, q_scale,
+        shift if with_shift else _null()), stream=stream)
+    return q8, q_scale, shift
+
+
+def _quantize_v(kernel, v, stream):
+    """The PV operand: (v, v_scale, v_out_scale)."""
+    import cupy
+
+    b, hkv, lk, d = v.shape
+    pv = recipe(kernel.spec.recipe).ctype["pv"]
+    sfx = _SUFFIX[v.dtype.name]
+    if pv == "f16":
+        if v.dtype.name == "float16":
+            return v, None, None
+        v16 = cupy.empty((b, hkv, lk, d), dtype=cupy.float16)
+        fn = kernel.function("_v_to_half_bf16")
+        fn((-(-lk // V_TO_HALF_ROWS), hkv, b), (QUANT_THREADS,), (v, *_strides(v), np.int32(lk), v16), stream=stream)
+        return v16, None, None
+    bn = kernel.spec.tile.block_n
+    lk_pad = -(-lk // bn) * bn
+    _, amax = _colstats(kernel, v, want_sum=False, want_max=True, stream=stream)
+    amax = cupy.ascontiguousarray(amax)
+    v_scale = cupy.empty((b, hkv, d), dtype=cupy.float32)
+    v_out_scale = cupy.empty((b, hkv, d), dtype=cupy.float32)
+    vt = cupy.empty((b, hkv, d, lk_pad), dtype=cupy.uint8)
+    fn = kernel.function("_quant_v_" + sfx)
+    fn((lk_pad // bn, hkv, b), (QUANT_THREADS,),
+       (v, *_strides(v), np.int32(lk), np.int32(lk_pad), amax, v_scale, v_out_scale, vt), stream=stream)
+    return vt, v_scale, v_out_scale
+
+
+def quantize(q, k, v, *, format: str | None = None, scale: float | None = None, with_shift: bool = False,
+             kernel=None, stream=None) -> QuantizedQKV:
+    """Quantize fp16 or bf16 q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D] (any batch/head/sequence
+    strides, channels contiguous) for an int8-QK kernel. Give format (its default kernel for the
+    head dim is built) or kernel (its tile sets the scale blocks). with_shift keeps q̃·K̄, which
+    attention_quantized needs to return the LSE."""
+    if kernel is None:
+        if format is None:
+            raise ValueError("format: give format (e.g. 'i8-f8') or kernel")
+        q_dev = as_device_array(q, "q")
+        if q_dev.ndim != 4:
+            raise ValueError(f"q: expected 4 dimensions [batch, heads, seq, head_dim], got shape {q_dev.shape}")
+        kernel = _default_kernel(format, int(q_dev.shape[-1]))
+    spec = kernel.spec
+    if spec.family.launcher != "prefill_i8":
+        raise ValueError(f"kernel: {spec.name} is not an int8-QK kernel")
+    if format is not None and format != spec.recipe:
+        raise ValueError(f"format: {format!r} does not match the kernel's {spec.recipe!r}")
+    allowed = recipe(spec.recipe).input_dtypes
+    q = _checked(q, "q", None, allowed, spec.recipe)
+    k = _checked(k, "k", None, allowed, spec.recipe)
+    v = _checked(v, "v", None, allowed, spec.recipe)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v: expected one dtype, got {q.dtype.name}, {k.dtype.name}, {v.dtype.name}")
+    for x, n in ((k, "k"), (v, "v")):
+        if x.device.id != q.device.id:
+            raise ValueError(f"{n}: on device {x.device.id}, but q is on device {q.device.id}")
+    b, hq, hkv, lq, lk, d = check_shapes(q.shape, k.shape, v.shape)
+    if d != spec.head_dim:
+        raise ValueError(f"q: head_dim {d} does not match the kernel's {spec.head_dim} ({spec.name})")
+    _grid_check(b, hq)
+    scale = _check_scale(scale, d)
+    with _on(q, stream):
+        k8, k_scale, k_mean = _quantize_k(kernel, k, stream)
+        q8, q_scale, shift = _quantize_q(kernel, q, k_mean, scale, hkv, with_shift, stream)
+        v_op, v_scale, v_out_scale = _quantize_v(kernel, v, stream)
+    return QuantizedQKV(format=spec.recipe, dtype=q.dtype.name, dims=(b, hq, hkv, lq, lk, d),
+                        block_m=spec.tile.block_m, block_n=spec.tile.block_n, scale=scale, q8=q8, q_scale=q_scale,
+                        k8=k8, k_scale=k_scale, k_mean=k_mean, shift=shift, v=v_op, v_scale=v_scale,
+                        v_out_scale=v_out_scale)
+
+
+# ---- attention on quantized operands ---------------------------------------------------------
+
+def attention_quantized(kernel, qkv: QuantizedQKV, *, causal: bool | None = None, return_lse: bool = False,
+                        out=None, stream=None):
+    """softmax(q kᵀ·τ) v from quantized operands; returns out [B, Hq, Lq, D] in the input dtype
+    (and the natural-log LSE [B, Hq, Lq] in fp32 when return_lse). kernel None builds the
+    format's default kernel (causal as given); causal, when given, must match the kernel's."""
+    import cupy
+
+    if kernel is None:
+        kernel = _default_kernel(qkv.format, qkv.dims[5], bool(causal))
+    _check_kernel(kernel, qkv)
+    spec = kernel.spec
+    if causal is not None and bool(causal) != spec.causal:
+        raise ValueError(f"causal: {causal} does not match the kernel {spec.name} (causal={spec.causal})")
+    if return_lse and qkv.shift is None:
+        raise ValueError("return_lse: the LSE needs q̃·K̄; quantize with with_shift=True")
+    b, hq, hkv, lq, lk, d = qkv.dims
+    _grid_check(b, hq)
+    q8 = qkv.q8
+    out_dtype = _out_dtype(qkv.dtype)
+    if out is None:
+        out_arr = cupy.empty((b, hq, lq, d), dtype=out_dtype)
+    else:
+        from .launch import _check_view
+
+        out_arr = as_device_array(out, "out")
+        if out_arr.shape != (b, hq, lq, d) or out_arr.dtype != out_dtype:
+            raise ValueError(f"out: expected shape {(b, hq, lq, d)} and dtype {np.dtype(out_dtype).name}, "
+                             f"got {out_arr.shape} {out_arr.dtype.name}")
+        _check_view(out_arr, "out", out_arr.itemsize, 16)
+    lse = cupy.empty((b, hq, lq), dtype=cupy.float32) if return_lse else None
+    v = qkv.v
+    v_bytes = [np.int64(s) for s in v.strides[:3]]
+    args = (q8, qkv.k8, v, qkv.q_scale, qkv.k_scale, qkv.v_out_scale if qkv.v_out_scale is not None else _null(),
+            out_arr, lse if return_lse else _null(), qkv.shift if (return_lse and qkv.shift is not None) else _null(),
+            *v_bytes, *_strides(out_arr), np.int32(hq), np.int32(hq // hkv), np.int32(lq), np.int32(lk))
+    grid = (-(-lq // spec.tile.block_m), hq, b)
+    with _on(q8, stream):
+        kernel.function("_" + _SUFFIX[qkv.dtype])(grid, (kernel.threads,), args, shared_mem=kernel.shared_bytes,
+                                                   stream=stream)
+    if return_lse:
+        return out_arr, lse
+    return out_arr
+
+
+def _out_dtype(name: str):
+    from .arrays import numpy_dtype
+
+    return numpy_dtype(name)
+
+
+def prefill_i8(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, stream=None):
+    """The launcher of the int8-QK families (launch.LAUNCHERS["prefill_i8"]): quantize, then attend."""
+    example = q
+    qkv = quantize(q, k, v, scale=scale, with_shift=return_lse, kernel=kernel, stream=stream)
+    result = attention_quantized(kernel, qkv, return_lse=return_lse, out=out, stream=stream)
+    if out is not None:
+        return (out, like_input(result[1], example)) if return_lse else out
+    if return_lse:
+        return like_input(result[0], example), like_input(result[1], example)
+    return like_input(result, example)
