@@ -1,0 +1,117 @@
+"""CUDA kernel families of the int8-KV-cache formats (DESIGN §2 "int8 KV cache, exact kernels"):
+``kv8-f32`` (fp32 SIMT over codes dequantized on the way into shared memory), ``kv8-split`` (fp16
+hi + lo split, two m16n8k16 MMAs) and ``kv8-imma`` (24-bit 3-way byte split, m16n8k32 int8 MMAs on
+the codes as stored). ``register`` attaches them to the kv8 recipes of ``recipes.RECIPES``.
+
+The tensor-core kernels share one template (prefill_kv8_mma.cu.j2): each warp owns 16 query rows
+whose Q operand stays in registers; per pipeline slot shared memory holds the K and V codes of BN
+keys (rows of D + 16 bytes) and their two scale rows; one more tile holds V transposed (D rows of
+BN + 16 bytes, keys permuted within 16-key chunks). Their modules also hold a statistics kernel
+(entry ``<name>_stat``) that the launcher runs first.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .recipes import CUDA_ARCHS, SMEM_LIMIT, Family, _simt_problem, _simt_smem
+from .tile import Tile
+
+MMA_TEMPLATE = "cuda/prefill_kv8_mma.cu.j2"
+SIMT_TEMPLATE = "cuda/prefill_kv8_f32.cu.j2"
+LAUNCHER = "prefill_kv8"  # key of runtime.launch.LAUNCHERS (runtime/kv8.py)
+STAT_ENTRY = "_stat"  # suffix of the statistics kernel in the tensor-core modules
+HEAD_DIMS = (64, 128)  # multiples of kv8-imma's 64-channel Q scale group
+MMA_FORMATS = ("kv8-split", "kv8-imma")
+
+
+# Bytes of Q operand per query element kept in shared memory: kv8-imma's three byte parts, or
+# kv8-split's fp16 hi and lo.
+Q_BYTES = {"kv8-imma": 3, "kv8-split": 4}
+
+
+def kv8_mma_smem(fmt: str) -> Callable[[Tile, int], int]:
+    """Bytes of dynamic shared memory: the transposed V tile, STAGES slots of codes and scales, and
+    the Q operand fragments of the block's rows."""
+    def smem(tile: Tile, d: int) -> int:
+        slot = 2 * tile.block_n * (d + 16) + 2 * tile.block_n * 4
+        return d * (tile.block_n + 16) + tile.stages * slot + Q_BYTES[fmt] * tile.block_m * d
+
+    return smem
+
+
+def kv8_mma_problem(fmt: str) -> Callable[[Tile, int], str | None]:
+    def problem(tile: Tile, d: int) -> str | None:
+        return _mma_problem(fmt, tile, d)
+
+    return problem
+
+
+def _mma_problem(fmt: str, tile: Tile, d: int) -> str | None:
+    if tile.block_m != 16 * tile.warps:
+        return f"block_m must be 16 rows per warp (16*warps), got {tile.block_m} with {tile.warps} warps"
+    if not 1 <= tile.warps <= 8:
+        return f"warps must be 1..8, got {tile.warps}"
+    if tile.block_n not in (64, 128):
+        return f"block_n must be 64 or 128 (whole ldmatrix.x4 loads of 64 keys), got {tile.block_n}"
+    if not 2 <= tile.stages <= 4:
+        return f"stages must be 2..4 (K/V slots in the cp.async ring), got {tile.stages}"
+    if d % 64:
+        return f"head_dim must be a multiple of 64, got {d}"
+    need = kv8_mma_smem(fmt)(tile, d)
+    if need > SMEM_LIMIT["cuda"]:
+        return f"needs {need} B of shared memory, over {SMEM_LIMIT['cuda']}"
+    return None
+
+
+def _mma_family(fmt: str) -> Family:
+    """kv8-split or kv8-imma: one template, the products picked by the format (m16n8k32 s8/u8 and
+    m16n8k16 f16 mma.sync, cp.async: sm_80 and later)."""
+    if fmt not in MMA_FORMATS:
+        raise ValueError(f"fmt: expected one of {MMA_FORMATS}, got {fmt!r}")
+    return Family(
+        template=MMA_TEMPLATE,
+        head_dims=HEAD_DIMS,
+        default_tiles={d: Tile(64, 64, 4, 2) for d in HEAD_DIMS},
+        tile_problem=kv8_mma_problem(fmt),
+        smem_bytes=kv8_mma_smem(fmt),
+        archs=CUDA_ARCHS,
+        align_bytes=4,
+        launcher=LAUNCHER,
+    )
+
+
+def _simt_family() -> Family:
+    """kv8-f32: the fp32 SIMT tiling rules of the f32 recipe (same shared-memory layout)."""
+    return Family(
+        template=SIMT_TEMPLATE,
+        head_dims=HEAD_DIMS,
+        default_tiles={d: Tile(32, 32, 4, 1) for d in HEAD_DIMS},
+        tile_problem=_simt_problem,
+        smem_bytes=_simt_smem,
+        archs=CUDA_ARCHS,
+        align_bytes=4,
+        launcher=LAUNCHER,
+    )
+
+
+FAMILY_BUILDERS: dict[str, Callable[[], Family]] = {
+    "kv8-f32": _simt_family,
+    "kv8-split": lambda: _mma_family("kv8-split"),
+    "kv8-imma": lambda: _mma_family("kv8-imma"),
+}
+FAMILIES: dict[str, Family] = {fmt: build() for fmt, build in FAMILY_BUILDERS.items()}
+
+
+def register(recipes: dict) -> None:
+    """Attach the CUDA families to the kv8 recipes (idempotent)."""
+    for fmt, family in FAMILIES.items():
+        recipes[fmt].families["cuda"] = family
+
+
+# ---- fragment layouts (documented here, modelled by tests/test_kv8_compile.py) ----------------
+
+def vt_slot_key(slot: int) -> int:
+    """The key (within its 16-key chunk) that slot s of a transposed V row holds: slots 4t..4t+3
+    are keys 2t, 2t+1, 8+2t, 9+2t, the keys one thread holds in the S accumulator layout."""
+    s = slot % 16
+    return 2 * (s // 4) + s % 4 if s % 4 < 2 else 8 + 2 * (s // 4) + s % 4 - 2
