@@ -369,7 +369,9 @@ def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, arch, as_
 
 def compile_matrix(kind, formats, head_dims, tile, warps, stages, causal, backend, archs, every) -> list[KernelSpec]:
     """The specs of `qattn compile`. With every (--all), an option left out means all its supported
-    values (formats with a kernel, the family's head dims and archs, both causal settings)."""
+    values (formats with a kernel, the family's head dims and archs, both causal settings), and a
+    format that --all picked is built for those of the given head dims and archs it supports."""
+    picked = every and not formats
     if not formats:
         formats = [n for n, r in RECIPES.items() if backend in r.families] if every else ["f16"]
     if not archs and not every:
@@ -378,9 +380,18 @@ def compile_matrix(kind, formats, head_dims, tile, warps, stages, causal, backen
     specs = []
     for fmt in formats:
         family = recipe(fmt).family(backend)
-        dims = head_dims or (family.head_dims if every else [128])
-        for d, arch, c in itertools.product(dims, archs or family.archs, causals):
+        dims, targets = head_dims or (family.head_dims if every else [128]), archs or family.archs
+        if picked:  # e.g. --all --arch sm_80 skips a format whose kernel needs sm_89
+            dims = [d for d in dims if d in family.head_dims]
+            targets = [a for a in targets if a in family.archs]
+        for d, arch, c in itertools.product(dims, targets, causals):
             specs.append(make_spec(kind, fmt, d, tile, warps, stages, c, backend, arch))
+    if not specs:
+        given = {"--head-dim": ", ".join(map(str, head_dims)), "--arch": ", ".join(archs)}
+        given = {option: values for option, values in given.items() if values}
+        raise click.BadParameter(f"no format with a {backend} kernel supports " +
+                                 " with ".join(f"{option} {values}" for option, values in given.items()),
+                                 param_hint=" / ".join(f"'{option}'" for option in given) or None)
     return list(dict.fromkeys(specs))
 
 
