@@ -1,0 +1,481 @@
+"""The int8-KV-cache kernels (kv8-f32, kv8-split, kv8-imma) and the cache writer on a machine with
+no GPU: every spec renders and compiles with NVRTC, every entry point stays in registers, the PTX
+holds the MMAs each format needs; NumPy models of the fragment layouts (transcribed from the
+templates' index expressions, with PTX's mma/ldmatrix fragment definitions) show that the permuted
+and packed operands give Q·Kᵀ and P·V; the int32 sums stay exact; the format dispatch. CPU only."""
+from __future__ import annotations
+
+import functools
+import re
+
+import numpy as np
+import pytest
+
+from qattn.codegen import kv8_families
+from qattn.codegen.recipes import RECIPES, SMEM_LIMIT
+from qattn.codegen.render import entry_name, render
+from qattn.codegen.spec import KernelSpec
+from qattn.codegen.tile import Tile
+from qattn.runtime import quant
+from qattn.runtime.compile import compile_cuda, parse_ptxas
+from qattn.runtime.emulate import IMMA_GROUP
+
+kv8_families.register(RECIPES)  # idempotent (recipes.py registers them on import)
+
+FORMATS = ("kv8-f32", "kv8-split", "kv8-imma")
+SPECS = [KernelSpec(recipe=f, head_dim=d, causal=c, arch=a)
+         for f in FORMATS for a in ("sm_80", "sm_90a") for d in (64, 128) for c in (False, True)]
+SAMPLED = [KernelSpec(recipe=f, head_dim=d, causal=c, arch=a)
+           for a in ("sm_86", "sm_89", "sm_120")
+           for f, d, c in (("kv8-imma", 128, True), ("kv8-split", 64, False), ("kv8-f32", 128, False))]
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(spec: KernelSpec):
+    return compile_cuda(render(spec), spec.arch, spec.name)
+
+
+def _ptx(binary) -> str:
+    ptx = binary.ptx
+    return ptx.decode(errors="replace") if isinstance(ptx, (bytes, bytearray)) else str(ptx)
+
+
+def _entry_resources(log: str, entry: str) -> dict:
+    start = log.find(f"Compiling entry function '{entry}'")
+    assert start >= 0, f"{entry} not in the ptxas log"
+    end = log.find("Compiling entry function", start + 1)
+    return parse_ptxas(log[start:end if end >= 0 else len(log)])
+
+
+def _entries(spec: KernelSpec) -> list[str]:
+    base = entry_name(spec)
+    return [base, base + kv8_families.STAT_ENTRY] if spec.recipe in kv8_families.MMA_FORMATS else [base]
+
+
+def _ids(specs):
+    return [s.name for s in specs]
+
+
+# ---- families, specs, render ------------------------------------------------------------------
+
+def test_families_registered_on_the_kv8_recipes():
+    for fmt in FORMATS:
+        fam = RECIPES[fmt].family("cuda")
+        assert fam is kv8_families.FAMILIES[fmt]
+        assert fam.launcher == kv8_families.LAUNCHER and fam.head_dims == (64, 128)
+        assert RECIPES[fmt].input_dtypes == ("float32",)
+        for d in fam.head_dims:
+            tile = fam.default_tiles[d]
+            assert fam.tile_problem(tile, d) is None
+            assert fam.smem_bytes(tile, d) <= SMEM_LIMIT["cuda"]
+            assert {"sm_80", "sm_86", "sm_89", "sm_90a", "sm_120"} <= set(fam.archs)
+    # the emulator's chunk of keys (block_n) is the kernel's key tile: kv8-imma's w scale groups
+    assert RECIPES["kv8-imma"].family("cuda").default_tiles[128].block_n == 64
+
+
+def test_launcher_registered():
+    from qattn.runtime import kv8
+    from qattn.runtime.launch import LAUNCHERS
+
+    assert LAUNCHERS[kv8_families.LAUNCHER] is kv8.prefill_kv8
+
+
+@pytest.mark.parametrize("tile, d, words", [
+    (Tile(64, 32, 4, 2), 128, "block_n must be 64 or 128"),
+    (Tile(128, 64, 4, 2), 128, "16 rows per warp"),
+    (Tile(64, 64, 4, 1), 64, "stages must be 2..4"),
+    (Tile(64, 128, 4, 4), 128, None),
+])
+def test_mma_tile_rules(tile, d, words):
+    problem = RECIPES["kv8-imma"].family("cuda").tile_problem(tile, d)
+    if words is None:
+        assert problem is None
+        KernelSpec(recipe="kv8-imma", head_dim=d, tile=tile, arch="sm_90a")
+    else:
+        assert words in problem
+        with pytest.raises(ValueError, match=re.escape(words)):
+            KernelSpec(recipe="kv8-imma", head_dim=d, tile=tile, arch="sm_90a")
+
+
+def test_unsupported_head_dim_is_named():
+    with pytest.raises(ValueError, match="kv8-split on cuda supports 64, 128"):
+        KernelSpec(recipe="kv8-split", head_dim=96, arch="sm_90a")
+
+
+@pytest.mark.parametrize("spec", SPECS[:12], ids=_ids(SPECS[:12]))
+def test_render(spec):
+    src = render(spec)
+    for leftover in ("{{", "}}", "{%", "%}", "{#", "#}"):
+        assert leftover not in src
+    assert "#include" not in src
+    assert f"extern \"C\" __global__" in src and entry_name(spec) + "(" in src
+    assert f"constexpr int D = {spec.head_dim};" in src and f"constexpr int BN = {spec.tile.block_n};" in src
+    assert f"constexpr bool CAUSAL = {'true' if spec.causal else 'false'};" in src
+    assert render(spec) == src
+    if spec.recipe in kv8_families.MMA_FORMATS:
+        assert entry_name(spec) + "_stat(" in src
+        assert ("mma_split3" in src) == (spec.recipe == "kv8-imma")
+        assert ("split_f16x2" in src) == (spec.recipe == "kv8-split")
+
+
+# ---- NVRTC compile ----------------------------------------------------------------------------
+
+def _check_compiled(spec: KernelSpec) -> None:
+    binary = _compiled(spec)
+    assert binary.data[:4] == b"\x7fELF"
+    ptx = _ptx(binary)
+    assert re.search(rf"\.target\s+{spec.arch}\b", ptx)
+    for entry in _entries(spec):
+        assert f".entry {entry}(" in ptx
+        res = _entry_resources(binary.log, entry)
+        assert 0 < res["registers"] <= 255, (entry, res)
+        assert res["spill_stores"] == 0 and res["spill_loads"] == 0, (entry, res)
+    # the Kernel reports the attention kernel's figures (it is the first entry ptxas reports)
+    main = _entry_resources(binary.log, entry_name(spec))
+    assert all(binary.resources[k] == main[k] for k in ("registers", "spill_stores", "spill_loads"))
+    s8 = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"
+    u8 = "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32"
+    f16 = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+    if spec.recipe == "kv8-imma":
+        assert s8 in ptx and u8 in ptx and f16 not in ptx
+        assert "cvt.rn.f16" not in ptx  # the codes are consumed as stored
+    elif spec.recipe == "kv8-split":
+        assert f16 in ptx and s8 not in ptx and u8 not in ptx
+        assert "sub.f16x2" in ptx  # int8 -> fp16, exact
+    else:
+        assert "mma.sync" not in ptx
+    if spec.recipe in kv8_families.MMA_FORMATS:
+        assert "cp.async.cg.shared.global" in ptx and "cp.async.ca.shared.global" in ptx and "ldmatrix" in ptx
+    assert not re.search(r"^\s*(atom|red)\.", ptx, re.M)  # deterministic: no atomics
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=_ids(SPECS))
+def test_compile(spec):
+    _check_compiled(spec)
+
+
+@pytest.mark.parametrize("spec", SAMPLED, ids=_ids(SAMPLED))
+def test_compile_other_archs(spec):
+    _check_compiled(spec)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_writer_compiles(arch):
+    from qattn.runtime import kvcache
+
+    src = kvcache.writer_source()
+    assert "#include" not in src and "{{" not in src
+    binary = compile_cuda(src, arch, "kv8_write")
+    ptx = _ptx(binary)
+    for sfx in ("f32", "f16", "bf16"):
+        entry = f"{kvcache.WRITER_NAME}_{sfx}"
+        assert f".entry {entry}(" in ptx
+        res = _entry_resources(binary.log, entry)
+        assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["registers"] > 0
+    assert "div.rn.f32" in ptx and "cvt.rni.s32.f32" in ptx  # the quantizer's IEEE division and rint
+
+
+# ---- int32 exactness ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_int32_sums_are_exact_for_the_kernel_chunks(d):
+    fam = RECIPES["kv8-imma"].family("cuda")
+    chunks = {IMMA_GROUP, fam.default_tiles[d].block_n, 128}  # QK: one channel group; PV: BN keys (<= 128)
+    for terms in chunks:
+        bound = quant.partial_sum_bound(terms)
+        assert bound < 2 ** 31  # no int32 overflow
+        assert bound < quant.F32_EXACT_INT  # cvt.rn.f32.s32 is exact: combine3 sees the true sums
+    # the extreme operands reach the bound's scale: h = -128 is unreachable (|X| <= 127·65536), but
+    # m = 255 with codes -127 over a whole group sums to 255·127·64 exactly in int32 and in fp32
+    worst = 255 * 127 * IMMA_GROUP
+    assert np.float32(worst) == worst
+
+
+# ---- NumPy models of the fragment layouts -------------------------------------------------------
+# PTX fragment definitions (g = lane // 4, t = lane % 4):
+#   m16n8k32 (8-bit): a0 (g, k 4t..4t+3), a1 (g+8, 4t..), a2 (g, 16+4t..), a3 (g+8, 16+4t..);
+#                     b0 (k 4t..4t+3, n g), b1 (k 16+4t.., n g); byte i of a register = k + i.
+#   m16n8k16 (16-bit): a0 (g, k 2t, 2t+1), a1 (g+8, ..), a2 (g, 2t+8, 2t+9), a3 (g+8, ..);
+#                     b0 (k 2t, 2t+1, n g), b1 (k 2t+8, 2t+9, n g).
+#   c0 (g, 2t), c1 (g, 2t+1), c2 (g+8, 2t), c3 (g+8, 2t+1).
+#   ldmatrix .x4 .b16: lane L gives the row address of row L % 8 of matrix L // 8; lane T gets,
+#                     of matrix i, bytes 4(T%4)..4(T%4)+3 of row T // 4.
+
+LANES = np.arange(32)
+G_, T_ = LANES // 4, LANES % 4
+
+
+def byte_perm(x: int, y: int, sel: int) -> int:
+    """CUDA __byte_perm(x, y, s): result byte n is byte (s >> 4n) & 7 of the 8 bytes {y, x}."""
+    pool = (y << 32) | x
+    return sum(((pool >> (8 * ((sel >> (4 * n)) & 7))) & 0xFF) << (8 * n) for n in range(4))
+
+
+def ldmatrix_x4(smem: np.ndarray, lane_addr) -> np.ndarray:
+    """[32 lanes, 4 regs, 4 bytes] from a byte array, given each lane's row address."""
+    rows = np.array([lane_addr(L) for L in range(32)])
+    out = np.zeros((32, 4, 4), dtype=smem.dtype)
+    for T in range(32):
+        for i in range(4):
+            base = rows[8 * i + T // 4]
+            out[T, i] = smem[base + 4 * (T % 4): base + 4 * (T % 4) + 4]
+    return out
+
+
+def mma_k32(a, b) -> np.ndarray:
+    """m16n8k32: a [32, 4, 4] bytes (values), b [32, 2, 4] -> D [16, 8] (int64)."""
+    A = np.zeros((16, 32), dtype=np.int64)
+    B = np.zeros((32, 8), dtype=np.int64)
+    for L in range(32):
+        g, t = L // 4, L % 4
+        for r, (row, k0) in enumerate(((g, 4 * t), (g + 8, 4 * t), (g, 16 + 4 * t), (g + 8, 16 + 4 * t))):
+            A[row, k0:k0 + 4] = a[L, r]
+        B[4 * t:4 * t + 4, g] = b[L, 0]
+        B[16 + 4 * t:16 + 4 * t + 4, g] = b[L, 1]
+    return A @ B
+
+
+def mma_k16(a, b) -> np.ndarray:
+    """m16n8k16: a [32, 4, 2] values, b [32, 2, 2] -> D [16, 8] (float64, exact for our values)."""
+    A = np.zeros((16, 16))
+    B = np.zeros((16, 8))
+    for L in range(32):
+        g, t = L // 4, L % 4
+        for r, (row, k0) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
+            A[row, k0:k0 + 2] = a[L, r]
+        B[2 * t:2 * t + 2, g] = b[L, 0]
+        B[2 * t + 8:2 * t + 10, g] = b[L, 1]
+    return A @ B
+
+
+def c_to_rows(c_per_lane: np.ndarray) -> np.ndarray:
+    """[32, 4] accumulator registers -> [16, 8]."""
+    out = np.zeros((16, 8), dtype=c_per_lane.dtype)
+    for L in range(32):
+        g, t = L // 4, L % 4
+        out[g, 2 * t], out[g, 2 * t + 1], out[g + 8, 2 * t], out[g + 8, 2 * t + 1] = c_per_lane[L]
+    return out
+
+
+def rows_to_c(m: np.ndarray) -> np.ndarray:
+    """[16, 8] -> [32, 4] accumulator registers (the S layout of one n-tile)."""
+    return np.array([[m[L // 4, 2 * (L % 4)], m[L // 4, 2 * (L % 4) + 1], m[L // 4 + 8, 2 * (L % 4)],
+                      m[L // 4 + 8, 2 * (L % 4) + 1]] for L in range(32)])
+
+
+def test_byte_perm_model_and_vt_slot_order():
+    assert byte_perm(0x03020100, 0x07060504, 0x5140) == 0x05010400
+    assert byte_perm(0x03020100, 0x07060504, 0x7632) == 0x07060302
+    assert [kv8_families.vt_slot_key(s) for s in range(16)] == [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]
+
+
+def transpose_v_model(v: np.ndarray, d: int, bn: int) -> np.ndarray:
+    """transpose_v (kv8_mma.cuh.j2), unit by unit: V codes [BN][KPITCH] bytes -> Vt [D][VTPITCH]."""
+    kpitch, vtpitch = d + 16, bn + 16
+    src = np.zeros(bn * kpitch, dtype=np.uint8)
+    for key in range(bn):
+        src[key * kpitch: key * kpitch + d] = v[key].view(np.uint8)
+    vt = np.zeros(d * vtpitch, dtype=np.uint8)
+    ch = bn // 16
+
+    def word(off):
+        return int.from_bytes(src[off:off + 4].tobytes(), "little")
+
+    def put(off, w):
+        vt[off:off + 4] = np.frombuffer(int(w).to_bytes(4, "little"), dtype=np.uint8)
+
+    for u in range(ch * 4 * (d // 4)):
+        quad, chunk, cq = u & 3, (u >> 2) % ch, (u >> 2) // ch
+        s = (16 * chunk + 2 * quad) * kpitch + 4 * cq
+        x0, x1, x2, x3 = word(s), word(s + kpitch), word(s + 8 * kpitch), word(s + 9 * kpitch)
+        lo01, hi01 = byte_perm(x0, x1, 0x5140), byte_perm(x0, x1, 0x7362)
+        lo23, hi23 = byte_perm(x2, x3, 0x5140), byte_perm(x2, x3, 0x7362)
+        dst = 4 * cq * vtpitch + 16 * chunk + 4 * quad
+        put(dst, byte_perm(lo01, lo23, 0x5410))
+        put(dst + vtpitch, byte_perm(lo01, lo23, 0x7632))
+        put(dst + 2 * vtpitch, byte_perm(hi01, hi23, 0x5410))
+        put(dst + 3 * vtpitch, byte_perm(hi01, hi23, 0x7632))
+    return vt
+
+
+@pytest.mark.parametrize("d, bn", [(64, 64), (128, 64), (64, 128)])
+def test_transposed_v_holds_the_permuted_keys(d, bn):
+    rng = np.random.default_rng(d + bn)
+    v = rng.integers(-127, 128, size=(bn, d), dtype=np.int8)
+    vt = transpose_v_model(v, d, bn).reshape(d, bn + 16)[:, :bn].view(np.int8)
+    perm = np.array([16 * (s // 16) + kv8_families.vt_slot_key(s) for s in range(bn)])
+    np.testing.assert_array_equal(vt, v[perm].T)
+
+
+def test_imma_pv_packing_gives_p_times_v():
+    """pv() of kv8_imma.cuh.j2: A packed from the S layout, B by ldmatrix from the permuted Vt."""
+    d, bn = 64, 64
+    rng = np.random.default_rng(0)
+    v = rng.integers(-127, 128, size=(bn, d), dtype=np.int8)
+    w = rng.integers(-128, 128, size=(16, bn))  # any byte part of w (h, l or m): the layout is the same
+    s = np.stack([rows_to_c(w[:, 8 * nt: 8 * nt + 8]) for nt in range(bn // 8)], axis=1)  # [32, NT, 4]
+    vt = transpose_v_model(v, d, bn).view(np.int8)
+    vtpitch = bn + 16
+    out = np.zeros((16, d), dtype=np.int64)
+    for dt in range(d // 8):
+        c = np.zeros((16, 8), dtype=np.int64)
+        for kc in range(bn // 64):
+            b = ldmatrix_x4(vt, lambda L: dt * 8 * vtpitch + kc * 64 + (L & 7) * vtpitch + (L >> 3) * 16)
+            for kk in range(2):
+                kq = 2 * kc + kk
+                a = np.zeros((32, 4, 4), dtype=np.int64)
+                for r in range(4):
+                    h, nb = r & 1, 4 * kq + (r >> 1) * 2
+                    a[:, r] = np.stack([s[:, nb, 2 * h], s[:, nb, 2 * h + 1], s[:, nb + 1, 2 * h],
+                                        s[:, nb + 1, 2 * h + 1]], axis=1)
+                c += mma_k32(a, b[:, 2 * kk: 2 * kk + 2].astype(np.int64))
+        out[:, 8 * dt: 8 * dt + 8] = c
+    np.testing.assert_array_equal(out, w @ v.astype(np.int64))
+
+
+def test_imma_qk_fragments_give_q_times_k():
+    """q_operand() / scores() of kv8_imma.cuh.j2: Q parts in A layout, K rows by ldmatrix."""
+    d, bn = 128, 64
+    kpitch = d + 16
+    rng = np.random.default_rng(1)
+    qp = rng.integers(-128, 128, size=(16, d))
+    k = rng.integers(-127, 128, size=(bn, d), dtype=np.int8)
+    ks = np.zeros(bn * kpitch, dtype=np.int8)
+    for key in range(bn):
+        ks[key * kpitch: key * kpitch + d] = k[key]
+    frag = np.zeros((32, d // 32, 4, 4), dtype=np.int64)  # q_operand: c = ks*32 + (r>>1)*16 + 4t
+    for L in range(32):
+        g, t = L // 4, L % 4
+        for kst in range(d // 32):
+            for r in range(4):
+                row = g + 8 * (r & 1)
+                c = kst * 32 + (r >> 1) * 16 + 4 * t
+                frag[L, kst, r] = qp[row, c:c + 4]
+    s = np.zeros((16, bn), dtype=np.int64)
+    for g_ in range(d // 64):
+        for nt in range(bn // 8):
+            b = ldmatrix_x4(ks, lambda L: nt * 8 * kpitch + g_ * 64 + (L & 7) * kpitch + (L >> 3) * 16)
+            for kk in range(2):
+                s[:, 8 * nt: 8 * nt + 8] += mma_k32(frag[:, 2 * g_ + kk], b[:, 2 * kk: 2 * kk + 2].astype(np.int64))
+    np.testing.assert_array_equal(s, qp @ k.T.astype(np.int64))
+
+
+def s8x2_to_f16x2_model(x: int, sel: int) -> tuple[float, float]:
+    biased = byte_perm(x ^ 0x80808080, 0x64646464, sel)
+    halves = np.array([biased & 0xFFFF, biased >> 16], dtype=np.uint16).view(np.float16).astype(np.float64)
+    return tuple(halves - 1152.0)
+
+
+def test_int8_to_fp16_is_exact():
+    codes = np.arange(-128, 128, dtype=np.int8)
+    for i in range(0, 256, 4):
+        x = int.from_bytes(codes[i:i + 4].tobytes(), "little")
+        assert s8x2_to_f16x2_model(x, 0x4140) == (codes[i], codes[i + 1])
+        assert s8x2_to_f16x2_model(x, 0x4342) == (codes[i + 2], codes[i + 3])
+
+
+def test_split_fragments_give_q_times_k_and_p_times_v():
+    """kv8_split.cuh.j2: Q channels permuted to match int8 K read by ldmatrix; W from the S layout
+    against the permuted Vt read by ldmatrix (vt_lane_offset = lane * VTPITCH)."""
+    d, bn = 128, 64
+    kpitch, vtpitch = d + 16, bn + 16
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((16, d))
+    k = rng.integers(-127, 128, size=(bn, d), dtype=np.int8)
+    ks = np.zeros(bn * kpitch, dtype=np.int8)
+    for key in range(bn):
+        ks[key * kpitch: key * kpitch + d] = k[key]
+    # QK: q_operand packs channels c, c+1 with c = ks*16 + 4t + (r>>1)*2
+    s = np.zeros((16, bn))
+    for nt in range(bn // 8):
+        for kc in range(d // 64):
+            b = ldmatrix_x4(ks, lambda L: nt * 8 * kpitch + kc * 64 + (L & 7) * kpitch + (L >> 3) * 16)
+            for i in range(4):
+                kst = 4 * kc + i
+                a = np.zeros((32, 4, 2))
+                for L in range(32):
+                    g, t = L // 4, L % 4
+                    for r in range(4):
+                        c = kst * 16 + 4 * t + (r >> 1) * 2
+                        a[L, r] = q[g + 8 * (r & 1), c:c + 2]
+                bb = np.stack([b[:, i, 0:2], b[:, i, 2:4]], axis=1).astype(np.float64)  # b0 = bytes 0,1; b1 = 2,3
+                s[:, 8 * nt: 8 * nt + 8] += mma_k16(a, bb)
+    np.testing.assert_allclose(s, q @ k.T.astype(np.float64), rtol=1e-12, atol=1e-9)
+    # PV
+    v = rng.integers(-127, 128, size=(bn, d), dtype=np.int8)
+    w = rng.random((16, bn))
+    sl = np.stack([rows_to_c(w[:, 8 * nt: 8 * nt + 8]) for nt in range(bn // 8)], axis=1)
+    vt = transpose_v_model(v, d, bn).view(np.int8)
+    out = np.zeros((16, d))
+    for kp in range(bn // 16):
+        a = np.stack([sl[:, 2 * kp, 0:2], sl[:, 2 * kp, 2:4], sl[:, 2 * kp + 1, 0:2], sl[:, 2 * kp + 1, 2:4]], axis=1)
+        for dq in range(d // 32):
+            b = ldmatrix_x4(vt, lambda L: dq * 32 * vtpitch + kp * 16 + L * vtpitch)
+            for i in range(4):
+                bb = np.stack([b[:, i, 0:2], b[:, i, 2:4]], axis=1).astype(np.float64)
+                dt = 4 * dq + i
+                out[:, 8 * dt: 8 * dt + 8] += mma_k16(a, bb)
+    np.testing.assert_allclose(out, w @ v.astype(np.float64), rtol=1e-12, atol=1e-9)
+
+
+def split3_device_model(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """split3() of imma.cuh.j2 in int32 arithmetic (>> arithmetic, & on two's complement)."""
+    big = np.rint(np.asarray(x, np.float32) * np.float32(65536)).astype(np.int64)
+    big = np.clip(big, -quant.SPLIT_MAX, quant.SPLIT_MAX).astype(np.int32)
+    m = big & 0xFF
+    rest = (big - m) >> 8
+    low = ((rest + 128) & 0xFF) - 128
+    high = (rest - low) >> 8
+    return high, low, m
+
+
+def test_split3_device_arithmetic_matches_quant():
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.uniform(-127, 127, 100_000), rng.standard_normal(10_000) * 1e-3,
+                        [0.0, 127.0, -127.0, 127.00001, -127.00001, 1 / 65536, -0.5 / 65536, 1.5 / 65536]]).astype(np.float32)
+    h, l, m = split3_device_model(x)
+    qh, ql, qm = quant.split3(x)
+    np.testing.assert_array_equal(h, qh)
+    np.testing.assert_array_equal(l, ql)
+    np.testing.assert_array_equal(m, qm)
+    # byte ranges the MMAs are given: h, l signed bytes; m unsigned
+    assert h.min() >= -128 and h.max() <= 127 and l.min() >= -128 and l.max() <= 127 and m.min() >= 0 and m.max() <= 255
+    # combine3's fp32 order on exact sums equals the emulator's
+    hs, ls, ms = (rng.integers(-(2 ** 20), 2 ** 20, 1000) for _ in range(3))
+    ours = np.float32(np.float32(hs.astype(np.float32) * np.float32(65536)) + np.float32(ls.astype(np.float32) * np.float32(256))) + ms.astype(np.float32)
+    from qattn.runtime.emulate import _combine3
+
+    np.testing.assert_array_equal(ours, _combine3(np.stack([hs, ls, ms]).astype(np.float64)))
+
+
+def test_markstein_division_matches_ieee():
+    """div_by (kv8_mma.cuh.j2): RN(a·RN(1/b)) then one FMA correction gives RN(a/b)."""
+    rng = np.random.default_rng(4)
+    b = (rng.random(2000).astype(np.float32) * np.float32(3) + np.float32(1e-3)).astype(np.float32)
+    a = (rng.random((2000, 50)).astype(np.float32) * b[:, None] * np.float32(127)).astype(np.float32)
+    rb = (np.float32(1) / b).astype(np.float32)
+    q = (a * rb[:, None]).astype(np.float32)
+    resid = (a.astype(np.float64) - q.astype(np.float64) * b[:, None].astype(np.float64)).astype(np.float32)  # exact in fp32
+    corr = (q.astype(np.float64) + resid.astype(np.float64) * rb[:, None].astype(np.float64)).astype(np.float32)
+    np.testing.assert_array_equal(corr, (a / b[:, None]).astype(np.float32))
+
+
+# ---- format dispatch ------------------------------------------------------------------------------
+
+def test_default_format_and_env_override(monkeypatch):
+    from qattn.runtime import kv8
+
+    monkeypatch.delenv(kv8.ENV_VAR, raising=False)
+    for arch in ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_120"):
+        assert kv8.default_format(arch) == "kv8-imma"
+        assert kv8.resolve_format(None, arch) == "kv8-imma" == kv8.resolve_format("kv8", arch)
+    assert kv8.default_format("sm_75") == "kv8-f32"
+    for value, fmt in (("imma", "kv8-imma"), ("split", "kv8-split"), ("f32", "kv8-f32"), (" Split ", "kv8-split")):
+        monkeypatch.setenv(kv8.ENV_VAR, value)
+        assert kv8.resolve_format(None, "sm_90a") == fmt == kv8.resolve_format("kv8", "sm_90a")
+        assert kv8.resolve_format("kv8-imma", "sm_90a") == "kv8-imma"  # an explicit format wins
+    monkeypatch.setenv(kv8.ENV_VAR, "fp8")
+    with pytest.raises(ValueError, match="QATTN_PREFILL_KV8: expected one of imma, split, f32"):
+        kv8.resolve_format(None, "sm_90a")
+    with pytest.raises(ValueError, match="format: an int8 KV cache runs one of"):
+        kv8.resolve_format("f16", "sm_90a")
