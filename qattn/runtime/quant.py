@@ -34,6 +34,8 @@ E4M3 = ml_dtypes.float8_e4m3fn
 # The 3-way split represents x (|x| <= 127) as X = rint(x * SPLIT_ONE), 24 bits.
 SPLIT_ONE = 65536
 SPLIT_MAX = INT8_MAX * SPLIT_ONE
+# An int32 accumulator converts to float32 exactly (cvt.rn.f32.s32) below this magnitude.
+F32_EXACT_INT = 2 ** 24
 GRANULARITIES = ("block", "warp", "thread")
 
 
@@ -157,7 +159,8 @@ class Int8Cache:
         if self.codes.dtype != np.int8 or self.codes.ndim != 4:
             raise ValueError(f"codes: expected int8 [B, Hkv, L, D], got {self.codes.dtype} {self.codes.shape}")
         if self.scales.dtype != np.float32 or self.scales.shape != self.codes.shape[:3]:
-            raise ValueError(f"scales: expected float32 {self.codes.shape[:3]}, got {self.scales.dtype} {self.scales.shape}")
+            raise ValueError(f"scales: expected float32 {self.codes.shape[:3]}, "
+                             f"got {self.scales.dtype} {self.scales.shape}")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -191,6 +194,16 @@ def split3(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def join3(h: np.ndarray, l: np.ndarray, m: np.ndarray) -> np.ndarray:
     """Exact inverse of split3: X = h·65536 + l·256 + m as int64."""
     return h.astype(np.int64) * SPLIT_ONE + l.astype(np.int64) * 256 + m.astype(np.int64)
+
+
+def partial_sum_bound(terms: int) -> int:
+    """The largest magnitude an exact integer sum of ``terms`` byte products can reach: an 8-bit
+    operand part (|h|, |l| <= 128, m <= 255) times an int8 code (|c| <= 128). The kernels'
+    int32 sums — Q8·K8 over head_dim, the split parts times K8 over a channel group, times V8 over
+    a chunk of keys — are all bounded by it."""
+    if terms < 1:
+        raise ValueError(f"terms: expected a positive number of products, got {terms}")
+    return 255 * 128 * int(terms)
 
 
 def split_f16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
