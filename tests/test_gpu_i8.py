@@ -1,0 +1,324 @@
+"""int8-QK kernels (i8-f16, i8-i8, i8-f8) on the GPU: each against its CPU emulator (what the
+kernel must compute, rel_l2 <= 1e-3) and against FP64 (the recipe's tolerance); tails, GQA,
+causal Lq != Lk, fp16 and bf16, strided BSHD views, LSE with q·K̄ restored, NaN-poisoned outputs,
+64-bit offsets, the separate quantization steps (codes checked exactly against qattn.runtime.quant)
+and argument errors.
+
+Run the first GPU check in this order (each isolates one layer): test_quantization_steps_match_quant
+(the quantization kernels alone), then test_against_emulator_and_fp64 for one small shape, then the
+rest."""
+import numpy as np
+import pytest
+
+import qattn
+from qattn.codegen.recipes import recipe
+from qattn.runtime import emulate, metrics, quant, reference
+from qattn.runtime.arrays import numpy_dtype
+
+pytestmark = pytest.mark.gpu
+
+FORMATS = ["i8-f16", "i8-i8", "i8-f8"]
+EMU_REL_L2 = 1e-3  # kernel vs its emulator
+F32 = np.float32
+
+
+def _skip_unsupported(fmt):
+    from qattn.codegen.spec import device_arch
+
+    if device_arch() not in recipe(fmt).family("cuda").archs:
+        pytest.skip(f"{fmt} needs one of {recipe(fmt).family('cuda').archs}")
+
+
+def _host(rng, shape, dtype, offset=None):
+    x = rng.standard_normal(shape).astype(F32)
+    if offset is not None:
+        x = x + offset
+    return x.astype(numpy_dtype(dtype))
+
+
+def _inputs(rng, dtype, b, hq, hkv, lq, lk, d, k_bias=True):
+    """N(0,1) q, k, v; k gets a per-channel offset (what K smoothing removes) unless k_bias is False."""
+    import cupy
+
+    bias = (2.0 * rng.standard_normal((1, 1, 1, d))).astype(F32) if k_bias else None
+    host = [_host(rng, (b, hq, lq, d), dtype), _host(rng, (b, hkv, lk, d), dtype, bias),
+            _host(rng, (b, hkv, lk, d), dtype)]
+    return host, [cupy.asarray(x) for x in host]
+
+
+def _f32(x):
+    from qattn.runtime.reference import to_numpy
+
+    return np.asarray(to_numpy(x)).astype(F32)
+
+
+def _check(fmt, out, host, *, causal, scale=None, lse=None):
+    """out against the emulator (rounded to out's dtype, as the kernel rounds its fp32 result) and FP64."""
+    out32 = _f32(out)
+    assert not np.isnan(out32).any(), "out has NaNs: not every element was written"
+    emu = emulate.emulate(fmt, *host, causal=causal, scale=scale, return_lse=lse is not None)
+    emu_out = emu[0] if lse is not None else emu
+    emu_out = emu_out.astype(host[0].dtype).astype(F32)
+    err = metrics.compare(out32, emu_out)
+    assert err.nonfinite == 0, err
+    assert err.rel_l2 <= EMU_REL_L2, ("vs emulator", err)
+    tol = recipe(fmt).tolerance
+    ref = reference.attention(*host, causal=causal, scale=scale, return_lse=lse is not None)
+    ref_err = metrics.compare(out32, ref[0] if lse is not None else ref)
+    assert ref_err.rel_l2 <= tol.rel_l2 and ref_err.max_rel <= tol.max_rel, ("vs FP64", ref_err, tol)
+    if lse is not None:
+        got = _f32(lse)
+        np.testing.assert_allclose(got, emu[1], rtol=1e-4, atol=1e-4)  # natural log, q·K̄ restored
+        np.testing.assert_allclose(got, ref[1], rtol=0, atol=5e-2)
+    return err
+
+
+def _poisoned(q):
+    import cupy
+
+    return cupy.full(q.shape, np.nan, dtype=q.dtype)
+
+
+SHAPES = [(1, 1), (7, 7), (129, 129), (1, 2100), (129, 1500), (1500, 2100), (2100, 1500), (7, 129)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lq,lk", SHAPES)
+def test_against_emulator_and_fp64(fmt, head_dim, causal, lq, lk):
+    _skip_unsupported(fmt)
+    rng = np.random.default_rng(hash((fmt, head_dim, causal, lq, lk)) % 2**32)
+    group = 4 if (lq + lk) % 2 else 1
+    host, (q, k, v) = _inputs(rng, "float16", 1, 4, 4 // group, lq, lk, head_dim)
+    out = _poisoned(q)
+    res = qattn.attention(q, k, v, format=fmt, causal=causal, out=out)
+    assert res is out
+    _check(fmt, out, host, causal=causal)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lq,lk", [(129, 1500), (2100, 1500)])
+def test_bf16_inputs(fmt, head_dim, causal, lq, lk):
+    _skip_unsupported(fmt)
+    rng = np.random.default_rng(hash(("bf16", fmt, head_dim, causal, lq, lk)) % 2**32)
+    host, (q, k, v) = _inputs(rng, "bfloat16", 2, 4, 1, lq, lk, head_dim)
+    out = qattn.attention(q, k, v, format=fmt, causal=causal)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    _check(fmt, out, host, causal=causal)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gqa_and_lse(fmt, group, dtype):
+    _skip_unsupported(fmt)
+    rng = np.random.default_rng(group)
+    host, (q, k, v) = _inputs(rng, dtype, 2, 8, 8 // group, 300, 1029, 128)
+    out = _poisoned(q)
+    res, lse = qattn.attention(q, k, v, format=fmt, causal=True, return_lse=True, scale=0.05, out=out)
+    assert res is out and lse.shape == (2, 8, 300) and lse.dtype == np.float32
+    _check(fmt, out, host, causal=True, scale=0.05, lse=lse)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_causal_rows_without_keys(fmt):
+    _skip_unsupported(fmt)
+    rng = np.random.default_rng(7)
+    host, (q, k, v) = _inputs(rng, "float16", 1, 2, 2, 300, 100, 64)  # first 200 rows see no key
+    out, lse = qattn.attention(q, k, v, format=fmt, causal=True, return_lse=True)
+    assert np.all(_f32(out)[:, :, :200] == 0)
+    assert np.all(np.isneginf(_f32(lse)[:, :, :200]))
+    _check(fmt, out, host, causal=True, lse=lse)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_strided_bshd_views(fmt, dtype):
+    import cupy
+
+    _skip_unsupported(fmt)
+    rng = np.random.default_rng(3)
+    b, length, h, d = 2, 777, 4, 128
+    packed = cupy.asarray(_host(rng, (b, length, 3, h, d), dtype))
+    q, k, v = (packed[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # BSHD views, no copy
+    assert not q.flags.c_contiguous
+    out_store = cupy.full((b, length, h, d), np.nan, dtype=q.dtype)
+    out = out_store.transpose(0, 2, 1, 3)
+    qattn.attention(q, k, v, format=fmt, out=out, causal=True)
+    _check(fmt, out, [q.get(), k.get(), v.get()], causal=True)
+
+
+def _unpermute_vt(vt, lk):
+    """[B, H, D, Lpad] V^T codes in the kernel's key order -> [B, H, Lk, D]."""
+    keys = np.arange(lk)
+    lo = keys & 15
+    col = (keys & ~15) + 4 * ((lo & 7) >> 1) + (lo & 1) + 2 * (lo >> 3)
+    return np.swapaxes(vt[..., col], -1, -2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_quantization_steps_match_quant(fmt, dtype):
+    """The quantization kernels alone, against qattn.runtime.quant (what the emulator uses)."""
+    from qattn.runtime import int8
+
+    _skip_unsupported(fmt)
+    rng = np.random.default_rng(11)
+    b, hq, hkv, lq, lk, d = 2, 4, 2, 300, 1029, 128
+    host, (q, k, v) = _inputs(rng, dtype, b, hq, hkv, lq, lk, d)
+    qkv = int8.quantize(q, k, v, format=fmt, with_shift=True)
+    q32, k32, v32 = (np.asarray(x, F32) for x in host)
+    scale = 1 / np.sqrt(d)
+    assert qkv.dims == (b, hq, hkv, lq, lk, d) and (qkv.block_m, qkv.block_n) == (128, 64)
+    # K mean and K codes (one scale per 64 keys)
+    k_smooth, k_mean = quant.smooth_k(k32)
+    np.testing.assert_allclose(qkv.k_mean.get(), k_mean[..., 0, :], rtol=1e-6, atol=1e-7)
+    k8 = quant.quantize_int8(k_smooth, 64, operand="k")
+    got_k8 = qkv.k8.get()
+    mismatch = np.abs(got_k8.astype(int) - k8.codes.astype(int))
+    assert mismatch.max() <= 1 and (mismatch > 0).mean() < 1e-4, "K codes"
+    np.testing.assert_allclose(qkv.k_scale.get(), k8.scale[..., ::64, 0], rtol=1e-6)
+    # Q codes: exact (they depend on q and the scale only)
+    q2 = quant.fold_softmax_scale(q32, scale)
+    q8 = quant.quantize_int8(q2, 128, operand="q")
+    np.testing.assert_array_equal(qkv.q8.get(), q8.codes)
+    np.testing.assert_array_equal(qkv.q_scale.get(), q8.scale[..., ::128, 0])
+    shift = np.einsum("bgqd,bgd->bgq", q2.reshape(b, hkv, hq // hkv * lq, d), k_mean[..., 0, :])
+    np.testing.assert_allclose(qkv.shift.get(), shift.reshape(b, hq, lq), rtol=1e-4, atol=1e-5)
+    # V operand
+    pv = recipe(fmt).ctype["pv"]
+    if pv == "f16":
+        assert qkv.v.dtype == np.float16 and qkv.v_scale is None
+        np.testing.assert_array_equal(qkv.v.get(), v32.astype(np.float16))
+    else:
+        vq = quant.quantize_v_int8(v32) if pv == "i8" else quant.quantize_v_e4m3(v32)
+        lk_pad = -(-lk // 64) * 64
+        vt = qkv.v.get()
+        assert vt.shape == (b, hkv, d, lk_pad) and vt.dtype == np.uint8
+        assert not vt[..., lk:].any(), "V^T padding must be zero codes"
+        np.testing.assert_array_equal(_unpermute_vt(vt, lk), vq.codes.view(np.uint8))
+        np.testing.assert_array_equal(qkv.v_scale.get(), vq.scale[..., 0, :])
+        p_scale = F32(quant.INT8_MAX if pv == "i8" else quant.E4M3_MAX)
+        np.testing.assert_array_equal(qkv.v_out_scale.get(), (vq.scale[..., 0, :] / p_scale).astype(F32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_separate_steps(fmt):
+    """quantize once, attend many times; new queries against the same quantized K/V."""
+    from qattn.runtime import int8
+
+    _skip_unsupported(fmt)
+    rng = np.random.default_rng(12)
+    host, (q, k, v) = _inputs(rng, "float16", 1, 4, 2, 200, 700, 64)
+    kernel = qattn.build("prefill", format=fmt, head_dim=64, causal=True)
+    qkv = int8.quantize(q, k, v, kernel=kernel, with_shift=True)
+    out, lse = int8.attention_quantized(kernel, qkv, return_lse=True)
+    whole, whole_lse = qattn.attention(q, k, v, format=fmt, causal=True, return_lse=True)
+    assert bytes(out.get().data) == bytes(whole.get().data)
+    np.testing.assert_array_equal(lse.get(), whole_lse.get())
+    _check(fmt, out, host, causal=True, lse=lse)
+    # the LSE needs the shift
+    bare = int8.quantize(q, k, v, kernel=kernel)
+    assert bare.shift is None
+    with pytest.raises(ValueError, match="with_shift"):
+        int8.attention_quantized(kernel, bare, return_lse=True)
+    assert bytes(int8.attention_quantized(kernel, bare).get().data) == bytes(out.get().data)
+    # new queries (another length), same K/V codes
+    q_new_host = _host(rng, (1, 4, 33, 64), "float16")
+    import cupy
+
+    qkv2 = qkv.with_query(cupy.asarray(q_new_host), kernel=kernel)
+    assert qkv2.k8 is qkv.k8 and qkv2.dims[3] == 33
+    out2 = int8.attention_quantized(kernel, qkv2)
+    _check(fmt, out2, [q_new_host, host[1], host[2]], causal=True)
+    # a kernel of another format or causality does not take these operands
+    with pytest.raises(ValueError, match="causal"):
+        int8.attention_quantized(kernel, qkv, causal=False)
+    other = "i8-i8" if fmt != "i8-i8" else "i8-f16"
+    with pytest.raises(ValueError, match="format"):
+        int8.attention_quantized(qattn.build("prefill", format=other, head_dim=64, causal=True), qkv)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_output_deterministic(fmt):
+    _skip_unsupported(fmt)
+    rng = np.random.default_rng(9)
+    host, (q, k, v) = _inputs(rng, "float16", 2, 4, 4, 1029, 2100, 128)
+    a, b = _poisoned(q), _poisoned(q)
+    qattn.attention(q, k, v, format=fmt, out=a, causal=True)
+    qattn.attention(q, k, v, format=fmt, out=b, causal=True)
+    assert not np.isnan(_f32(a)).any()
+    assert bytes(a.get().data) == bytes(b.get().data)
+
+
+def test_offsets_past_2_to_31():
+    """B·H·L·D past 2^31 elements: the kernels' int64 offsets (checked on the last heads)."""
+    import cupy
+
+    fmt = "i8-i8"
+    b, h, length, d = 1, 16400, 1024, 128  # 2.15e9 elements per tensor
+    assert b * h * length * d > 2**31
+    cupy.random.seed(5)
+    q, k, v = (cupy.random.standard_normal((b, h, length, d), dtype=cupy.float32).astype(cupy.float16)
+               for _ in range(3))
+    out = qattn.attention(q, k, v, format=fmt)
+    tail = slice(h - 2, h)
+    host = [x[:, tail].get() for x in (q, k, v)]
+    got = out[:, tail].get()
+    del q, k, v, out
+    cupy.get_default_memory_pool().free_all_blocks()
+    _check(fmt, got, host, causal=False)
+
+
+def test_bad_inputs_raise_clear_errors():
+    import cupy
+
+    from qattn.runtime import int8
+
+    q = cupy.ones((1, 2, 16, 64), dtype=cupy.float16) * 0.5
+    with pytest.raises(TypeError, match="q: format 'i8-i8' takes float16 or bfloat16"):
+        qattn.attention(q.astype(cupy.float32), q, q, format="i8-i8")
+    with pytest.raises(TypeError, match="one dtype"):
+        q_bf16 = cupy.asarray(np.full((1, 2, 16, 64), 0.5, dtype=numpy_dtype("bfloat16")))
+        qattn.attention(q, q_bf16, q_bf16, format="i8-i8")
+    with pytest.raises(ValueError, match="head_dim"):
+        qattn.attention(*(cupy.ones((1, 2, 16, 96), dtype=cupy.float16),) * 3, format="i8-i8")
+    with pytest.raises(ValueError, match="k: head_dim"):
+        bad = cupy.ones((1, 2, 16, 128), dtype=cupy.float16)
+        qattn.attention(q, bad, bad, format="i8-i8")
+    with pytest.raises(ValueError, match="multiple"):
+        qattn.attention(cupy.ones((1, 3, 16, 64), dtype=cupy.float16), q, q, format="i8-i8")
+    with pytest.raises(ValueError, match="out: expected shape"):
+        qattn.attention(q, q, q, format="i8-i8", out=cupy.empty((1, 2, 15, 64), dtype=cupy.float16))
+    with pytest.raises(ValueError, match="out: expected shape"):
+        qattn.attention(q, q, q, format="i8-i8", out=cupy.empty((1, 2, 16, 64), dtype=cupy.float32))
+    with pytest.raises(ValueError, match="contiguous"):
+        wide = cupy.ones((1, 2, 16, 128), dtype=cupy.float16)
+        qattn.attention(wide[..., ::2], wide[..., ::2], wide[..., ::2], format="i8-i8")
+    with pytest.raises(TypeError, match="q: expected a CUDA array"):
+        qattn.attention(np.ones((1, 2, 16, 64), np.float16), q, q, format="i8-i8")
+    with pytest.raises(ValueError, match="scale"):
+        qattn.attention(q, q, q, format="i8-i8", scale=-1.0)
+    with pytest.raises(ValueError, match="format"):
+        int8.quantize(q, q, q)
+
+
+def test_constant_inputs_give_finite_output():
+    """All-equal keys (K − K̄ = 0: s_K = 0) and all-zero queries (s_Q = 0): zero scores, uniform p."""
+    import cupy
+
+    from qattn.codegen.spec import device_arch
+
+    for fmt in FORMATS:
+        if device_arch() not in recipe(fmt).family("cuda").archs:
+            continue
+        q = cupy.zeros((1, 2, 130, 64), dtype=cupy.float16)
+        k = cupy.ones((1, 2, 200, 64), dtype=cupy.float16)
+        rng = np.random.default_rng(4)
+        v_host = rng.standard_normal((1, 2, 200, 64)).astype(np.float16)
+        out, lse = qattn.attention(q, k, cupy.asarray(v_host), format=fmt, causal=True, return_lse=True)
+        host = [q.get(), k.get(), v_host]
+        _check(fmt, out, host, causal=True, lse=lse)
