@@ -8,8 +8,9 @@ from .runtime import metrics, reference  # noqa: E402
 from .runtime.api import attention, build, default_spec  # noqa: E402
 from .runtime.compile import CompileError  # noqa: E402
 from .runtime.cache import KernelNotCached  # noqa: E402
+from .runtime.kvcache import KVCacheInt8  # noqa: E402
 
 __all__ = [
     "__version__", "attention", "build", "default_spec", "KernelSpec", "Tile", "RECIPES", "recipe",
-    "reference", "metrics", "CompileError", "KernelNotCached",
+    "reference", "metrics", "CompileError", "KernelNotCached", "KVCacheInt8",
 ]

@@ -77,7 +77,7 @@ def test_launcher_registered():
     from qattn.runtime import kv8
     from qattn.runtime.launch import LAUNCHERS
 
-    assert LAUNCHERS[kv8_families.LAUNCHER] is kv8.prefill_kv8
+    assert kv8_families.LAUNCHER in LAUNCHERS and callable(kv8.prefill_kv8) and callable(kv8.attention_kv8)
 
 
 @pytest.mark.parametrize("tile, d, words", [
@@ -407,14 +407,16 @@ def test_split_fragments_give_q_times_k_and_p_times_v():
     sl = np.stack([rows_to_c(w[:, 8 * nt: 8 * nt + 8]) for nt in range(bn // 8)], axis=1)
     vt = transpose_v_model(v, d, bn).view(np.int8)
     out = np.zeros((16, d))
-    for kp in range(bn // 16):
-        a = np.stack([sl[:, 2 * kp, 0:2], sl[:, 2 * kp, 2:4], sl[:, 2 * kp + 1, 0:2], sl[:, 2 * kp + 1, 2:4]], axis=1)
-        for dq in range(d // 32):
+    a = [np.stack([sl[:, 2 * kp, 0:2], sl[:, 2 * kp, 2:4], sl[:, 2 * kp + 1, 0:2], sl[:, 2 * kp + 1, 2:4]], axis=1)
+         for kp in range(bn // 16)]
+    for dq in range(d // 32):
+        part = np.zeros((16, 32))  # the block's product, added to the accumulator once
+        for kp in range(bn // 16):
             b = ldmatrix_x4(vt, lambda L: dq * 32 * vtpitch + kp * 16 + L * vtpitch)
             for i in range(4):
                 bb = np.stack([b[:, i, 0:2], b[:, i, 2:4]], axis=1).astype(np.float64)
-                dt = 4 * dq + i
-                out[:, 8 * dt: 8 * dt + 8] += mma_k16(a, bb)
+                part[:, 8 * i: 8 * i + 8] += mma_k16(a[kp], bb)
+        out[:, 32 * dq: 32 * dq + 32] += part
     np.testing.assert_allclose(out, w @ v.astype(np.float64), rtol=1e-12, atol=1e-9)
 
 

@@ -287,3 +287,9 @@ def recipe(name: str) -> Recipe:
     if name not in RECIPES:
         raise ValueError(f"format: unknown {name!r}; known formats: {', '.join(RECIPES)}")
     return RECIPES[name]
+
+
+# The int8-KV-cache kernels (kv8-f32, kv8-split, kv8-imma) are defined in kv8_families.py.
+from .kv8_families import register as _register_kv8  # noqa: E402
+
+_register_kv8(RECIPES)

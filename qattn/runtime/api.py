@@ -36,12 +36,23 @@ def default_spec(format: str, head_dim: int, *, causal: bool = False, arch: str 
                       arch=arch or device_arch())
 
 
-def attention(q, k, v, *, format: str = "f16", causal: bool = False, scale: float | None = None,
+def attention(q, k, v=None, *, format: str | None = None, causal: bool = False, scale: float | None = None,
               return_lse: bool = False, out=None, tile: Tile | None = None):
-    """softmax(q kᵀ·scale) v on the GPU in the given format. q [B, Hq, Lq, D], k and v
+    """softmax(q kᵀ·scale) v on the GPU in the given format (default "f16"). q [B, Hq, Lq, D], k and v
     [B, Hkv, Lk, D] (any strides on batch, head and sequence; D contiguous), Hq a multiple of
     Hkv; causal masks are bottom-right aligned. Returns out (and the natural-log LSE [B, Hq, Lq]
-    in fp32 when return_lse)."""
+    in fp32 when return_lse). With an int8 KV cache, attention(q, cache, ...) (a qattn.KVCacheInt8)
+    runs a kv8 format: see runtime/kv8.py for how it is chosen (format=, $QATTN_PREFILL_KV8)."""
+    from .kvcache import KVCacheInt8
+
+    if isinstance(k, KVCacheInt8) or (format is not None and format.startswith("kv8")):
+        from .kv8 import attention_kv8
+
+        return attention_kv8(q, k, v, format=format, causal=causal, scale=scale, return_lse=return_lse, out=out,
+                             tile=tile)
+    if v is None:
+        raise ValueError("v: expected V [B, Hkv, Lk, D] (or pass a qattn.KVCacheInt8 as k)")
+    format = "f16" if format is None else format
     q_dev = as_device_array(q, "q")
     if q_dev.ndim != 4:
         raise ValueError(f"q: expected 4 dimensions [batch, heads, seq, head_dim], got shape {q_dev.shape}")

@@ -79,5 +79,11 @@ def _prefill_i8(kernel, *args, **kwargs):
     return prefill_i8(kernel, *args, **kwargs)
 
 
+def _prefill_kv8(kernel, *args, **kwargs):
+    from .kv8 import prefill_kv8
+
+    return prefill_kv8(kernel, *args, **kwargs)
+
+
 # Family.launcher -> function(kernel, q, k, v, *, scale, return_lse, out, stream)
-LAUNCHERS = {"prefill": prefill, "prefill_i8": _prefill_i8}
+LAUNCHERS = {"prefill": prefill, "prefill_i8": _prefill_i8, "prefill_kv8": _prefill_kv8}
