@@ -283,11 +283,9 @@ class KVCacheInt8:
         dtype = np.dtype(dtype)
         if dtype.kind != "f":
             raise TypeError(f"dtype: expected a floating type, got {dtype}")
-        out = []
-        for codes, scales in (self.k, self.v):
-            out.append(codes.astype(dtype) * scales.astype(dtype)[..., None])
         with self.device:
-            return tuple(cupy.ascontiguousarray(x) for x in out)
+            return tuple(cupy.ascontiguousarray(codes.astype(dtype) * scales.astype(dtype)[..., None])
+                         for codes, scales in (self.k, self.v))
 
     def host(self) -> tuple[quant.Int8Cache, quant.Int8Cache]:
         """(K, V) as CPU quant.Int8Cache objects (the emulators' and quant's cache type)."""
