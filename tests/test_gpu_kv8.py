@@ -18,13 +18,17 @@ FORMATS = ("kv8-f32", "kv8-split", "kv8-imma")
 SHAPES = [(1, 1), (7, 7), (1, 2100), (7, 1500), (129, 7), (129, 129), (129, 2100), (1500, 1500), (2100, 2100),
           (2100, 1500)]
 OUTLIER_SHAPES = [(7, 1500), (129, 2100), (1500, 1500), (2100, 1500)]
-# On N(0,1) data every kernel meets the recipes' tolerance (max_rel and rel_l2 <= 1e-5). With
-# K outlier channels (12-44x the others, DESIGN §3) the logits grow to tens and fp32 itself costs
-# more: the emulators (exact models of the formats) reach max_rel 1.5e-5 (kv8-f32) there, so the
-# bound on max_rel is looser; rel_l2 stays at the recipes' 1e-5.
+# On N(0,1) data every kernel meets the recipes' tolerance (max_rel and rel_l2 <= 1e-5; the
+# emulators reach 1.8e-6 / 4.3e-7 there). With K outlier channels (12-44x the others, DESIGN §3) the
+# logits grow to tens and fp32 itself costs more: the emulators (exact models of the formats) reach
+# max_rel 2.8e-5 (kv8-f32) and 6.4e-6 (kv8-split, kv8-imma) there, so the bounds on max_rel are
+# looser (kv8-split's tensor-core accumulation truncates, so it gets more room); rel_l2 stays at
+# the recipes' 1e-5 (emulators: <= 1.9e-6).
+_RANDOM = {"ref_max_rel": 1e-5, "ref_rel_l2": 1e-5, "emu_max_rel": 1e-5, "emu_rel_l2": 2e-6}
 BOUNDS = {
-    "random": {"ref_max_rel": 1e-5, "ref_rel_l2": 1e-5, "emu_max_rel": 1e-5, "emu_rel_l2": 2e-6},
-    "outlier": {"ref_max_rel": 5e-5, "ref_rel_l2": 1e-5, "emu_max_rel": 5e-5, "emu_rel_l2": 5e-6},
+    "random": {fmt: _RANDOM for fmt in FORMATS},
+    "outlier": {fmt: {"ref_max_rel": m, "ref_rel_l2": 1e-5, "emu_max_rel": m, "emu_rel_l2": 5e-6}
+                for fmt, m in (("kv8-f32", 1e-4), ("kv8-split", 5e-5), ("kv8-imma", 3e-5))},
 }
 
 
@@ -67,9 +71,9 @@ def _ref(q, cache, causal, **kw):
 def _check_all(q, cache, causal, kind):
     ref = _ref(q, cache, causal)
     d = q.shape[-1]
-    bounds = BOUNDS[kind]
     errs = {}
     for fmt in FORMATS:
+        bounds = BOUNDS[kind][fmt]
         out = _run(fmt, q, cache, causal)
         err = metrics.compare(out, ref)
         assert err.nonfinite == 0, (fmt, err)
@@ -87,7 +91,7 @@ def _check_all(q, cache, causal, kind):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_against_fp64_and_emulator(head_dim, causal, lq, lk):
-    rng = np.random.default_rng(hash((head_dim, causal, lq, lk)) % 2**32)
+    rng = np.random.default_rng([head_dim, int(causal), lq, lk])
     hkv = 1 if (lq + lk + head_dim) % 2 else 4  # GQA 4 and 1
     q, k, v = _data(rng, 1, 4, hkv, lq, lk, head_dim)
     _check_all(q, _cache(k, v), causal, "random")
@@ -97,7 +101,7 @@ def test_against_fp64_and_emulator(head_dim, causal, lq, lk):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_outlier_data(head_dim, causal, lq, lk):
-    rng = np.random.default_rng(hash(("outlier", head_dim, causal, lq, lk)) % 2**32)
+    rng = np.random.default_rng([7, head_dim, int(causal), lq, lk])
     q, k, v = _data(rng, 1, 4, 1 if causal else 4, lq, lk, head_dim, "outlier")
     _check_all(q, _cache(k, v), causal, "outlier")
 
