@@ -129,7 +129,12 @@ def test_rows_without_keys_are_zero():
 
 
 def test_imma_closer_to_fp64_than_split_on_average():
-    """int32-exact products vs fp16 hi+lo on the tensor cores (whose fp32 accumulation truncates)."""
+    """DESIGN's v3 over v2 on the GPU, on average over cases (max_rel, as test_emulate compares the
+    emulators). In exact fp32 arithmetic the range-shifted fp16 split is about as accurate as the
+    24-bit split (the emulators: mean max_rel 6.6e-7 vs 7.4e-7 on these cases); on the tensor cores
+    its fp32 accumulation truncates (round toward zero, per MMA), about 4x the score error of a
+    round-to-nearest sum, while kv8-imma's int32 sums are exact. If this fails, the split's
+    accumulation is better than that model: a finding about the formats, not a kernel bug."""
     rel = {"kv8-split": [], "kv8-imma": []}
     for i, (d, lq, lk, causal) in enumerate([(64, 129, 2100, False), (128, 129, 2100, False), (64, 1500, 1500, True),
                                               (128, 2100, 2100, True), (128, 1500, 2100, False), (64, 7, 1500, True)]):
@@ -138,7 +143,7 @@ def test_imma_closer_to_fp64_than_split_on_average():
         cache = _cache(k, v)
         ref = _ref(q, cache, causal)
         for fmt in rel:
-            rel[fmt].append(metrics.compare(_run(fmt, q, cache, causal), ref).rel_l2)
+            rel[fmt].append(metrics.compare(_run(fmt, q, cache, causal), ref).max_rel)
     assert np.mean(rel["kv8-imma"]) < np.mean(rel["kv8-split"]), rel
 
 
