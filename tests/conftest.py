@@ -1,4 +1,11 @@
-import pytest
+import os
+
+# One BLAS thread: the emulators' many small products slow down by an order of magnitude when
+# OpenBLAS threads compete on a loaded 2-core CI machine. Set before NumPy loads OpenBLAS.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import pytest  # noqa: E402
 
 
 def _has_gpu() -> bool:
