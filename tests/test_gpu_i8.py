@@ -151,12 +151,15 @@ def test_strided_bshd_views(fmt, dtype):
     _check(fmt, out, [q.get(), k.get(), v.get()], causal=True)
 
 
+def _stored_column(keys):
+    """Column of V^T (the kernel's key order inside each 16-key group) that holds each key."""
+    lo = keys & 15
+    return (keys & ~15) + 4 * ((lo & 7) >> 1) + (lo & 1) + 2 * (lo >> 3)
+
+
 def _unpermute_vt(vt, lk):
     """[B, H, D, Lpad] V^T codes in the kernel's key order -> [B, H, Lk, D]."""
-    keys = np.arange(lk)
-    lo = keys & 15
-    col = (keys & ~15) + 4 * ((lo & 7) >> 1) + (lo & 1) + 2 * (lo >> 3)
-    return np.swapaxes(vt[..., col], -1, -2)
+    return np.swapaxes(vt[..., _stored_column(np.arange(lk))], -1, -2)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -198,7 +201,9 @@ def test_quantization_steps_match_quant(fmt, dtype):
         lk_pad = -(-lk // 64) * 64
         vt = qkv.v.get()
         assert vt.shape == (b, hkv, d, lk_pad) and vt.dtype == np.uint8
-        assert not vt[..., lk:].any(), "V^T padding must be zero codes"
+        # Padding keys (lk and beyond) sit at permuted columns, some of them below lk.
+        pad_columns = _stored_column(np.arange(lk, lk_pad))
+        assert not vt[..., pad_columns].any(), "V^T padding must be zero codes"
         np.testing.assert_array_equal(_unpermute_vt(vt, lk), vq.codes.view(np.uint8))
         np.testing.assert_array_equal(qkv.v_scale.get(), vq.scale[..., 0, :])
         p_scale = F32(quant.INT8_MAX if pv == "i8" else quant.E4M3_MAX)
