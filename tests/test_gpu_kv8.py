@@ -254,7 +254,9 @@ def test_writer_is_exact_and_within_half_a_step(dtype, head_dim):
     assert cache.length == 257 and cache.k_scales.get()[0, 0, 5] == 0
     deq_k, _ = cache.dequantize()
     err = np.abs(x.astype(np.float64) - deq_k.get())
-    assert np.all(err <= 0.5 * want.scales.astype(np.float64)[..., None] * (1 + 1e-6))
+    # Half a step, plus the fp32 quotient x/scale's rounding (up to 127 * 2^-23 code units) that
+    # can move a near-tie to the other side: the same codes as quant.quantize_kv_cache (above).
+    assert np.all(err <= (0.5 + 127 * 2.0 ** -23) * want.scales.astype(np.float64)[..., None])
     host_k, _ = cache.host()
     np.testing.assert_array_equal(host_k.codes, want.codes)
     k32, _ = cache.dequantize(np.float32)
