@@ -35,7 +35,7 @@ def main() -> int:
             records += bench_prefill(shapes, tuple(args.format or ["f16"]), head_dim=args.head_dim,
                                      causal=causal, tiles=tile, peers=peers)
     print(f"{'impl':<13}{'kernel':<44}{'B':>3}{'H':>4}{'L':>7}{'D':>5} {'causal':<7}{'ms':>9}{'TFLOPS':>8}"
-          f"{'vs flash':>9}{'vs cuDNN':>9}{'vs sage':>8}{'rel_l2':>10}")
+          f"{'vs flash':>9}{'vs cuDNN':>9}{'vs sage':>8}{'rel_l2':>10}{'quant ms':>9}")
     for r in records:
         if "error" in r:
             print(f"{r['impl']:<13} error: {r['error']}")
@@ -43,7 +43,7 @@ def main() -> int:
         print(f"{r['impl']:<13}{r.get('kernel', ''):<44}{r['batch']:>3}{r['heads']:>4}{r['seq']:>7}{r['head_dim']:>5} "
               f"{str(r['causal']):<7}{r['ms']:>9.3f}{r['tflops']:>8.1f}"
               f"{r.get('vs_sdpa_flash', float('nan')):>9.2f}{r.get('vs_sdpa_cudnn', float('nan')):>9.2f}"
-              f"{r.get('vs_sageattn', float('nan')):>8.2f}{r['rel_l2']:>10.2e}")
+              f"{r.get('vs_sageattn', float('nan')):>8.2f}{r['rel_l2']:>10.2e}{r.get('quant_ms', float('nan')):>9.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
     return 0

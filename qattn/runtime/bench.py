@@ -136,6 +136,10 @@ def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers
             rec = dict(shape_rec, impl=f"qattn:{fmt}", kernel=spec.name, ms=t.median_ms,
                        tflops=flops / t.median_ms / 1e9, rel_l2=rel_l2)
             rec.update({f"vs_{p}": ms / t.median_ms for p, ms in peer_ms.items()})
+            if spec.family.launcher == "prefill_i8":  # the share of the call spent quantizing Q, K, V
+                from .int8 import quantize
+
+                rec["quant_ms"] = time_cuda(lambda: quantize(*xs, kernel=kernel)).median_ms
             records.append(rec)
     return records
 

@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Time the exact int8-KV-cache kernels (kv8-imma, kv8-split, kv8-f32) per launch at the
+parity shapes, beside torch SDPA's fp16 flash backend run on the dequantized cache (same
+inputs, same run). The cache is written once; only attention is timed.
+
+    tools/bench_kv8.py --shape 32768/2048 --shape 1500/1500 --json kv8.json
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from qattn.runtime.bench import attention_flops, time_cuda  # noqa: E402
+
+FORMATS = ("kv8-imma", "kv8-split", "kv8-f32")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", action="append", help="CTX/QUERIES (repeatable)")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--json", help="write the records here")
+    args = ap.parse_args()
+    import cupy
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import qattn
+    from qattn.runtime.api import default_spec
+    from qattn.runtime.kernel import build_kernel
+
+    shapes = [tuple(int(x) for x in s.split("/")) for s in (args.shape or ["32768/2048", "1500/1500"])]
+    hkv = args.kv_heads or args.heads
+    rng = cupy.random.default_rng(0)
+    records = []
+    for ctx, queries in shapes:
+        d = args.head_dim
+        q = rng.standard_normal((1, args.heads, queries, d), dtype=cupy.float32)
+        k, v = (rng.standard_normal((1, hkv, ctx, d), dtype=cupy.float32) for _ in range(2))
+        cache = qattn.KVCacheInt8.from_kv(k, v)
+        flops = attention_flops(1, args.heads, queries, ctx, d, args.causal)
+        row = {"ctx": ctx, "queries": queries, "heads": args.heads, "kv_heads": hkv, "head_dim": d,
+               "causal": args.causal}
+        deq = [x.astype(cupy.float16) for x in cache.dequantize(cupy.float32)]
+        tq, tk, tv = (torch.from_dlpack(x) for x in (q.astype(cupy.float16), *deq))
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            flash = time_cuda(lambda: torch.nn.functional.scaled_dot_product_attention(
+                tq, tk, tv, is_causal=args.causal, enable_gqa=args.heads != hkv)).median_ms
+        row["sdpa_flash_fp16_ms"] = flash
+        for fmt in FORMATS:
+            kernel = build_kernel(default_spec(fmt, d, causal=args.causal))
+            out = cupy.empty_like(q)
+            row[f"{fmt}_ms"] = time_cuda(lambda: kernel(q, cache, out=out)).median_ms
+            row[f"{fmt}_tops"] = flops / row[f"{fmt}_ms"] / 1e9
+        records.append(row)
+        print(f"{ctx:>6}/{queries:<5} imma {row['kv8-imma_ms']:8.3f} ms ({row['kv8-imma_tops']:6.1f} TOPS)  "
+              f"split {row['kv8-split_ms']:8.3f}  f32 {row['kv8-f32_ms']:8.3f}  fp16 flash {flash:8.3f}  "
+              f"imma/split {row['kv8-split_ms'] / row['kv8-imma_ms']:5.2f}x  imma/flash {flash / row['kv8-imma_ms']:5.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
