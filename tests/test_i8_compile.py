@@ -115,11 +115,16 @@ def test_compile_i8(spec):
     assert binary.data[:4] == b"\x7fELF"
     ptx = _ptx(binary)
     assert re.search(rf"\.target\s+{spec.arch}\b", ptx)
+    # Defaults stay in registers but where the family lists a measured-faster tile that spills a
+    # little (Family.measured_spills); the quantization kernels never spill.
+    measured = ((spec.head_dim, spec.causal, spec.arch) in spec.family.measured_spills
+                and spec.tile == spec.family.default_tile(spec.head_dim, spec.causal, spec.arch))
     for e in _entries(spec):
         res = entry_resources(binary.log, e)
         assert res, f"no ptxas report for {e}"
         assert 0 < res["registers"] <= 255, (e, res)
-        assert res["spill_stores"] == 0 and res["spill_loads"] == 0, (e, res)
+        allowed = 64 if measured and e.endswith(("_f16", "_bf16")) and "_quant" not in e else 0
+        assert res["spill_stores"] <= allowed and res["spill_loads"] <= allowed, (e, res)
     attn = _entry_ptx(ptx, entry_name(spec) + "_f16")
     assert "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" in attn
     assert "cp.async" in attn and "ldmatrix" in attn

@@ -125,11 +125,11 @@ def _check_compiled(spec: KernelSpec) -> None:
     else:
         assert "mma.sync" not in ptx
     spills = res["spill_stores"] + res["spill_loads"]
-    # The tensor-core kernels stay in registers, but for one 8-byte value in the causal d128
-    # kernel on sm_90a, kept because it measured faster than the spill-free narrower tile. In the
-    # SIMT kernel ptxas may park one loop-invariant 64-bit pointer in local memory (refilled once
+    # The tensor-core kernels stay in registers, but for the defaults the family lists as measured
+    # faster despite a small spill (Family.measured_spills). In the SIMT kernel ptxas may park one loop-invariant 64-bit pointer in local memory (refilled once
     # per key tile, cold): bound it.
-    allowed = 64 if spec.recipe == "f32" else 8 if (spec.causal and spec.head_dim == 128 and spec.arch == "sm_90a") else 0
+    measured = (spec.head_dim, spec.causal, spec.arch) in spec.family.measured_spills and spec.tile == spec.family.default_tile(spec.head_dim, spec.causal, spec.arch)
+    allowed = 64 if spec.recipe == "f32" or measured else 0
     assert res["spill_stores"] <= allowed and res["spill_loads"] <= allowed, res
 
 

@@ -38,6 +38,9 @@ class Family:
     archs: tuple[str, ...]
     align_bytes: int = 16  # pointer and row-stride alignment the loads need (16: cp.async / vector)
     tuned: dict = field(default_factory=dict)  # (head_dim, causal, arch) -> Tile, where it beats the default
+    # (head_dim, causal, arch) whose default tile ptxas spills a little (<= 64 B) but which measured
+    # faster than every spill-free tile (BENCHMARKS.md); everywhere else defaults must not spill.
+    measured_spills: frozenset = frozenset()
     launcher: str = "prefill"  # key of runtime.launch.LAUNCHERS that runs this family's kernels
     # Suffix of the entry point (entry_name(spec) + suffix) whose ptxas figures a Kernel reports,
     # for templates whose module holds several kernels.
@@ -107,6 +110,7 @@ CUDA_MMA = Family(
     # narrower key tile keeps it in registers. Not on sm_90a: there the m128n64 kernel (8 B
     # spilled) measured 13% faster than the spill-free m128n32 one on the H200 (BENCHMARKS.md).
     tuned={(128, True, arch): Tile(128, 32, 4, 2) for arch in CUDA_ARCHS if arch != "sm_90a"},
+    measured_spills=frozenset({(128, True, "sm_90a")}),
 )
 
 
@@ -219,10 +223,22 @@ def _i8_problem(pv: str) -> Callable[[Tile, int], str | None]:
 
 
 # Where ptxas spills a few bytes of the default tile (its 128-register target for 256 threads): a
-# tile of the same scale blocks that stays in registers.
+# tile of the same scale blocks that stays in registers. On sm_90a: the fastest tile of a sweep on
+# the H200 (m128n64 w8s3 / w8s2 / w4s2, m128n32 w4s2 / w4s3; B4 H32 L4096 and B1 H32 L32768 at
+# d128, B4 H32 L8192 at d64, causal and not; BENCHMARKS.md). Four warps of 32 rows reuse each K
+# and V fragment twice and win by 10-35% at d128 although ptxas spills a few bytes there.
+_W4, _W8 = Tile(128, 64, 4, 2), Tile(128, 64, 8, 2)
 _I8_TUNED = {
-    "f8": {(64, True, "sm_100a"): Tile(128, 64, 4, 3), (128, True, "sm_100a"): Tile(128, 64, 8, 2),
-           (128, True, "sm_120"): Tile(128, 64, 8, 2)},
+    "f16": {(128, False, "sm_90a"): _W4, (128, True, "sm_90a"): _W4, (64, True, "sm_90a"): _W4},
+    "i8": {(128, False, "sm_90a"): _W4, (128, True, "sm_90a"): _W4, (64, True, "sm_90a"): _W8},
+    "f8": {(64, True, "sm_100a"): Tile(128, 64, 4, 3), (128, True, "sm_100a"): _W8, (128, True, "sm_120"): _W8,
+           (128, False, "sm_90a"): _W4, (128, True, "sm_90a"): _W4, (64, False, "sm_90a"): _W4,
+           (64, True, "sm_90a"): _W4},
+}
+_I8_MEASURED_SPILLS = {
+    "f16": {(128, True, "sm_90a")},
+    "i8": {(128, False, "sm_90a")},
+    "f8": {(128, False, "sm_90a"), (128, True, "sm_90a"), (64, False, "sm_90a"), (64, True, "sm_90a")},
 }
 
 
@@ -242,6 +258,7 @@ def _cuda_i8(pv: str) -> Family:
         launcher="prefill_i8",
         main_entry="_f16",
         tuned=dict(_I8_TUNED.get(pv, {})),
+        measured_spills=frozenset(_I8_MEASURED_SPILLS.get(pv, ())),
     )
 
 
