@@ -286,12 +286,12 @@ def count_instructions(text: str, listing: str) -> dict:
 
 def inspect_spec(spec: KernelSpec) -> dict:
     """Compile one spec and report its resources, occupancy and instruction counts."""
-    from .codegen.render import render
+    from .codegen.render import main_entry_name, render
     from .runtime import compile as compiler
 
     source = render(spec)
     if spec.backend == "cuda":
-        binary = compiler.compile_cuda(source, spec.arch, spec.name)
+        binary = compiler.compile_cuda(source, spec.arch, spec.name, entry=main_entry_name(spec))
     else:
         try:
             binary = compiler.compile_hip_offline(source, spec.arch, spec.name)
@@ -308,8 +308,7 @@ def inspect_spec(spec: KernelSpec) -> dict:
     text = compiler.disassemble(binary.data, spec.backend)
     listing = ("sass" if spec.backend == "cuda" else "amdgpu") if text is not None else None
     if text is None and spec.backend == "cuda":
-        ptx = binary.ptx
-        text, listing = ptx.decode() if isinstance(ptx, bytes) else ptx, "ptx"
+        text, listing = binary.ptx, "ptx"
     counts = count_instructions(text, listing) if listing else {"matrix": {}, "convert": {}}
     return {"name": spec.name, "spec": spec.as_dict(), "resources": resources,
             "instructions": dict(counts, listing=listing)}

@@ -66,9 +66,9 @@ def nvrtc_calls(monkeypatch):
     calls = []
     real = compiler.compile_cuda
 
-    def counting(source, arch, spec_name, options=None):
+    def counting(source, arch, spec_name, options=None, **kwargs):
         calls.append(spec_name)
-        return real(source, arch, spec_name, options)
+        return real(source, arch, spec_name, options, **kwargs)
 
     monkeypatch.setattr(compiler, "compile_cuda", counting)
     return calls

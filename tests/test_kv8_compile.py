@@ -17,7 +17,7 @@ from qattn.codegen.render import entry_name, render
 from qattn.codegen.spec import KernelSpec
 from qattn.codegen.tile import Tile
 from qattn.runtime import quant
-from qattn.runtime.compile import compile_cuda, parse_ptxas
+from qattn.runtime.compile import compile_cuda, entry_resources
 from qattn.runtime.emulate import IMMA_GROUP
 
 kv8_families.register(RECIPES)  # idempotent (recipes.py registers them on import)
@@ -35,16 +35,10 @@ def _compiled(spec: KernelSpec):
     return compile_cuda(render(spec), spec.arch, spec.name)
 
 
-def _ptx(binary) -> str:
-    ptx = binary.ptx
-    return ptx.decode(errors="replace") if isinstance(ptx, (bytes, bytearray)) else str(ptx)
-
-
 def _entry_resources(log: str, entry: str) -> dict:
-    start = log.find(f"Compiling entry function '{entry}'")
-    assert start >= 0, f"{entry} not in the ptxas log"
-    end = log.find("Compiling entry function", start + 1)
-    return parse_ptxas(log[start:end if end >= 0 else len(log)])
+    res = entry_resources(log, entry)
+    assert res, f"{entry} not in the ptxas log"
+    return res
 
 
 def _entries(spec: KernelSpec) -> list[str]:
@@ -108,7 +102,7 @@ def test_render(spec):
     for leftover in ("{{", "}}", "{%", "%}", "{#", "#}"):
         assert leftover not in src
     assert "#include" not in src
-    assert f"extern \"C\" __global__" in src and entry_name(spec) + "(" in src
+    assert "extern \"C\" __global__" in src and entry_name(spec) + "(" in src
     assert f"constexpr int D = {spec.head_dim};" in src and f"constexpr int BN = {spec.tile.block_n};" in src
     assert f"constexpr bool CAUSAL = {'true' if spec.causal else 'false'};" in src
     assert render(spec) == src
@@ -123,7 +117,7 @@ def test_render(spec):
 def _check_compiled(spec: KernelSpec) -> None:
     binary = _compiled(spec)
     assert binary.data[:4] == b"\x7fELF"
-    ptx = _ptx(binary)
+    ptx = binary.ptx
     assert re.search(rf"\.target\s+{spec.arch}\b", ptx)
     for entry in _entries(spec):
         assert f".entry {entry}(" in ptx
@@ -166,7 +160,7 @@ def test_writer_compiles(arch):
     src = kvcache.writer_source()
     assert "#include" not in src and "{{" not in src
     binary = compile_cuda(src, arch, "kv8_write")
-    ptx = _ptx(binary)
+    ptx = binary.ptx
     for sfx in ("f32", "f16", "bf16"):
         entry = f"{kvcache.WRITER_NAME}_{sfx}"
         assert f".entry {entry}(" in ptx

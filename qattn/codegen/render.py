@@ -30,6 +30,11 @@ def entry_name(spec: KernelSpec) -> str:
     return "qattn_" + spec.name.replace("-", "_")
 
 
+def main_entry_name(spec: KernelSpec) -> str:
+    """The symbol of the module's attention kernel (templates with several kernels add a suffix)."""
+    return entry_name(spec) + spec.family.main_entry
+
+
 def context(spec: KernelSpec) -> dict:
     """Every value a template may use: the spec, the recipe's type table and derived constants."""
     rec = spec.family  # validated family for this backend

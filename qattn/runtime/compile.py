@@ -69,16 +69,33 @@ _PTXAS = {
 }
 
 
-def parse_ptxas(log: str) -> dict:
+def _first_numbers(log: str, patterns: dict) -> dict:
+    """Each pattern's first number in the log (0 where absent)."""
     found = {}
-    for key, pattern in _PTXAS.items():
+    for key, pattern in patterns.items():
         m = pattern.search(log)
         found[key] = int(m.group(1)) if m else 0
     return found
 
 
-def compile_cuda(source: str, arch: str, spec_name: str, options: list[str] | None = None) -> Binary:
-    """NVRTC -> cubin for a named arch (sm_80 ... sm_120, sm_90a)."""
+def parse_ptxas(log: str) -> dict:
+    return _first_numbers(log, _PTXAS)
+
+
+def entry_resources(log: str, entry: str) -> dict:
+    """The ptxas figures of one entry point of a module that holds several; {} when the log does
+    not mention it."""
+    start = log.find(f"Compiling entry function '{entry}'")
+    if start < 0:
+        return {}
+    end = log.find("Compiling entry function", start + 1)
+    return parse_ptxas(log[start:end if end >= 0 else len(log)])
+
+
+def compile_cuda(source: str, arch: str, spec_name: str, options: list[str] | None = None,
+                 entry: str | None = None) -> Binary:
+    """NVRTC -> cubin for a named arch (sm_80 ... sm_120, sm_90a). The resources are those of
+    `entry` (the module's main kernel) when given, else of the first kernel ptxas reports."""
     from cupy.cuda import nvrtc
 
     options = options or cuda_options(arch)
@@ -90,7 +107,10 @@ def compile_cuda(source: str, arch: str, spec_name: str, options: list[str] | No
             raise CompileError(spec_name, options, nvrtc.getProgramLog(program), source) from None
         log = nvrtc.getProgramLog(program)
         cubin = _complete_elf(nvrtc.getCUBIN(program))
-        return Binary(data=cubin, log=log, resources=parse_ptxas(log), ptx=nvrtc.getPTX(program))
+        ptx = nvrtc.getPTX(program)
+        ptx = ptx.decode(errors="replace") if isinstance(ptx, (bytes, bytearray)) else str(ptx)
+        resources = (entry_resources(log, entry) if entry else {}) or parse_ptxas(log)
+        return Binary(data=cubin, log=log, resources=resources, ptx=ptx)
     finally:
         nvrtc.destroyProgram(program)
 
@@ -153,11 +173,7 @@ _CLANG_REMARKS = {
 
 
 def parse_clang_remarks(log: str) -> dict:
-    found = {}
-    for key, pattern in _CLANG_REMARKS.items():
-        m = pattern.search(log)
-        found[key] = int(m.group(1)) if m else 0
-    return found
+    return _first_numbers(log, _CLANG_REMARKS)
 
 
 def compile_hip_offline(source: str, arch: str, spec_name: str) -> Binary:

@@ -7,7 +7,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..codegen.render import entry_name, render
+from ..codegen.render import entry_name, main_entry_name, render
 from ..codegen.spec import KernelSpec
 from . import compile as compiler
 from .cache import KernelCache, KernelNotCached, content_key, jit_disabled
@@ -66,16 +66,6 @@ class Kernel:
         return LAUNCHERS[self.spec.family.launcher](self, *args, **kwargs)
 
 
-def entry_resources(log: str, entry: str) -> dict:
-    """The ptxas figures (as compile.parse_ptxas names them) of one entry point of a module that
-    holds several; {} when the log does not mention it."""
-    start = log.find(f"Compiling entry function '{entry}'")
-    if start < 0:
-        return {}
-    end = log.find("Compiling entry function", start + 1)
-    return compiler.parse_ptxas(log[start:end if end >= 0 else len(log)])
-
-
 def build_kernel(spec: KernelSpec, cache: KernelCache | None = None) -> Kernel:
     with _LOCK:
         hit = _MEMORY.get(spec)
@@ -95,12 +85,10 @@ def build_kernel(spec: KernelSpec, cache: KernelCache | None = None) -> Kernel:
                                   "build it first (qattn compile ...) or unset QATTN_NO_JIT")
         start = time.perf_counter()
         if spec.backend == "cuda":
-            binary = compiler.compile_cuda(source, spec.arch, spec.name, options)
+            binary = compiler.compile_cuda(source, spec.arch, spec.name, options, entry=main_entry_name(spec))
         else:
             binary = compiler.compile_hip_offline(source, spec.arch, spec.name)
         resources = binary.resources
-        if spec.family.main_entry and spec.backend == "cuda":
-            resources = entry_resources(binary.log, entry_name(spec) + spec.family.main_entry) or resources
         meta = {"spec": spec.as_dict(), "name": spec.name, "options": options, "compiler": version,
                 "resources": resources, "build_seconds": round(time.perf_counter() - start, 4),
                 "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
