@@ -203,12 +203,13 @@ def list_():
     console.print(formats)
     console.print("Every format runs on its CPU emulator (parity --backend numpy); "
                   "'kernels' lists the backends with generated kernels.")
-    families: dict[tuple, tuple] = {}  # (backend, template) -> (family, formats using it)
+    # One row per Family object: formats share a row only where they share head dims, tiles and archs.
+    families: dict[tuple, tuple] = {}  # (backend, id(family)) -> (family, formats using it)
     for name, rec in RECIPES.items():
         for backend, family in rec.families.items():
-            families.setdefault((backend, family.template), (family, []))[1].append(name)
+            families.setdefault((backend, id(family)), (family, []))[1].append(name)
     kernels = _table("kernels", "backend", "formats", "head dims", "default tiles (m BLOCK_M n BLOCK_N w warps s stages)", "archs")
-    for (backend, _), (family, names) in sorted(families.items(), key=lambda item: item[0]):
+    for (backend, _), (family, names) in sorted(families.items(), key=lambda item: (item[0][0], item[1][1][0])):
         tiles = [f"d{d}: {t.name}" for d, t in sorted(family.default_tiles.items())]
         tuned: dict[tuple, list] = {}  # (head_dim, causal, tile) -> archs where it replaces the default
         for (d, causal, arch), t in family.tuned.items():
