@@ -265,6 +265,52 @@ def _cuda_i8(pv: str) -> Family:
 CUDA_I8 = {pv: _cuda_i8(pv) for pv in ("f16", "i8", "f8")}
 
 
+
+# ---- HIP int8 QK prefill (i8-f16, i8-i8, i8-f8): int8 MFMA / iu8 WMMA QK, PV in fp16, int8 or e4m3 --
+# Same tile rules as HIP_MATRIX (16 query rows per 32 lanes, no pipelining) and the CUDA module's
+# entry points (attention + quantization kernels). K8 rows of D + 16 bytes in LDS; V as fp16 V^T
+# (BN + 8 elements per channel) or as 8-bit V^T codes (BN + 16 bytes per channel); Q8 stays in
+# registers. The output rows are staged over the same LDS after the key loop.
+
+def _hip_i8(pv: str) -> Family:
+    """The HIP int8-QK family for one PV format ("f16", "i8" or "f8"). e4m3 PV needs an fp8 matrix
+    op: CDNA3 (gfx942, e4m3fnuz MFMA) and RDNA4 (gfx1201, e4m3 WMMA); gfx90a and RDNA3 (gfx1100)
+    have none, so i8-f8 is not offered there."""
+    archs = HIP_ARCHS if pv != "f8" else ("gfx942", "gfx1201")
+
+    def smem(tile: Tile, d: int) -> int:
+        v_tile = d * _padded_row_bytes(tile.block_n, 2) if pv == "f16" else d * (tile.block_n + 16)
+        return max(tile.block_n * (d + 16) + v_tile, tile.block_m * _padded_row_bytes(d, 2))
+
+    def problem(tile: Tile, d: int) -> str | None:
+        if tile.warps % 2:
+            return f"warps must be even (a 64-lane CDNA wave is two warps), got {tile.warps}"
+        if tile.block_m != 16 * tile.warps:
+            return f"block_m must be 16 rows per warp (16*warps), got {tile.block_m} with {tile.warps} warps"
+        if tile.block_n not in (32, 64):
+            return f"block_n must be 32 or 64 (whole 32-key steps of the 8-bit ops), got {tile.block_n}"
+        if tile.stages != 1:
+            return "the HIP kernel is not pipelined yet: stages must be 1"
+        if smem(tile, d) > SMEM_LIMIT["hip"]:
+            return f"needs {smem(tile, d)} B of LDS, over {SMEM_LIMIT['hip']}"
+        return None
+
+    return Family(
+        template="hip/prefill_i8.hip.j2",
+        head_dims=(64, 128),
+        # The emulator's scale blocks (128 query rows per Q scale, 64 keys per K scale), as on CUDA.
+        default_tiles={64: Tile(128, 64, 8, 1), 128: Tile(128, 64, 8, 1)},
+        tile_problem=problem,
+        smem_bytes=smem,
+        archs=archs,
+        launcher="prefill_i8",
+        main_entry="_f16",
+    )
+
+
+HIP_I8 = {pv: _hip_i8(pv) for pv in ("f16", "i8", "f8")}
+
+
 RECIPES: dict[str, Recipe] = {}
 
 
@@ -284,13 +330,13 @@ _register(Recipe("f32", "fp32 SIMT FMAs throughout: the noise floor for the exac
 # int8 QK: their CUDA modules also quantize (ctype "pv" names the PV operand format; mma/cvt
 # serve the fp16 PV helpers).
 _register(Recipe("i8-f16", "int8 QK with exact K smoothing, PV in fp16", ("float16", "bfloat16"),
-                 Tolerance(max_rel=1e-1, rel_l2=3e-2), {"cuda": CUDA_I8["f16"]},
+                 Tolerance(max_rel=1e-1, rel_l2=3e-2), {"cuda": CUDA_I8["f16"], "hip": HIP_I8["f16"]},
                  {"mma": "f16", "cvt": "f16x2", "pv": "f16"}))
 _register(Recipe("i8-i8", "int8 QK with exact K smoothing, PV in int8 (P static 127, V per channel)",
-                 ("float16", "bfloat16"), Tolerance(max_rel=2e-1, rel_l2=1e-1), {"cuda": CUDA_I8["i8"]},
+                 ("float16", "bfloat16"), Tolerance(max_rel=2e-1, rel_l2=1e-1), {"cuda": CUDA_I8["i8"], "hip": HIP_I8["i8"]},
                  {"mma": "f16", "cvt": "f16x2", "pv": "i8"}))
 _register(Recipe("i8-f8", "int8 QK with exact K smoothing, PV in fp8 e4m3 (P static 448, V per channel)",
-                 ("float16", "bfloat16"), Tolerance(max_rel=2e-1, rel_l2=6e-2), {"cuda": CUDA_I8["f8"]},
+                 ("float16", "bfloat16"), Tolerance(max_rel=2e-1, rel_l2=6e-2), {"cuda": CUDA_I8["f8"], "hip": HIP_I8["f8"]},
                  {"mma": "f16", "cvt": "f16x2", "pv": "f8"}))
 _register(Recipe("kv8-f32", "int8 KV cache dequantized to fp32, fp32 SIMT", ("float32",),
                  Tolerance(max_rel=1e-5, rel_l2=1e-5)))
