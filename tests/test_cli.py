@@ -180,8 +180,10 @@ def test_compile_shows_progress_and_summary():
 
 def test_compile_all_expands_what_is_left_out():
     hip = compile_matrix("prefill", [], [64], None, None, None, None, "hip", ["gfx942"], True)
-    assert [(s.recipe, s.head_dim, s.causal, s.arch) for s in hip] == [("f16", 64, False, "gfx942"),
-                                                                       ("f16", 64, True, "gfx942")]
+    with_hip = [name for name, rec in RECIPES.items() if "hip" in rec.families]
+    assert [(s.recipe, s.head_dim, s.causal, s.arch) for s in hip] == [
+        (f, 64, c, "gfx942") for f in with_hip for c in (False, True)]
+    assert "f16" in with_hip and "kv8-imma" not in with_hip
     cuda = compile_matrix("prefill", ["f32"], [], None, None, None, False, "cuda", [], True)
     family = RECIPES["f32"].family("cuda")
     assert {(s.head_dim, s.arch) for s in cuda} == {(d, a) for d in family.head_dims for a in family.archs}
