@@ -327,3 +327,121 @@ def test_constant_inputs_give_finite_output():
         out, lse = qattn.attention(q, k, cupy.asarray(v_host), format=fmt, causal=True, return_lse=True)
         host = [q.get(), k.get(), v_host]
         _check(fmt, out, host, causal=True, lse=lse)
+
+
+# ---- K smoothing on and off (smooth_k), on model-like K (issue 4) -----------------------------
+# Presets of qattn.data in fp16; one FP64 reference per case; every int8-QK format with smoothing
+# on and off, each against its emulator (same scale blocks as the kernel's tile) and FP64. What the
+# emulators measured on these inputs (2 heads x 256 rows, seeds below; tests/test_smoothing.py has
+# the survey over seeds): i8-f8 rel_l2 ~0.041-0.043 with smoothing; without it 8-10x that on
+# outliers and 4.5-5.5x on bias; at 32K i8-f8 cos ~0.99906-0.99913 on outliers (e4m3 PV's own
+# level: 0.9992 on N(0,1)) and i8-i8 1.3-1.5x i8-f8's rel_l2 (about level at 4K).
+
+SMOOTH_PRESETS = ("outliers", "bias")
+SMOOTH_CTX = (1024, 4096, 32768)
+SMOOTH_ROWS, SMOOTH_HEADS, SMOOTH_DIM = 256, 2, 128
+SMOOTH_OFF_FACTOR = 3.0  # rel_l2 without smoothing >= this x with it (measured >= 4.5x)
+I8_PV_BEHIND_AT_32K = 1.15  # i8-i8 rel_l2 >= this x i8-f8's at 32K (measured 1.25-1.68x)
+
+
+def _smoothing_host(preset, ctx):
+    from qattn import data
+
+    seed = {"outliers": 40, "bias": 41}[preset] + ctx
+    d = data.preset(preset, ctx=ctx, queries=SMOOTH_ROWS, heads=SMOOTH_HEADS, head_dim=SMOOTH_DIM, seed=seed)
+    return [d[name].astype(np.float16) for name in "qkv"]
+
+
+def _smoothing_case(preset, ctx, causal, attend):
+    """attend(fmt, host, causal, smooth_k) -> (out, lse, (block_m, block_n)) as float32 NumPy.
+    Checks each run against its emulator and the formats' claims against FP64; returns the errors."""
+    host = _smoothing_host(preset, ctx)
+    ref = reference.attention(*host, causal=causal)
+    errs = {}
+    for fmt in FORMATS:
+        for smooth in (True, False):
+            out, lse, (bm, bn) = attend(fmt, host, causal, smooth)
+            assert not np.isnan(out).any(), "out has NaNs: not every element was written"
+            emu, emu_lse = emulate.emulate(fmt, *host, causal=causal, return_lse=True, smooth_k=smooth,
+                                           block_m=bm, block_n=bn)
+            vs_emu = metrics.compare(out, emu.astype(np.float16).astype(F32))
+            assert vs_emu.nonfinite == 0 and vs_emu.rel_l2 <= EMU_REL_L2, ("vs emulator", fmt, smooth, vs_emu)
+            np.testing.assert_allclose(lse, emu_lse, rtol=1e-4, atol=1e-4)  # smooth_k=False: no q·K̄ added
+            errs[fmt, smooth] = metrics.compare(out, ref)
+    for fmt in FORMATS:
+        on, off, tol = errs[fmt, True], errs[fmt, False], recipe(fmt).tolerance
+        assert on.rel_l2 <= tol.rel_l2 and on.max_rel <= tol.max_rel, ("vs FP64", fmt, on, tol)
+        assert off.rel_l2 >= SMOOTH_OFF_FACTOR * on.rel_l2, ("smoothing off not markedly worse", fmt, on, off)
+    if ctx >= 32768:
+        f8, i8 = errs["i8-f8", True], errs["i8-i8", True]
+        assert i8.rel_l2 >= I8_PV_BEHIND_AT_32K * f8.rel_l2, ("i8-i8 vs i8-f8 at 32K", i8, f8)
+        if preset == "outliers":
+            assert f8.cos >= 0.999, ("i8-f8 cos at 32K on outliers", f8)
+    return errs
+
+
+def _gpu_attend(fmt, host, causal, smooth_k):
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in host)
+    tile = qattn.build("prefill", format=fmt, head_dim=q.shape[-1], causal=causal).spec.tile  # what attention runs
+    out = _poisoned(q)
+    res, lse = qattn.attention(q, k, v, format=fmt, causal=causal, return_lse=True, out=out, smooth_k=smooth_k)
+    assert res is out
+    return _f32(out), _f32(lse), (tile.block_m, tile.block_n)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("ctx", SMOOTH_CTX)
+@pytest.mark.parametrize("preset", SMOOTH_PRESETS)
+def test_smoothing_on_model_like_k(preset, ctx, causal):
+    """outliers / bias K at 1K, 4K, 32K: every format with smooth_k on and off matches its emulator
+    (rel_l2 <= 1e-3, LSE to 1e-4); smoothing off is >= 3x worse vs FP64; at 32K i8-i8 trails i8-f8
+    and, on outliers, i8-f8 keeps cos >= 0.999."""
+    for fmt in FORMATS:
+        _skip_unsupported(fmt)
+    errs = _smoothing_case(preset, ctx, causal, _gpu_attend)
+    print(preset, ctx, causal, {f"{f}{'' if s else ' off'}": (round(e.rel_l2, 5), round(e.cos, 6))
+                                for (f, s), e in errs.items()})
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_without_smoothing(fmt):
+    """smooth_k=False: K̄ is zeros, K codes and scales are quant's of K as given (exactly), the shift
+    is 0, Q and V are as with smoothing; attention(smooth_k=...) runs the same operands."""
+    import cupy
+
+    from qattn.runtime import int8
+
+    _skip_unsupported(fmt)
+    rng = np.random.default_rng(13)
+    b, hq, hkv, lq, lk, d = 2, 4, 2, 300, 1029, 128
+    host, (q, k, v) = _inputs(rng, "float16", b, hq, hkv, lq, lk, d)
+    kernel = qattn.build("prefill", format=fmt, head_dim=d, causal=True)
+    bm, bn = kernel.spec.tile.block_m, kernel.spec.tile.block_n
+    off = int8.quantize(q, k, v, kernel=kernel, with_shift=True, smooth_k=False)
+    on = int8.quantize(q, k, v, kernel=kernel, with_shift=True)
+    assert off.smooth_k is False and on.smooth_k is True
+    assert off.k_mean.shape == (b, hkv, d) and not off.k_mean.any() and not off.shift.any()
+    k8 = quant.quantize_int8(np.asarray(host[1], F32), bn, operand="k")
+    np.testing.assert_array_equal(off.k8.get(), k8.codes)
+    np.testing.assert_array_equal(off.k_scale.get(), k8.scale[..., ::bn, 0])
+    np.testing.assert_array_equal(off.q8.get(), on.q8.get())
+    np.testing.assert_array_equal(off.q_scale.get(), on.q_scale.get())
+    assert bytes(off.v.get().data) == bytes(on.v.get().data)
+    # the launcher path: smooth_k=True is the default, smooth_k=False runs the operands above
+    default = qattn.attention(q, k, v, format=fmt, causal=True)
+    assert bytes(qattn.attention(q, k, v, format=fmt, causal=True, smooth_k=True).get().data) == \
+        bytes(default.get().data)
+    out, lse = qattn.attention(q, k, v, format=fmt, causal=True, smooth_k=False, return_lse=True)
+    direct, direct_lse = int8.attention_quantized(kernel, off, return_lse=True)
+    assert bytes(out.get().data) == bytes(direct.get().data)
+    np.testing.assert_array_equal(lse.get(), direct_lse.get())
+    emu, emu_lse = emulate.emulate(fmt, *host, causal=True, return_lse=True, smooth_k=False, block_m=bm, block_n=bn)
+    assert metrics.compare(_f32(out), emu.astype(np.float16).astype(F32)).rel_l2 <= EMU_REL_L2
+    np.testing.assert_allclose(_f32(lse), emu_lse, rtol=1e-4, atol=1e-4)
+    # new queries keep K̄ = 0
+    qkv2 = off.with_query(cupy.ascontiguousarray(q[:, :, :33]), kernel=kernel)
+    assert qkv2.smooth_k is False and qkv2.k8 is off.k8 and not qkv2.shift.any()
+    with pytest.raises(ValueError, match="smooth_k: format 'f16'"):
+        qattn.attention(q, k, v, format="f16", smooth_k=False)

@@ -36,14 +36,31 @@ def default_spec(format: str, head_dim: int, *, causal: bool = False, arch: str 
                       arch=arch or device_arch())
 
 
+def _check_smooth_k(format: str | None, k) -> None:
+    """smooth_k is an option of the int8-QK formats only."""
+    from .kvcache import KVCacheInt8
+
+    name = "f16" if format is None else format
+    if isinstance(k, KVCacheInt8) or name.startswith("kv8") or not any(
+            fam.launcher == "prefill_i8" for fam in recipe(name).families.values()):
+        raise ValueError(f"smooth_k: format {name!r} has no K smoothing; only the int8-QK formats "
+                         f"(i8-f16, i8-i8, i8-f8) take it")
+
+
 def attention(q, k, v=None, *, format: str | None = None, causal: bool = False, scale: float | None = None,
-              return_lse: bool = False, out=None, tile: Tile | None = None):
+              return_lse: bool = False, out=None, tile: Tile | None = None, smooth_k: bool | None = None):
     """softmax(q kᵀ·scale) v on the GPU in the given format (default "f16"). q [B, Hq, Lq, D], k and v
     [B, Hkv, Lk, D] (any strides on batch, head and sequence; D contiguous), Hq a multiple of
     Hkv; causal masks are bottom-right aligned. Returns out (and the natural-log LSE [B, Hq, Lq]
     in fp32 when return_lse). With an int8 KV cache, attention(q, cache, ...) (a qattn.KVCacheInt8)
-    runs a kv8 format: see runtime/kv8.py for how it is chosen (format=, $QATTN_PREFILL_KV8)."""
+    runs a kv8 format: see runtime/kv8.py for how it is chosen (format=, $QATTN_PREFILL_KV8).
+    smooth_k (int8-QK formats only, default True): False quantizes K without subtracting its mean."""
     from .kvcache import KVCacheInt8
+
+    options = {}
+    if smooth_k is not None:
+        _check_smooth_k(format, k)
+        options["smooth_k"] = smooth_k
 
     if isinstance(k, KVCacheInt8) or (format is not None and format.startswith("kv8")):
         from .kv8 import attention_kv8
@@ -59,4 +76,4 @@ def attention(q, k, v=None, *, format: str | None = None, causal: bool = False, 
     spec = default_spec(format, int(q_dev.shape[-1]), causal=causal)
     if tile is not None:
         spec = spec.with_(tile=tile)
-    return build_kernel(spec)(q, k, v, scale=scale, return_lse=return_lse, out=out)
+    return build_kernel(spec)(q, k, v, scale=scale, return_lse=return_lse, out=out, **options)

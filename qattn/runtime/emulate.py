@@ -42,6 +42,8 @@ from .reference import check_shapes, to_numpy, visible_keys
 
 F32 = np.float32
 KV8_FORMATS = ("kv8-f32", "kv8-split", "kv8-imma")
+# The int8-QK recipes: the ones with K smoothing (option smooth_k, default True).
+I8_FORMATS = ("i8-f16", "i8-i8", "i8-f8")
 # kv8-imma scales q̃ per (query head, group of this many channels).
 IMMA_GROUP = 64
 
@@ -139,9 +141,14 @@ def _f32_tiles(lay, q, k, v, scale, block_n):
     return _Tiles(scores, pv)
 
 
-def _int8_qk(lay, q, k, scale, block_n, block_m, q_granularity, k_granularity, warps):
-    """int8 QK with exact K smoothing: returns (scores, lse_shift)."""
-    k_smooth, k_mean = quant.smooth_k(np.asarray(k, F32))
+def _int8_qk(lay, q, k, scale, block_n, block_m, q_granularity, k_granularity, warps, smooth_k=True):
+    """int8 QK with exact K smoothing (smooth_k False: K quantized as given, K̄ = 0): returns
+    (scores, lse_shift)."""
+    if smooth_k:
+        k_smooth, k_mean = quant.smooth_k(np.asarray(k, F32))
+    else:
+        k_smooth = np.asarray(k, F32)
+        k_mean = np.zeros(k_smooth.shape[:-2] + (1, k_smooth.shape[-1]), F32)
     q2 = quant.fold_softmax_scale(q, scale)
     q8 = quant.quantize_int8(q2, block_m, granularity=q_granularity, warps=warps, operand="q")
     k8 = quant.quantize_int8(k_smooth, block_n, granularity=k_granularity, warps=warps, operand="k")
@@ -157,8 +164,12 @@ def _int8_qk(lay, q, k, scale, block_n, block_m, q_granularity, k_granularity, w
 
 
 def _int8_pv_tiles(pv_format):
-    def build(lay, q, k, v, scale, block_n, *, block_m=128, q_granularity="block", k_granularity="block", warps=4):
-        scores, shift = _int8_qk(lay, q, k, scale, block_n, block_m, q_granularity, k_granularity, warps)
+    def build(lay, q, k, v, scale, block_n, *, block_m=128, q_granularity="block", k_granularity="block", warps=4,
+              smooth_k=True):
+        if not isinstance(smooth_k, (bool, np.bool_)):
+            raise ValueError(f"smooth_k: expected True or False, got {smooth_k!r}")
+        scores, shift = _int8_qk(lay, q, k, scale, block_n, block_m, q_granularity, k_granularity, warps,
+                                 bool(smooth_k))
         if pv_format == "f16":
             v16 = lay.kv(np.asarray(v, F32).astype(np.float16).astype(F32))
 
@@ -297,6 +308,8 @@ def _prepare(fmt, q, k, v, scale, block_n, opts):
     """Validate the inputs and build the recipe's tiles; returns (tiles, (B, Hq, Hkv, Lq, Lk, D))."""
     if not isinstance(block_n, (int, np.integer)) or block_n < 1:
         raise ValueError(f"block_n: expected a positive number of keys per tile, got {block_n!r}")
+    if "smooth_k" in opts and fmt not in I8_FORMATS:
+        raise ValueError(f"smooth_k: format {fmt!r} has no K smoothing; only {', '.join(I8_FORMATS)} take it")
     q = np.asarray(to_numpy(q), F32)
     if fmt in KV8_FORMATS:
         k, v = as_int8_cache(k, "k"), as_int8_cache(v, "v")
@@ -332,7 +345,8 @@ def _emulator(fmt: str) -> Callable:
 EMULATORS: dict[str, Callable] = {fmt: _emulator(fmt) for fmt in _BUILDERS}
 """Recipe name -> emulator(q, k, v, *, causal, scale, return_lse, block_n, **opts). Options:
 i8-* take block_m (query rows per Q scale block, 128), q_granularity / k_granularity
-("block", "warp", "thread"; see quant) and warps (4); kv8-split takes fp16_shift (True)."""
+("block", "warp", "thread"; see quant), warps (4) and smooth_k (True; False quantizes K without
+subtracting K̄, so the LSE has no q·K̄ to add back); kv8-split takes fp16_shift (True)."""
 
 
 # One function per recipe, e.g. emulate.i8_f8(q, k, v, causal=True).

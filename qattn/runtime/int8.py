@@ -13,7 +13,9 @@ What the kernels compute is what ``emulate.emulate(fmt, ...)`` computes with its
 kernel's tile is the default one (block_m query rows per Q scale, block_n keys per K scale):
 
 - K̄ = mean of K over keys (fp64 partial sums per chunk of keys, finished here, rounded to fp32);
-  K̃ = K − K̄; s_K = max|K̃| / 127 per block of block_n keys; K8 = rint(K̃ / s_K).
+  K̃ = K − K̄; s_K = max|K̃| / 127 per block of block_n keys; K8 = rint(K̃ / s_K). With
+  ``smooth_k=False`` (emulate's option of the same name) K̄ is a buffer of zeros: K is quantized as
+  given, and the shift (q̃·K̄) is 0.
 - q̃ = Q·(τ·log2 e) in fp32; s_Q = max|q̃| / 127 per block of block_m rows; Q8 = rint(q̃ / s_Q);
   optionally shift = q̃·K̄ per row (log2 domain), which the LSE needs.
 - V: fp16 rows (i8-f16; bf16 V is rounded to fp16 first), or per-channel codes
@@ -49,7 +51,8 @@ class QuantizedQKV:
 
     q8 int8 [B, Hq, Lq, D] and q_scale float32 [B, Hq, ceil(Lq/block_m)] (q̃ = Q·τ·log2 e);
     k8 int8 [B, Hkv, Lk, D] and k_scale float32 [B, Hkv, ceil(Lk/block_n)] (of K − K̄);
-    k_mean float32 [B, Hkv, D]; shift float32 [B, Hq, Lq] (q̃·K̄, for the LSE) or None;
+    k_mean float32 [B, Hkv, D] (zeros when smooth_k is False); shift float32 [B, Hq, Lq] (q̃·K̄, for
+    the LSE) or None;
     v: fp16 V [B, Hkv, Lk, D] (i8-f16) or V^T codes uint8 [B, Hkv, D, Lk_pad] (i8-i8: int8 bytes,
     i8-f8: e4m3 bytes; keys permuted within each 16-key group, zero past Lk);
     v_scale float32 [B, Hkv, D] (s_V) and v_out_scale (s_V / 127 or / 448), None for i8-f16.
@@ -70,6 +73,7 @@ class QuantizedQKV:
     v: object
     v_scale: object = None
     v_out_scale: object = None
+    smooth_k: bool = True  # False: K quantized without subtracting its mean (k_mean is zeros)
 
     def with_query(self, q, *, kernel=None, with_shift: bool | None = None, scale: float | None = None,
                    stream=None) -> "QuantizedQKV":
@@ -175,13 +179,16 @@ def _colstats(kernel, x, *, want_sum: bool, want_max: bool, stream):
     return total, amax
 
 
-def _quantize_k(kernel, k, stream):
+def _quantize_k(kernel, k, stream, smooth_k=True):
     import cupy
 
     b, hkv, lk, d = k.shape
     bn = kernel.spec.tile.block_n
-    total, _ = _colstats(kernel, k, want_sum=True, want_max=False, stream=stream)
-    k_mean = cupy.ascontiguousarray((total / lk).astype(cupy.float32))  # as quant.smooth_k: fp64 mean -> fp32
+    if smooth_k:
+        total, _ = _colstats(kernel, k, want_sum=True, want_max=False, stream=stream)
+        k_mean = cupy.ascontiguousarray((total / lk).astype(cupy.float32))  # as quant.smooth_k: fp64 mean -> fp32
+    else:  # K − 0 = K exactly in the kernel: K quantized as given
+        k_mean = cupy.zeros((b, hkv, d), dtype=cupy.float32)
     k8 = cupy.empty((b, hkv, lk, d), dtype=cupy.int8)
     k_scale = cupy.empty((b, hkv, -(-lk // bn)), dtype=cupy.float32)
     fn = kernel.function("_quant_k_" + _SUFFIX[k.dtype.name])
@@ -234,12 +241,20 @@ def _quantize_v(kernel, v, stream):
     return vt, v_scale, v_out_scale
 
 
+def _check_smooth_k(smooth_k) -> bool:
+    if not isinstance(smooth_k, (bool, np.bool_)):
+        raise ValueError(f"smooth_k: expected True or False, got {smooth_k!r}")
+    return bool(smooth_k)
+
+
 def quantize(q, k, v, *, format: str | None = None, scale: float | None = None, with_shift: bool = False,
-             kernel=None, stream=None) -> QuantizedQKV:
+             kernel=None, stream=None, smooth_k: bool = True) -> QuantizedQKV:
     """Quantize fp16 or bf16 q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D] (any batch/head/sequence
     strides, channels contiguous) for an int8-QK kernel. Give format (its default kernel for the
     head dim is built) or kernel (its tile sets the scale blocks). with_shift keeps q̃·K̄, which
-    attention_quantized needs to return the LSE."""
+    attention_quantized needs to return the LSE. smooth_k=False skips K smoothing (K̄ = 0): K is
+    quantized as given, as emulate's smooth_k=False does (to measure what smoothing buys)."""
+    smooth_k = _check_smooth_k(smooth_k)
     if kernel is None:
         if format is None:
             raise ValueError("format: give format (e.g. 'i8-f8') or kernel")
@@ -267,13 +282,13 @@ def quantize(q, k, v, *, format: str | None = None, scale: float | None = None, 
     _grid_check(b, hq)
     scale = _check_scale(scale, d)
     with _on(q, stream):
-        k8, k_scale, k_mean = _quantize_k(kernel, k, stream)
+        k8, k_scale, k_mean = _quantize_k(kernel, k, stream, smooth_k)
         q8, q_scale, shift = _quantize_q(kernel, q, k_mean, scale, hkv, with_shift, stream)
         v_op, v_scale, v_out_scale = _quantize_v(kernel, v, stream)
     return QuantizedQKV(format=spec.recipe, dtype=q.dtype.name, dims=(b, hq, hkv, lq, lk, d),
                         block_m=spec.tile.block_m, block_n=spec.tile.block_n, scale=scale, q8=q8, q_scale=q_scale,
                         k8=k8, k_scale=k_scale, k_mean=k_mean, shift=shift, v=v_op, v_scale=v_scale,
-                        v_out_scale=v_out_scale)
+                        v_out_scale=v_out_scale, smooth_k=smooth_k)
 
 
 # ---- attention on quantized operands ---------------------------------------------------------
@@ -328,10 +343,12 @@ def _out_dtype(name: str):
     return numpy_dtype(name)
 
 
-def prefill_i8(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, stream=None):
-    """The launcher of the int8-QK families (launch.LAUNCHERS["prefill_i8"]): quantize, then attend."""
+def prefill_i8(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, stream=None,
+               smooth_k: bool = True):
+    """The launcher of the int8-QK families (launch.LAUNCHERS["prefill_i8"]): quantize, then attend.
+    smooth_k=False quantizes K without subtracting its mean (see quantize)."""
     example = q
-    qkv = quantize(q, k, v, scale=scale, with_shift=return_lse, kernel=kernel, stream=stream)
+    qkv = quantize(q, k, v, scale=scale, with_shift=return_lse, kernel=kernel, stream=stream, smooth_k=smooth_k)
     result = attention_quantized(kernel, qkv, return_lse=return_lse, out=out, stream=stream)
     if out is not None:
         return (out, like_input(result[1], example)) if return_lse else out
