@@ -13,6 +13,7 @@ import pytest
 from qattn.codegen.recipes import HIP_ARCHS, RECIPES, SMEM_LIMIT
 from qattn.codegen.render import entry_name, render
 from qattn.codegen.spec import KernelSpec
+from qattn.runtime import int8
 from qattn.codegen.tile import Tile
 from qattn.runtime.compile import CompileError, compile_hip_offline, disassemble, find_tool
 
@@ -35,15 +36,7 @@ SPECS = [KernelSpec("prefill", f, d, None, causal, "hip", arch)
 
 
 def _entries(spec: KernelSpec) -> list[str]:
-    base = entry_name(spec)
-    names = [base + "_f16", base + "_bf16"]
-    for sfx in ("f16", "bf16"):
-        names += [f"{base}_colstats_{sfx}", f"{base}_quant_q_{sfx}", f"{base}_quant_k_{sfx}"]
-        if spec.recipe != "i8-f16":
-            names.append(f"{base}_quant_v_{sfx}")
-    if spec.recipe == "i8-f16":
-        names.append(base + "_v_to_half_bf16")
-    return names
+    return [entry_name(spec) + suffix for suffix in int8.module_entries(spec.recipe)]
 
 
 @functools.lru_cache(maxsize=None)

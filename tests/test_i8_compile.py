@@ -13,6 +13,7 @@ import pytest
 from qattn.codegen.recipes import RECIPES, SMEM_LIMIT
 from qattn.codegen.render import entry_name, main_entry_name, render
 from qattn.codegen.spec import KernelSpec
+from qattn.runtime import int8
 from qattn.runtime.compile import compile_cuda, entry_resources, parse_ptxas
 
 I8_FORMATS = ("i8-f16", "i8-i8", "i8-f8")
@@ -22,15 +23,7 @@ SPECS = [KernelSpec(recipe=f, head_dim=d, causal=c, arch=a)
 
 
 def _entries(spec: KernelSpec) -> list[str]:
-    base = entry_name(spec)
-    names = [base + "_f16", base + "_bf16"]
-    for sfx in ("f16", "bf16"):
-        names += [f"{base}_colstats_{sfx}", f"{base}_quant_q_{sfx}", f"{base}_quant_k_{sfx}"]
-        if spec.recipe != "i8-f16":
-            names.append(f"{base}_quant_v_{sfx}")
-    if spec.recipe == "i8-f16":
-        names.append(base + "_v_to_half_bf16")
-    return names
+    return [entry_name(spec) + suffix for suffix in int8.module_entries(spec.recipe)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,7 +63,6 @@ def test_families_archs_and_launcher():
 
 
 def test_launcher_registered():
-    from qattn.runtime import int8
     from qattn.runtime.launch import LAUNCHERS
 
     assert "prefill_i8" in LAUNCHERS and "prefill" in LAUNCHERS

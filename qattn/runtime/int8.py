@@ -45,6 +45,19 @@ V_TO_HALF_ROWS = 64
 _SUFFIX = {"float16": "f16", "bfloat16": "bf16"}
 
 
+def module_entries(fmt: str) -> list[str]:
+    """The suffixes (after entry_name(spec)) of every kernel an int8-QK module holds: attention per
+    output dtype, and the quantization kernels per input dtype."""
+    names = ["_f16", "_bf16"]
+    for sfx in _SUFFIX.values():
+        names += [f"_colstats_{sfx}", f"_quant_q_{sfx}", f"_quant_k_{sfx}"]
+        if fmt != "i8-f16":
+            names.append(f"_quant_v_{sfx}")
+    if fmt == "i8-f16":
+        names.append("_v_to_half_bf16")
+    return names
+
+
 @dataclass(frozen=True)
 class QuantizedQKV:
     """Operands of one int8-QK attention call, as the attention kernel reads them.
