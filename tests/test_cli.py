@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 import qattn.cli
 import qattn.runtime.parity
-from qattn.cli import blocks_per_sm, compile_matrix, count_instructions, main
+from qattn.cli import compile_matrix, main
+from qattn.runtime.inspect import blocks_per_sm, count_instructions
 from qattn.codegen.recipes import RECIPES, Tolerance
 from qattn.codegen.spec import KernelSpec
 from qattn.runtime.cache import KernelCache
