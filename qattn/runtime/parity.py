@@ -11,7 +11,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from ..codegen.recipes import recipe
+from ..codegen.recipes import RECIPES, recipe
 from ..codegen.spec import device_arch
 from . import bench, metrics, quant
 from .arrays import numpy_dtype
@@ -19,8 +19,8 @@ from .emulate import KV8_FORMATS, emulate
 from .reference import attention as reference_attention
 
 BACKENDS = ("auto", "cuda", "numpy")
-# Formats with a CUDA kernel: the default set.
-DEFAULT_FORMATS = ("f16", "bf16", "f32")
+# The default set: every format with a CUDA kernel (all of them run on their emulators without a GPU).
+DEFAULT_FORMATS = tuple(name for name, rec in RECIPES.items() if "cuda" in rec.families)
 # (ctx, queries). The GPU set is large enough to fill an H200 for a meaningful time; the CPU set
 # keeps a default emulator run to seconds. Both have tails and Lq != Lk.
 DEFAULT_SHAPES = {
