@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check before a kernel change lands: GPU tests, compute-sanitizer, benchmarks beside
 # torch SDPA, cold-compile and cache-hit load times. Logs and JSON go to ${OUT:-gpu_check}.
-#   tools/gpu_check.sh [tests] [sanitize] [bench] [load]     (default: all four)
+#   tools/gpu_check.sh [tests] [sanitize] [bench] [kv8] [load]     (default: all five)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_check}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 QATTN_CACHE_DIR=${QATTN_CACHE_DIR:-$out/cache}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install -q --no-deps -e .
-steps=${*:-tests sanitize bench load}
+steps=${*:-tests sanitize bench kv8 load}
 status=0
 for step in $steps; do
   echo "=== $step"
@@ -18,10 +18,16 @@ for step in $steps; do
         compute-sanitizer --tool $tool --error-exitcode 9 python3 tools/sanitize.py 2>&1 | tee "$out/$tool.log" | tail -3 || status=1
       done ;;
     bench)
-      python3 tools/bench_prefill.py --format f16 --format bf16 --shape 4x32x4096 --shape 1x32x32768 --shape 16x32x1024 \
-        --causal both --json "$out/bench_d128.json" || status=1
-      python3 tools/bench_prefill.py --format f16 --head-dim 64 --shape 4x32x8192 --causal both \
-        --tile 128x64x4x2 --tile 128x128x4x2 --tile 128x32x4x2 --json "$out/bench_d64.json" || status=1 ;;
+      # SageAttention joins as a peer when importable (e.g. wheels carried in .whl/ and on PYTHONPATH).
+      python3 tools/bench_prefill.py --format f16 --format bf16 --format i8-f16 --format i8-i8 --format i8-f8 \
+        --shape 4x32x4096 --shape 1x32x32768 --causal both --json "$out/bench_d128.json" || status=1
+      python3 tools/bench_prefill.py --format f16 --format i8-f16 --format i8-i8 --format i8-f8 --head-dim 64 \
+        --shape 4x32x8192 --json "$out/bench_d64.json" || status=1 ;;
+    kv8)
+      tools/parity --format kv8-imma,kv8-split,kv8-f32 --shape 32768/2048 --shape 1500/1500 --shape 2100/256 \
+        --shape 32768/256 --shape 65536/64 --json "$out/parity_kv8.json" || status=1
+      python3 tools/bench_kv8.py --shape 32768/2048 --shape 1500/1500 --shape 2100/256 --shape 32768/256 \
+        --shape 65536/64 --json "$out/bench_kv8.json" || status=1 ;;
     load)
       # First process compiles (cold, empty cache); a second one must load without NVRTC.
       rm -rf "$QATTN_CACHE_DIR"
