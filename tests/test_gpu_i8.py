@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import qattn
+from qattn.codegen.fragments import pv_key_slot
 from qattn.codegen.recipes import recipe
 from qattn.runtime import emulate, metrics, quant, reference
 from qattn.runtime.arrays import numpy_dtype
@@ -153,8 +154,7 @@ def test_strided_bshd_views(fmt, dtype):
 
 def _stored_column(keys):
     """Column of V^T (the kernel's key order inside each 16-key group) that holds each key."""
-    lo = keys & 15
-    return (keys & ~15) + 4 * ((lo & 7) >> 1) + (lo & 1) + 2 * (lo >> 3)
+    return keys - keys % 16 + pv_key_slot(keys)
 
 
 def _unpermute_vt(vt, lk):

@@ -10,6 +10,7 @@ import re
 import numpy as np
 import pytest
 
+from qattn.codegen.fragments import pv_key_slot, pv_slot_key
 from qattn.codegen.recipes import RECIPES, SMEM_LIMIT
 from qattn.codegen.render import entry_name, main_entry_name, render
 from qattn.codegen.spec import KernelSpec
@@ -159,20 +160,15 @@ def test_entry_resources_picks_the_named_entry():
 
 # ---- NumPy model of the PV fragments --------------------------------------------------------------
 
-def _perm(s: int) -> int:
-    """Key held by slot s of a 16-key group (DESIGN: the PV A fragment's packing order)."""
-    return 2 * (s // 4) + s % 4 if s % 4 < 2 else 8 + 2 * (s // 4) + s % 4 - 2
-
-
 def _vt_slot(k: int) -> int:
     """quantize_i8.cuh.j2's vt_slot (the slot of key k), transcribed."""
     return 4 * ((k & 7) >> 1) + (k & 1) + 2 * (k >> 3)
 
 
 def test_vt_slot_is_the_inverse_of_the_packing_order():
-    assert sorted(_perm(s) for s in range(16)) == list(range(16))
+    assert sorted(pv_slot_key(s) for s in range(16)) == list(range(16))
     for s in range(16):
-        assert _vt_slot(_perm(s)) == s
+        assert _vt_slot(pv_slot_key(s)) == s == pv_key_slot(pv_slot_key(s))
     from qattn.codegen.render import TEMPLATE_DIR
 
     text = (TEMPLATE_DIR / "cuda" / "quantize_i8.cuh.j2").read_text()

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from qattn.codegen import kv8_families
+from qattn.codegen.fragments import pv_slot_key
 from qattn.codegen.recipes import RECIPES, SMEM_LIMIT
 from qattn.codegen.render import entry_name, render
 from qattn.codegen.spec import KernelSpec
@@ -260,7 +261,7 @@ def rows_to_c(m: np.ndarray) -> np.ndarray:
 def test_byte_perm_model_and_vt_slot_order():
     assert byte_perm(0x03020100, 0x07060504, 0x5140) == 0x05010400
     assert byte_perm(0x03020100, 0x07060504, 0x7632) == 0x07060302
-    assert [kv8_families.vt_slot_key(s) for s in range(16)] == [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]
+    assert [pv_slot_key(s) for s in range(16)] == [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]
 
 
 def transpose_v_model(v: np.ndarray, d: int, bn: int) -> np.ndarray:
@@ -297,7 +298,7 @@ def test_transposed_v_holds_the_permuted_keys(d, bn):
     rng = np.random.default_rng(d + bn)
     v = rng.integers(-127, 128, size=(bn, d), dtype=np.int8)
     vt = transpose_v_model(v, d, bn).reshape(d, bn + 16)[:, :bn].view(np.int8)
-    perm = np.array([16 * (s // 16) + kv8_families.vt_slot_key(s) for s in range(bn)])
+    perm = np.array([16 * (s // 16) + pv_slot_key(s) for s in range(bn)])
     np.testing.assert_array_equal(vt, v[perm].T)
 
 

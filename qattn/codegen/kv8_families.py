@@ -106,12 +106,3 @@ def register(recipes: dict) -> None:
     """Attach the CUDA families to the kv8 recipes (idempotent)."""
     for fmt, family in FAMILIES.items():
         recipes[fmt].families["cuda"] = family
-
-
-# ---- fragment layouts (documented here, modelled by tests/test_kv8_compile.py) ----------------
-
-def vt_slot_key(slot: int) -> int:
-    """The key (within its 16-key chunk) that slot s of a transposed V row holds: slots 4t..4t+3
-    are keys 2t, 2t+1, 8+2t, 9+2t, the keys one thread holds in the S accumulator layout."""
-    s = slot % 16
-    return 2 * (s // 4) + s % 4 if s % 4 < 2 else 8 + 2 * (s // 4) + s % 4 - 2
