@@ -106,6 +106,18 @@ def test_outlier_data(head_dim, causal, lq, lk):
     _check_all(q, _cache(k, v), causal, "outlier")
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_long_context_within_tolerance(fmt):
+    """32K keys: every kv8 kernel, the fp32 one included (its PV is summed per key tile, then
+    added, so its rounding does not grow with sqrt(Lk)), stays within its 1e-5 tolerance."""
+    rng = np.random.default_rng(32768)
+    q, k, v = _data(rng, 1, 2, 1, 256, 32768, 128)
+    cache = _cache(k, v)
+    err = metrics.compare(_run(fmt, q, cache, False), _ref(q, cache, False))
+    tol = qattn.recipe(fmt).tolerance
+    assert err.nonfinite == 0 and err.max_rel <= tol.max_rel and err.rel_l2 <= tol.rel_l2, (fmt, err)
+
+
 def test_batch_and_lse():
     rng = np.random.default_rng(11)
     q, k, v = _data(rng, 2, 8, 2, 300, 1029, 128)
