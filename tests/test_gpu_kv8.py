@@ -1,9 +1,10 @@
 """The int8-KV-cache kernels (kv8-f32, kv8-split, kv8-imma) and qattn.KVCacheInt8 on the GPU:
 each kernel against FP64 on the dequantized cache and against its CPU emulator (random and
-outlier data, tails, GQA 1/4, causal Lq != Lk, d64/d128, NaN-poisoned outputs), LSE, the format
-dispatch (per-arch default, QATTN_PREFILL_KV8, format=), byte-identical reruns, the cache writer
-(exact against quant.quantize_kv_cache, the scale/2 bound, appends at an offset) and argument
-errors. Run on the device machine: pytest -m gpu tests/test_gpu_kv8.py."""
+outlier data, tails, GQA 1/4, causal Lq != Lk, d64/d128, NaN-poisoned outputs), LSE, the split
+over keys of kv8-split and kv8-imma (forced and automatic, against FP64 and the plain kernel), the
+format dispatch (per-arch default, QATTN_PREFILL_KV8, format=), byte-identical reruns, the cache
+writer (exact against quant.quantize_kv_cache, the scale/2 bound, appends at an offset) and
+argument errors. Run on the device machine: pytest -m gpu tests/test_gpu_kv8.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -157,6 +158,99 @@ def test_imma_closer_to_fp64_than_split_on_average():
         for fmt in rel:
             rel[fmt].append(metrics.compare(_run(fmt, q, cache, causal), ref).max_rel)
     assert np.mean(rel["kv8-imma"]) < np.mean(rel["kv8-split"]), rel
+
+
+# ---- split over keys ------------------------------------------------------------------------------
+
+SPLIT_FORMATS = ("kv8-split", "kv8-imma")
+# (batch, q heads, kv heads, Lq, Lk, D, causal): tails everywhere, GQA 4 and 8, causal with Lq < Lk
+# (the top query blocks have fewer key blocks than there are splits: empty splits) and Lq > Lk
+# (rows that see no key at all), batch 2.
+SPLIT_CASES = [(1, 4, 1, 7, 2100, 128, False), (1, 8, 1, 129, 1500, 64, True), (2, 8, 2, 100, 1029, 128, True),
+               (1, 4, 4, 300, 100, 64, True), (1, 8, 2, 65, 4097, 128, False)]
+# The split kernel against the plain one: the same operands and exact sums per key block; only
+# each split's own running max and the merge's few fp32 roundings differ.
+SPLIT_VS_PLAIN = {"max_rel": 3e-6, "rel_l2": 1e-6}
+
+
+def _kv8_kernel(fmt, d, causal):
+    return qattn.build("prefill", format=fmt, head_dim=d, causal=causal)
+
+
+def _launch(kernel, qd, cache, splits):
+    """(out, lse) of one launch, out NaN-poisoned first (any element left unwritten stays NaN)."""
+    import cupy
+
+    out = cupy.full(qd.shape, np.nan, dtype=cupy.float32)
+    _, lse = kernel(qd, cache, out=out, return_lse=True, splits=splits)
+    return out.get(), lse.get()
+
+
+@pytest.mark.parametrize("splits", [2, 3, None])
+@pytest.mark.parametrize("fmt", SPLIT_FORMATS)
+def test_split_over_keys_matches_fp64_and_the_plain_kernel(fmt, splits):
+    import cupy
+
+    tol = qattn.recipe(fmt).tolerance
+    for i, (b, hq, hkv, lq, lk, d, causal) in enumerate(SPLIT_CASES):
+        rng = np.random.default_rng([30, i])
+        q, k, v = _data(rng, b, hq, hkv, lq, lk, d)
+        cache = _cache(k, v)
+        kernel, qd = _kv8_kernel(fmt, d, causal), cupy.asarray(q)
+        case = (fmt, splits, b, hq, hkv, lq, lk, d, causal)
+        out, lse = _launch(kernel, qd, cache, splits)
+        ref, ref_lse = _ref(q, cache, causal, return_lse=True)
+        err = metrics.compare(out, ref)
+        assert err.nonfinite == 0 and err.max_rel <= tol.max_rel and err.rel_l2 <= tol.rel_l2, (case, err)
+        np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5, err_msg=str(case))
+        plain, plain_lse = _launch(kernel, qd, cache, 1)
+        near = metrics.compare(out, plain)
+        assert near.max_rel <= SPLIT_VS_PLAIN["max_rel"] and near.rel_l2 <= SPLIT_VS_PLAIN["rel_l2"], (case, near)
+        np.testing.assert_allclose(lse, plain_lse, rtol=1e-6, atol=1e-6, err_msg=str(case))
+        again, again_lse = _launch(kernel, qd, cache, splits)
+        assert again.tobytes() == out.tobytes() and again_lse.tobytes() == lse.tobytes(), case
+
+
+def test_auto_splits_on_this_gpu():
+    """Few query blocks split (within one wave of resident blocks); a grid that fills more than
+    half the slots does not, and there the automatic launch is the plain kernel, byte for byte."""
+    import cupy
+
+    from qattn.runtime import kv8
+
+    for fmt in SPLIT_FORMATS:
+        kernel = _kv8_kernel(fmt, 128, False)
+        sms, per_sm = kv8.device_slots(kernel, 0)
+        assert sms >= 1 and per_sm >= 1
+        few = kv8.choose_splits(kernel, 1, 8, 64, 65536)  # 8 query blocks
+        assert 1 < few and 8 * few <= sms * per_sm, (fmt, few, sms, per_sm)
+    rng = np.random.default_rng(31)
+    q, k, v = _data(rng, 2, 8, 2, 777, 2100, 128)
+    cache = _cache(k, v)
+    kernel, qd = _kv8_kernel("kv8-imma", 128, True), cupy.asarray(q)
+    sms, per_sm = kv8.device_slots(kernel, 0)
+    blocks = 13 * 8 * 2  # query blocks x heads x batch
+    if 2 * blocks > sms * per_sm:
+        assert kv8.choose_splits(kernel, 2, 8, 777, 2100) == 1
+        assert kernel(qd, cache).get().tobytes() == kernel(qd, cache, splits=1).get().tobytes()
+
+
+def test_bad_splits_raise():
+    import cupy
+
+    rng = np.random.default_rng(32)
+    q, k, v = _data(rng, 1, 2, 2, 10, 300, 64)
+    cache = _cache(k, v)
+    qd = cupy.asarray(q)
+    for bad in (0, 300, 1.5, True):
+        with pytest.raises(ValueError, match="splits: expected"):
+            _kv8_kernel("kv8-imma", 64, False)(qd, cache, splits=bad)
+    with pytest.raises(ValueError, match="splits: kv8-f32"):
+        _kv8_kernel("kv8-f32", 64, False)(qd, cache, splits=2)
+    from qattn.runtime.kv8 import attention_kv8
+
+    with pytest.raises(ValueError, match="splits: expected"):
+        attention_kv8(qd, cache, format="kv8-split", splits=-2)
 
 
 # ---- dispatch and determinism -------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """The int8-KV-cache kernels (kv8-f32, kv8-split, kv8-imma) and the cache writer on a machine with
-no GPU: every spec renders and compiles with NVRTC, every entry point stays in registers, the PTX
-holds the MMAs each format needs; NumPy models of the fragment layouts (transcribed from the
-templates' index expressions, with PTX's mma/ldmatrix fragment definitions) show that the permuted
-and packed operands give Q·Kᵀ and P·V; the int32 sums stay exact; the format dispatch. CPU only."""
+no GPU: every spec renders and compiles with NVRTC, every entry point (attention, statistics,
+merge of the splits over keys) stays in registers, the PTX holds the MMAs each format needs; NumPy
+models of the fragment layouts (transcribed from the templates' index expressions, with PTX's
+mma/ldmatrix fragment definitions) show that the permuted and packed operands give Q·Kᵀ and P·V;
+the int32 sums stay exact; models of the split key ranges and of the merge; the choice and the
+checking of the number of splits; the format dispatch. CPU only."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +16,7 @@ import pytest
 from qattn.codegen import kv8_families
 from qattn.codegen.fragments import pv_slot_key
 from qattn.codegen.recipes import RECIPES, SMEM_LIMIT
-from qattn.codegen.render import entry_name, render
+from qattn.codegen.render import entry_name, main_entry_name, render
 from qattn.codegen.spec import KernelSpec
 from qattn.codegen.tile import Tile
 from qattn.runtime import quant
@@ -33,7 +35,7 @@ SAMPLED = [KernelSpec(recipe=f, head_dim=d, causal=c, arch=a)
 
 @functools.lru_cache(maxsize=None)
 def _compiled(spec: KernelSpec):
-    return compile_cuda(render(spec), spec.arch, spec.name)
+    return compile_cuda(render(spec), spec.arch, spec.name, entry=main_entry_name(spec))  # as build_kernel
 
 
 def _entry_resources(log: str, entry: str) -> dict:
@@ -44,7 +46,9 @@ def _entry_resources(log: str, entry: str) -> dict:
 
 def _entries(spec: KernelSpec) -> list[str]:
     base = entry_name(spec)
-    return [base, base + kv8_families.STAT_ENTRY] if spec.recipe in kv8_families.MMA_FORMATS else [base]
+    if spec.recipe in kv8_families.MMA_FORMATS:
+        return [base, base + kv8_families.STAT_ENTRY, base + kv8_families.MERGE_ENTRY]
+    return [base]
 
 
 def _ids(specs):
@@ -108,7 +112,11 @@ def test_render(spec):
     assert f"constexpr bool CAUSAL = {'true' if spec.causal else 'false'};" in src
     assert render(spec) == src
     if spec.recipe in kv8_families.MMA_FORMATS:
-        assert entry_name(spec) + "_stat(" in src
+        from qattn.runtime import kv8
+
+        assert entry_name(spec) + "_stat(" in src and entry_name(spec) + kv8_families.MERGE_ENTRY + "(" in src
+        assert f"constexpr int MERGE_THREADS = {kv8.MERGE_THREADS};" in src  # the launcher's merge block
+        assert src.count("QATTN_DEVICE void store_partial(") == 1  # one merge include, both formats
         assert ("mma_split3" in src) == (spec.recipe == "kv8-imma")
         assert ("split_f16x2" in src) == (spec.recipe == "kv8-split")
 
@@ -125,7 +133,7 @@ def _check_compiled(spec: KernelSpec) -> None:
         res = _entry_resources(binary.log, entry)
         assert 0 < res["registers"] <= 255, (entry, res)
         assert res["spill_stores"] == 0 and res["spill_loads"] == 0, (entry, res)
-    # the Kernel reports the attention kernel's figures (it is the first entry ptxas reports)
+    # the Kernel reports the attention kernel's figures (main_entry_name, whatever order ptxas uses)
     main = _entry_resources(binary.log, entry_name(spec))
     assert all(binary.resources[k] == main[k] for k in ("registers", "spill_stores", "spill_loads"))
     s8 = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"
@@ -455,6 +463,133 @@ def test_markstein_division_matches_ieee():
     resid = (a.astype(np.float64) - q.astype(np.float64) * b[:, None].astype(np.float64)).astype(np.float32)  # exact in fp32
     corr = (q.astype(np.float64) + resid.astype(np.float64) * rb[:, None].astype(np.float64)).astype(np.float32)
     np.testing.assert_array_equal(corr, (a / b[:, None]).astype(np.float32))
+
+
+# ---- split over keys: key ranges, merge, how many splits ------------------------------------------
+
+def split_key_blocks_model(nblocks: int, split: int, splits: int) -> range:
+    """split_key_blocks (kv8_merge.cuh.j2): key blocks [first, end) of one split."""
+    return range(nblocks * split // splits, nblocks * (split + 1) // splits)
+
+
+@pytest.mark.parametrize("nblocks", [0, 1, 2, 3, 7, 33, 1024])
+@pytest.mark.parametrize("splits", [1, 2, 3, 8, 33])
+def test_splits_cover_every_key_block_once_in_order(nblocks, splits):
+    ranges = [split_key_blocks_model(nblocks, s, splits) for s in range(splits)]
+    assert [j for r in ranges for j in r] == list(range(nblocks))
+    sizes = [len(r) for r in ranges]
+    assert max(sizes) - min(sizes) <= 1  # balanced; splits past nblocks are empty, not negative
+    if splits == 1:
+        assert ranges == [range(nblocks)]  # the plain kernel's loop
+
+
+def merge_model(part_o, part_ml):
+    """merge_splits (kv8_merge.cuh.j2) in fp32, splits in order: part_o [S, rows, D], part_ml [S, rows, 2]."""
+    f32 = np.float32
+    m = part_ml[..., 0].max(axis=0)
+    l = np.zeros(m.shape, f32)
+    acc = np.zeros(part_o.shape[1:], f32)
+    live_max = m != -np.inf
+    for s in range(part_o.shape[0]):
+        with np.errstate(invalid="ignore"):
+            w = np.where(live_max, np.exp2(part_ml[s, :, 0] - m), 0).astype(f32)
+        l = (w.astype(np.float64) * part_ml[s, :, 1] + l).astype(f32)  # one FMA: one rounding
+        acc = (w[:, None].astype(np.float64) * part_o[s] + acc).astype(f32)
+    live = l > 0
+    out = np.where(live[:, None], acc / np.where(live, l, 1)[:, None], 0).astype(f32)
+    with np.errstate(divide="ignore"):
+        lse = np.where(live, (m.astype(np.float64) + np.log2(np.where(live, l, 1))) * np.log(2), -np.inf)
+    return out, lse
+
+
+def test_merge_of_split_partials_is_the_softmax():
+    """Partials as store_partial writes them (each split's own max; -inf and 0 where a row sees no
+    key of the split) merge into softmax(S)·V, LSE included; a row that sees no key gives zeros."""
+    rng = np.random.default_rng(20)
+    rows, keys, d, splits, bn = 6, 200, 8, 3, 64
+    s2 = rng.standard_normal((rows, keys)) * 4  # log2-domain scores
+    v = rng.standard_normal((keys, d))
+    visible = np.arange(keys)[None, :] <= np.array([-1, 0, 10, 64, 150, 199])[:, None]  # causal-like rows
+    nblocks = -(-keys // bn)
+    part_o = np.zeros((splits, rows, d), np.float32)
+    part_ml = np.zeros((splits, rows, 2), np.float32)
+    for s in range(splits):
+        blocks = split_key_blocks_model(nblocks, s, splits)
+        cols = np.zeros(keys, bool)
+        cols[blocks.start * bn: blocks.stop * bn] = True
+        seen = visible & cols[None, :]
+        m = np.where(seen.any(1), np.where(seen, s2, -np.inf).max(1), -np.inf)
+        p = np.where(seen, np.exp2(s2 - np.where(np.isinf(m), 0, m)[:, None]), 0)
+        part_o[s], part_ml[s, :, 0], part_ml[s, :, 1] = p @ v, m, p.sum(1)
+    out, lse = merge_model(part_o, part_ml)
+    p = np.where(visible, np.exp2(s2 - s2.max(1, keepdims=True)), 0)
+    live = visible.any(1)
+    want = np.where(live[:, None], (p @ v) / np.where(live, p.sum(1), 1)[:, None], 0)
+    np.testing.assert_allclose(out, want, rtol=2e-6, atol=2e-6)
+    assert np.all(out[0] == 0) and lse[0] == -np.inf
+    want_lse = np.log(np.where(visible, np.exp2(s2), 0).sum(1)[1:])
+    np.testing.assert_allclose(lse[1:], want_lse, rtol=1e-6)
+
+
+H200_SLOTS = (132, 2)  # SMs, resident kv8-imma d128 blocks per SM (BENCHMARKS: 2 blocks per SM)
+
+
+@pytest.mark.parametrize("ctx, queries, want", [
+    (32768, 2048, 1), (1500, 1500, 1),  # 256 and 192 blocks: more than half the 264 slots
+    (2100, 256, 8), (32768, 256, 8),   # 32 blocks: 8 splits fill one wave (2100 keys: 33 blocks, >= 4 each)
+    (65536, 64, 33),                    # 8 blocks: 33 splits, 264 blocks
+    (100, 64, 1),                       # 2 key blocks: not worth a split
+])
+def test_auto_splits_at_the_seed_shapes(monkeypatch, ctx, queries, want):
+    from types import SimpleNamespace
+
+    from qattn.runtime import kv8
+
+    monkeypatch.setattr(kv8, "device_slots", lambda kernel, device_id: H200_SLOTS)
+    for fmt in kv8_families.MMA_FORMATS:
+        kernel = SimpleNamespace(spec=KernelSpec(recipe=fmt, head_dim=128, arch="sm_90a"))
+        assert kv8.choose_splits(kernel, 1, 8, queries, ctx) == want
+    f32 = SimpleNamespace(spec=KernelSpec(recipe="kv8-f32", head_dim=128, arch="sm_90a"))
+    assert kv8.choose_splits(f32, 1, 8, queries, ctx) == 1
+
+
+def test_auto_splits_rule():
+    from qattn.runtime import kv8
+    from qattn.runtime.kv8 import MIN_KEY_BLOCKS_PER_SPLIT, auto_splits
+
+    sms, per_sm = H200_SLOTS
+    for blocks in range(sms * per_sm // 2 + 1, 4 * sms * per_sm, 37):  # over half the slots: no split
+        assert auto_splits(blocks, 10_000, sms, per_sm) == 1
+    for blocks in (2, 8, 32, 100, 132):
+        n = auto_splits(blocks, 10_000, sms, per_sm)
+        assert n > 1 and blocks * n <= sms * per_sm < blocks * (n + 1)  # one full wave
+    assert auto_splits(1, 10_000, sms, per_sm) == kv8.MAX_SPLITS
+    for key_blocks in range(0, 40):  # each split keeps enough key blocks to amortize the merge
+        n = auto_splits(8, key_blocks, sms, per_sm)
+        assert n == max(1, key_blocks // MIN_KEY_BLOCKS_PER_SPLIT)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 257, 2.0, "2", True])
+def test_bad_splits_raise_naming_the_argument(bad):
+    from types import SimpleNamespace
+
+    from qattn.runtime import kv8
+
+    with pytest.raises(ValueError, match=r"splits: expected None \(automatic\) or an integer 1\.\.256"):
+        kv8.check_splits(bad, "kv8-imma")
+    kernel = SimpleNamespace(spec=KernelSpec(recipe="kv8-imma", head_dim=64, arch="sm_90a"))
+    with pytest.raises(ValueError, match="splits: expected"):
+        kv8.prefill_kv8(kernel, None, None, splits=bad)  # checked before anything touches the GPU
+
+
+def test_splits_accepted_and_f32_does_not_split():
+    from qattn.runtime import kv8
+
+    assert kv8.check_splits(None, "kv8-split") is None
+    assert [kv8.check_splits(n, "kv8-imma") for n in (1, 3, np.int64(4), 256)] == [1, 3, 4, 256]
+    assert kv8.check_splits(1, "kv8-f32") == 1 and kv8.check_splits(None, "kv8-f32") is None
+    with pytest.raises(ValueError, match="splits: kv8-f32 .* does not split over keys"):
+        kv8.check_splits(2, "kv8-f32")
 
 
 # ---- format dispatch ------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Time the exact int8-KV-cache kernels (kv8-imma, kv8-split, kv8-f32) per launch at the
 parity shapes, beside torch SDPA's fp16 flash backend run on the dequantized cache (same
-inputs, same run). The cache is written once; only attention is timed.
+inputs, same run). The cache is written once; only attention is timed. The tensor-core kernels
+run twice: with the launcher's split over keys (its automatic choice, or --splits) and unsplit
+(splits=1, the plain grid), so the split's gain is measured in the same run.
 
     tools/bench_kv8.py --shape 32768/2048 --shape 1500/1500 --json kv8.json
 """
@@ -15,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from qattn.runtime.bench import attention_flops, time_cuda  # noqa: E402
 
 FORMATS = ("kv8-imma", "kv8-split", "kv8-f32")
+SPLIT_FORMATS = ("kv8-imma", "kv8-split")  # the formats with a split over keys
 
 
 def main() -> int:
@@ -24,6 +27,7 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--splits", type=int, help="force this many splits over keys (default: the launcher's choice)")
     ap.add_argument("--json", help="write the records here")
     args = ap.parse_args()
     import cupy
@@ -31,6 +35,7 @@ def main() -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import qattn
+    from qattn.runtime import kv8
     from qattn.runtime.api import default_spec
     from qattn.runtime.kernel import build_kernel
 
@@ -55,12 +60,19 @@ def main() -> int:
         for fmt in FORMATS:
             kernel = build_kernel(default_spec(fmt, d, causal=args.causal))
             out = cupy.empty_like(q)
-            row[f"{fmt}_ms"] = time_cuda(lambda: kernel(q, cache, out=out)).median_ms
+            splits = args.splits if fmt in SPLIT_FORMATS else 1
+            row[f"{fmt}_splits"] = splits or kv8.choose_splits(kernel, 1, args.heads, queries, ctx, q.device.id)
+            row[f"{fmt}_ms"] = time_cuda(lambda: kernel(q, cache, out=out, splits=splits)).median_ms
             row[f"{fmt}_tops"] = flops / row[f"{fmt}_ms"] / 1e9
+            if fmt in SPLIT_FORMATS:
+                row[f"{fmt}_unsplit_ms"] = time_cuda(lambda: kernel(q, cache, out=out, splits=1)).median_ms
         records.append(row)
-        print(f"{ctx:>6}/{queries:<5} imma {row['kv8-imma_ms']:8.3f} ms ({row['kv8-imma_tops']:6.1f} TOPS)  "
-              f"split {row['kv8-split_ms']:8.3f}  f32 {row['kv8-f32_ms']:8.3f}  fp16 flash {flash:8.3f}  "
-              f"imma/split {row['kv8-split_ms'] / row['kv8-imma_ms']:5.2f}x  imma/flash {flash / row['kv8-imma_ms']:5.2f}x")
+        imma, split = row["kv8-imma_ms"], row["kv8-split_ms"]
+        print(f"{ctx:>6}/{queries:<5} splits {row['kv8-imma_splits']:>3}  "
+              f"imma {imma:8.3f} ms ({row['kv8-imma_tops']:6.1f} TOPS, unsplit {row['kv8-imma_unsplit_ms']:8.3f})  "
+              f"split {split:8.3f} (unsplit {row['kv8-split_unsplit_ms']:8.3f})  f32 {row['kv8-f32_ms']:8.3f}  "
+              f"fp16 flash {flash:8.3f}  imma/split {split / imma:5.2f}x  imma/flash {flash / imma:5.2f}x "
+              f"(unsplit {flash / row['kv8-imma_unsplit_ms']:5.2f}x)")
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
     return 0

@@ -7,7 +7,8 @@ The tensor-core kernels share one template (prefill_kv8_mma.cu.j2): each warp ow
 whose Q operand stays in registers; per pipeline slot shared memory holds the K and V codes of BN
 keys (rows of D + 16 bytes) and their two scale rows; one more tile holds V transposed (D rows of
 BN + 16 bytes, keys permuted within 16-key chunks). Their modules also hold a statistics kernel
-(entry ``<name>_stat``) that the launcher runs first.
+(entry ``<name>_stat``) that the launcher runs first, and a merge kernel (entry ``<name>_merge``)
+that it runs last when the key range is split over several blocks (kv8_merge.cuh.j2).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ MMA_TEMPLATE = "cuda/prefill_kv8_mma.cu.j2"
 SIMT_TEMPLATE = "cuda/prefill_kv8_f32.cu.j2"
 LAUNCHER = "prefill_kv8"  # key of runtime.launch.LAUNCHERS (runtime/kv8.py)
 STAT_ENTRY = "_stat"  # suffix of the statistics kernel in the tensor-core modules
+MERGE_ENTRY = "_merge"  # suffix of the kernel that merges the splits over keys
 HEAD_DIMS = (64, 128)  # multiples of kv8-imma's 64-channel Q scale group
 MMA_FORMATS = ("kv8-split", "kv8-imma")
 

@@ -11,19 +11,33 @@ which are written into a temporary cache first, as parity runs do) lands in ``at
 q is float32 [B, Hq, Lq, D] (D = 64 or 128), out float32, LSE float32 natural-log. The launches are
 deterministic (no atomics): the same inputs give the same bytes on every run.
 
+Split over keys (kv8-split, kv8-imma; flash-decoding style): when the plain grid, one block per
+(query block, head, batch), would fill at most half the GPU's resident block slots, each query
+block's key range is split over several blocks (``auto_splits``); each stores its unnormalized
+output with its row max and sum in a workspace, and a merge kernel combines the splits in a fixed
+order. ``splits=`` on the launcher (``kernel(q, cache, splits=n)``, ``attention_kv8(...,
+splits=n)``) overrides the choice; ``splits=1`` is the plain kernel (no workspace, no merge).
+kv8-f32, the fp32 baseline, does not split.
+
 What each kernel computes is what ``emulate.emulate(fmt, q, cache.k, cache.v, block_n=BN)`` computes
 with the kernel's key tile BN (64 for the tensor-core kernels, 32 for kv8-f32): the same operand
 splits and scales, the same exact integer sums, the fp32 operations in the same order (the
 tensor-core fp16 accumulation of kv8-split and the exp2 of every kernel round differently).
+The emulator runs the unsplit key loop only. With splits > 1 the kernel differs from it by what
+the split changes in fp32, not by the format: each split's online softmax starts from its own
+running max (so its p values and rescalings are rounded from other exponents), and the merge adds
+a few roundings per row (2^(m_s - M) per split, one FMA per split into the sum and the output,
+one division). The operands, scales and exact integer sums per key block are the same.
 """
 from __future__ import annotations
 
 import math
+import numbers
 import os
 
 import numpy as np
 
-from ..codegen.kv8_families import MMA_FORMATS, STAT_ENTRY
+from ..codegen.kv8_families import MERGE_ENTRY, MMA_FORMATS, STAT_ENTRY
 from .arrays import as_device_array, like_input
 from .kvcache import CODE_ALIGN, KVCacheInt8
 from .reference import check_shapes
@@ -32,6 +46,11 @@ KV8_FORMATS = ("kv8-f32", "kv8-split", "kv8-imma")
 ENV_VAR = "QATTN_PREFILL_KV8"
 ENV_CHOICES = {"imma": "kv8-imma", "split": "kv8-split", "f32": "kv8-f32"}
 STAT_THREADS = 256  # threads of the statistics kernel (stat_body)
+MERGE_THREADS = 256  # threads of the merge kernel (kv8_merge.cuh.j2's MERGE_THREADS)
+MAX_SPLITS = 256  # bounds a forced choice's workspace (splits x B·Hq·Lq·D floats); auto stays in one wave
+# Each split pays a fixed cost (its Q operand, the pipeline fill, its partial store and the merge's
+# read of it), about a key block or two of work: four key blocks per split keep that small.
+MIN_KEY_BLOCKS_PER_SPLIT = 4
 
 
 def default_format(arch: str | None = None) -> str:
@@ -95,14 +114,64 @@ def _elem_strides(x) -> list:
     return [np.int64(s // x.itemsize) for s in x.strides[:3]]
 
 
+def check_splits(splits, fmt: str) -> int | None:
+    """splits as given to the launcher: None (the launcher picks) or an integer 1..MAX_SPLITS; the
+    fp32 baseline kv8-f32 takes only 1."""
+    if splits is None:
+        return None
+    if isinstance(splits, bool) or not isinstance(splits, numbers.Integral) or not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits: expected None (automatic) or an integer 1..{MAX_SPLITS}, got {splits!r}")
+    if splits > 1 and fmt not in MMA_FORMATS:
+        raise ValueError(f"splits: {fmt} (the fp32 baseline) does not split over keys; pass None or 1, got {splits}")
+    return int(splits)
+
+
+def auto_splits(blocks: int, key_blocks: int, sms: int, blocks_per_sm: int) -> int:
+    """Splits of each query block's key range for a plain grid of `blocks` blocks (query blocks x
+    heads x batch) whose longest key range is `key_blocks` key blocks, on `sms` SMs holding
+    `blocks_per_sm` blocks each. As many as keep the split grid within one wave of resident blocks
+    (a partial second wave would cost a whole split's time), so 1 whenever the plain grid fills
+    more than half the slots; at most one per MIN_KEY_BLOCKS_PER_SPLIT key blocks."""
+    one_wave = (sms * blocks_per_sm) // blocks
+    worth_it = key_blocks // MIN_KEY_BLOCKS_PER_SPLIT
+    return max(1, min(one_wave, worth_it, MAX_SPLITS))
+
+
+_SLOTS: dict = {}  # (kernel name, device id) -> (SMs, resident blocks per SM)
+
+
+def device_slots(kernel, device_id: int) -> tuple[int, int]:
+    """The device's SM count and how many blocks of the kernel one SM holds (the driver's
+    occupancy figure for its registers and shared memory)."""
+    key = (kernel.name, device_id)
+    if key not in _SLOTS:
+        from cupy.cuda import driver, runtime
+
+        sms = runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id)
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.function().ptr, kernel.threads,
+                                                                  kernel.shared_bytes)
+        _SLOTS[key] = (sms, max(1, per_sm))
+    return _SLOTS[key]
+
+
+def choose_splits(kernel, b: int, hq: int, lq: int, lk: int, device_id: int = 0) -> int:
+    """The launcher's automatic choice for batch b, hq query heads, lq queries and lk keys on a
+    device: auto_splits on its figures (1 for kv8-f32)."""
+    if kernel.spec.recipe not in MMA_FORMATS:
+        return 1
+    blocks = math.ceil(lq / kernel.spec.tile.block_m) * hq * b
+    return auto_splits(blocks, math.ceil(lk / kernel.spec.tile.block_n), *device_slots(kernel, device_id))
+
+
 def prefill_kv8(kernel, q, k, v=None, *, scale: float | None = None, return_lse: bool = False, out=None,
-                stream=None):
+                stream=None, splits: int | None = None):
     """out = softmax(q kᵀ·scale) v over an int8 KV cache with one kv8 kernel; returns out or
     (out, lse). k: a KVCacheInt8 (v None), (codes, scales) pairs, or float K and V (quantized into
-    a temporary cache)."""
+    a temporary cache). splits: blocks per query block over the key range (None: auto_splits)."""
     import cupy
 
     spec = kernel.spec
+    splits = check_splits(splits, spec.recipe)
     example = q
     q = as_device_array(q, "q")
     if q.dtype != cupy.float32:
@@ -151,17 +220,44 @@ def prefill_kv8(kernel, q, k, v=None, *, scale: float | None = None, return_lse:
                 vc, *_elem_strides(vc), vs, *vs_st, out_arr, *_elem_strides(out_arr),
                 lse if lse is not None else np.uintp(0), np.int64(lq), stat,
                 np.int32(hq), np.int32(group), np.int32(lq), np.int32(lk), scale_log2)
-        grid = (math.ceil(lq / spec.tile.block_m), hq, b)
-        kernel.function()(grid, (kernel.threads,), args, shared_mem=kernel.shared_bytes, stream=stream)
+        qblocks = math.ceil(lq / spec.tile.block_m)
+        n = splits if splits is not None else choose_splits(kernel, b, hq, lq, lk, q.device.id)
+        if spec.recipe not in MMA_FORMATS:
+            kernel.function()((qblocks, hq, b), (kernel.threads,), args, shared_mem=kernel.shared_bytes,
+                              stream=stream)
+        elif n == 1:
+            kernel.function()((qblocks, hq, b), (kernel.threads,), (*args, np.int32(1), np.uintp(0), np.uintp(0)),
+                              shared_mem=kernel.shared_bytes, stream=stream)
+        else:
+            _launch_split(kernel, args, n, qblocks, b, hq, lq, d, out_arr, lse, stream)
     out_arr = like_input(out_arr, example) if out is None else out
     if return_lse:
         return out_arr, like_input(lse, example)
     return out_arr
 
 
+def _launch_split(kernel, args, splits: int, qblocks: int, b: int, hq: int, lq: int, d: int, out_arr, lse,
+                  stream) -> None:
+    """The main kernel over splits x qblocks blocks per (head, batch), each storing its partial into
+    a fresh workspace, then the merge, which writes out (and lse)."""
+    import cupy
+
+    part_o = cupy.empty((splits, b * hq, lq, d), dtype=cupy.float32)
+    part_ml = cupy.empty((splits, b * hq, lq, 2), dtype=cupy.float32)  # (row max, row sum) pairs
+    kernel.function()((qblocks * splits, hq, b), (kernel.threads,), (*args, np.int32(splits), part_o, part_ml),
+                      shared_mem=kernel.shared_bytes, stream=stream)
+    bh_rows = b * hq * lq
+    grid = math.ceil(bh_rows * (d // 4) / MERGE_THREADS)  # one thread per (row, 4 channels)
+    kernel.function(MERGE_ENTRY)((grid,), (MERGE_THREADS,),
+                                 (part_o, part_ml, np.int32(splits), np.int64(bh_rows), np.int32(hq), np.int32(lq),
+                                  out_arr, *_elem_strides(out_arr), lse if lse is not None else np.uintp(0),
+                                  np.int64(lq)), stream=stream)
+
+
 def attention_kv8(q, k, v=None, *, format: str | None = None, causal: bool = False, scale: float | None = None,
-                  return_lse: bool = False, out=None, tile=None):
-    """qattn.attention for an int8 KV cache (see the module docstring for how the format is chosen)."""
+                  return_lse: bool = False, out=None, tile=None, splits: int | None = None):
+    """qattn.attention for an int8 KV cache (see the module docstring for how the format is chosen and
+    for splits)."""
     from ..codegen.spec import KernelSpec, device_arch
     from ..codegen.tile import Tile
     from .kernel import build_kernel
@@ -176,4 +272,4 @@ def attention_kv8(q, k, v=None, *, format: str | None = None, causal: bool = Fal
         tile = Tile(*tile)
     spec = KernelSpec(kind="prefill", recipe=fmt, head_dim=int(q_dev.shape[-1]), causal=causal, arch=arch,
                       **({"tile": tile} if tile is not None else {}))
-    return build_kernel(spec)(q, k, v, scale=scale, return_lse=return_lse, out=out)
+    return build_kernel(spec)(q, k, v, scale=scale, return_lse=return_lse, out=out, splits=splits)
