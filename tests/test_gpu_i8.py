@@ -198,16 +198,27 @@ def test_quantization_steps_match_quant(fmt, dtype):
         np.testing.assert_array_equal(qkv.v.get(), v32.astype(np.float16))
     else:
         vq = quant.quantize_v_int8(v32) if pv == "i8" else quant.quantize_v_e4m3(v32)
-        lk_pad = -(-lk // 64) * 64
-        vt = qkv.v.get()
-        assert vt.shape == (b, hkv, d, lk_pad) and vt.dtype == np.uint8
-        # Padding keys (lk and beyond) sit at permuted columns, some of them below lk.
-        pad_columns = _stored_column(np.arange(lk, lk_pad))
-        assert not vt[..., pad_columns].any(), "V^T padding must be zero codes"
-        np.testing.assert_array_equal(_unpermute_vt(vt, lk), vq.codes.view(np.uint8))
+        if _default_spec(fmt).family.values["pv_operand"] == "f16":
+            # e4m3 carried in fp16 (Hopper): rows of the codes' values, not transposed
+            assert qkv.v.shape == (b, hkv, lk, d) and qkv.v.dtype == np.float16
+            np.testing.assert_array_equal(qkv.v.get(), vq.codes.astype(F32).astype(np.float16))
+        else:
+            lk_pad = -(-lk // 64) * 64
+            vt = qkv.v.get()
+            assert vt.shape == (b, hkv, d, lk_pad) and vt.dtype == np.uint8
+            # Padding keys (lk and beyond) sit at permuted columns, some of them below lk.
+            pad_columns = _stored_column(np.arange(lk, lk_pad))
+            assert not vt[..., pad_columns].any(), "V^T padding must be zero codes"
+            np.testing.assert_array_equal(_unpermute_vt(vt, lk), vq.codes.view(np.uint8))
         np.testing.assert_array_equal(qkv.v_scale.get(), vq.scale[..., 0, :])
         p_scale = F32(quant.INT8_MAX if pv == "i8" else quant.E4M3_MAX)
         np.testing.assert_array_equal(qkv.v_out_scale.get(), (vq.scale[..., 0, :] / p_scale).astype(F32))
+
+
+def _default_spec(fmt):
+    from qattn.runtime.api import default_spec
+
+    return default_spec(fmt, 128)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

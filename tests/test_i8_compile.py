@@ -63,6 +63,27 @@ def test_families_archs_and_launcher():
         KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_80")
 
 
+def test_hopper_carries_e4m3_in_fp16():
+    """i8-f8 on sm_90/sm_90a builds the fp16-carrier variant (V as fp16 rows of e4m3 values, fp16
+    PV MMAs); every other arch and format keeps its own PV operand."""
+    from qattn.codegen.recipes import E4M3_IN_F16_ARCHS
+
+    assert set(E4M3_IN_F16_ARCHS) == {"sm_90", "sm_90a"}
+    for arch in ("sm_89", "sm_90", "sm_90a", "sm_120"):
+        spec = KernelSpec(recipe="i8-f8", head_dim=128, arch=arch)
+        want = "f16" if arch in E4M3_IN_F16_ARCHS else "f8"
+        assert spec.family.values["pv_operand"] == want, arch
+        assert spec.family.archs == RECIPES["i8-f8"].family("cuda").archs
+    for f in ("i8-f16", "i8-i8"):
+        assert KernelSpec(recipe=f, head_dim=128, arch="sm_90a").family is RECIPES[f].family("cuda")
+    carrier = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a").family
+    f16 = RECIPES["i8-f16"].family("cuda")
+    from qattn.codegen.tile import Tile
+
+    t = Tile(128, 64, 4, 2)
+    assert carrier.smem_bytes(t, 128) == f16.smem_bytes(t, 128)  # fp16 V rows, like i8-f16
+
+
 def test_launcher_registered():
     from qattn.runtime.launch import LAUNCHERS
 
@@ -116,7 +137,15 @@ def test_compile_i8(spec):
     assert "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" in attn
     assert "cp.async" in attn and "ldmatrix" in attn
     pv = RECIPES[spec.recipe].ctype["pv"]
-    if pv == "f16":
+    if pv == "f8" and spec.family.values["pv_operand"] == "f16":
+        # e4m3 values carried in fp16: fp16 PV MMAs, P rounded to e4m3 and widened, no e4m3 MMA
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in attn
+        assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in attn
+        assert "cvt.rn.satfinite.e4m3x2.f32" in attn and "cvt.rn.f16x2.e4m3x2" in attn
+        assert "e4m3.e4m3" not in attn
+        quant_v = _entry_ptx(ptx, entry_name(spec) + "_quant_v_f16")
+        assert "cvt.rn.satfinite.e4m3x2.f32" in quant_v and "cvt.rn.f16x2.e4m3x2" in quant_v
+    elif pv == "f16":
         assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in attn
         assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in attn
         assert "e4m3" not in attn

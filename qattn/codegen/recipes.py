@@ -45,6 +45,7 @@ class Family:
     # Suffix of the entry point (entry_name(spec) + suffix) whose ptxas figures a Kernel reports,
     # for templates whose module holds several kernels.
     main_entry: str = ""
+    values: dict = field(default_factory=dict)  # extra template constants of this family
 
     def default_tile(self, head_dim: int, causal: bool, arch: str) -> Tile:
         return self.tuned.get((head_dim, causal, arch), self.default_tiles[head_dim])
@@ -61,12 +62,15 @@ class Recipe:
     tolerance: Tolerance
     families: dict = field(default_factory=dict)  # backend -> Family, for kinds with a kernel
     ctype: dict = field(default_factory=dict)  # template values: element type names per backend
+    # (backend, arch) -> Family where one arch runs the format through another template variant
+    arch_families: dict = field(default_factory=dict)
 
-    def family(self, backend: str) -> Family:
+    def family(self, backend: str, arch: str | None = None) -> Family:
+        """The backend's family; with arch, the variant that arch builds (where it has its own)."""
         if backend not in self.families:
             have = ", ".join(self.families) or "none yet (emulator only)"
             raise ValueError(f"format {self.name!r}: no {backend} kernel; backends with a kernel: {have}")
-        return self.families[backend]
+        return self.arch_families.get((backend, arch), self.families[backend])
 
 
 # ---- CUDA tensor-core prefill (f16, bf16): each warp owns 16 * MT query rows ----------------
@@ -186,20 +190,20 @@ HIP_MATRIX = Family(
 # 8-bit PV, transposed: D channel rows of BN + 16 key bytes. The epilogue stages the 16-bit output
 # rows over the same memory after the key loop.
 
-def _i8_v_tile_bytes(tile: Tile, d: int, pv: str) -> int:
-    return tile.block_n * _padded_row_bytes(d, 2) if pv == "f16" else d * (tile.block_n + 16)
+def _i8_v_tile_bytes(tile: Tile, d: int, pv_operand: str) -> int:
+    return tile.block_n * _padded_row_bytes(d, 2) if pv_operand == "f16" else d * (tile.block_n + 16)
 
 
-def _i8_smem(pv: str) -> Callable[[Tile, int], int]:
+def _i8_smem(pv_operand: str) -> Callable[[Tile, int], int]:
     def smem(tile: Tile, d: int) -> int:
-        loop = tile.block_m * (d + 16) + tile.stages * (tile.block_n * (d + 16) + _i8_v_tile_bytes(tile, d, pv))
+        loop = tile.block_m * (d + 16) + tile.stages * (tile.block_n * (d + 16) + _i8_v_tile_bytes(tile, d, pv_operand))
         epilogue = tile.block_m * _padded_row_bytes(d, 2)
         return max(loop, epilogue)
 
     return smem
 
 
-def _i8_problem(pv: str) -> Callable[[Tile, int], str | None]:
+def _i8_problem(pv_operand: str) -> Callable[[Tile, int], str | None]:
     def problem(tile: Tile, d: int) -> str | None:
         rows_per_warp = tile.block_m / tile.warps
         if rows_per_warp not in (16, 32):
@@ -214,7 +218,7 @@ def _i8_problem(pv: str) -> Callable[[Tile, int], str | None]:
         accum = m_tiles * (d + tile.block_n) // 2
         if accum > 192:
             return f"{accum} accumulator registers per thread (O and S) exceed 192; use fewer rows per warp or a narrower block_n"
-        need = _i8_smem(pv)(tile, d)
+        need = _i8_smem(pv_operand)(tile, d)
         if need > SMEM_LIMIT["cuda"]:
             return f"needs {need} B of shared memory, over {SMEM_LIMIT['cuda']}"
         return None
@@ -240,10 +244,23 @@ _I8_MEASURED_SPILLS = {
     "i8": {(128, False, "sm_90a")},
     "f8": {(128, False, "sm_90a"), (128, True, "sm_90a"), (64, False, "sm_90a"), (64, True, "sm_90a")},
 }
+# On Hopper, ptxas lowers mma.sync e4m3 to fp16 HMMAs plus an unpack of both operands in every warp
+# (the i8-f8 SASS holds two HMMA.16816 and five F2FP.F16.E4M3.UNPACK_B per e4m3 MMA). There the
+# i8-f8 kernel carries the same e4m3 values in fp16 instead: V is stored as fp16 rows of its e4m3
+# codes' values, P is rounded to e4m3 and widened in registers, and PV runs on m16n8k16 f16 MMAs.
+# Every product of two e4m3 values is exact in fp32, so the format (and the emulator) is unchanged.
+E4M3_IN_F16_ARCHS = ("sm_90", "sm_90a")
+# Measured on the H200 (BENCHMARKS.md): four warps of 32 rows win at d128 non-causal (16 B spilled,
+# 385 vs 302-326 TOPS for m128n64w8s3/w8s2, m128n32w4s2); elsewhere the default is as fast or faster.
+_I8_TUNED["f8-in-f16"] = {(128, False, "sm_90a"): _W4}
+_I8_MEASURED_SPILLS["f8-in-f16"] = {(128, False, "sm_90a")}
 
 
-def _cuda_i8(pv: str) -> Family:
-    """The int8-QK family for one PV format ("f16", "i8" or "f8"); the e4m3 MMA needs sm_89+."""
+def _cuda_i8(pv: str, pv_operand: str | None = None) -> Family:
+    """The int8-QK family for one PV format ("f16", "i8" or "f8"); pv_operand is the type PV's MMA
+    runs on: pv itself, or "f16" for e4m3 values carried in fp16. The e4m3 MMA needs sm_89+."""
+    pv_operand = pv_operand or pv
+    variant = pv if pv_operand == pv else f"{pv}-in-{pv_operand}"
     archs = CUDA_ARCHS if pv != "f8" else tuple(a for a in CUDA_ARCHS if int(a[3:].rstrip("a")) >= 89)
     return Family(
         template="cuda/prefill_i8.cu.j2",
@@ -252,18 +269,19 @@ def _cuda_i8(pv: str) -> Family:
         # of 16 rows: with four warps of 32 rows ptxas spills at d128 (and for e4m3 PV at d64 on
         # sm_90a, where the e4m3 MMA is emulated with fp16 MMAs).
         default_tiles={64: Tile(128, 64, 8, 3), 128: Tile(128, 64, 8, 3)},
-        tile_problem=_i8_problem(pv),
-        smem_bytes=_i8_smem(pv),
+        tile_problem=_i8_problem(pv_operand),
+        smem_bytes=_i8_smem(pv_operand),
         archs=archs,
         launcher="prefill_i8",
         main_entry="_f16",
-        tuned=dict(_I8_TUNED.get(pv, {})),
-        measured_spills=frozenset(_I8_MEASURED_SPILLS.get(pv, ())),
+        tuned=dict(_I8_TUNED.get(variant, {})),
+        measured_spills=frozenset(_I8_MEASURED_SPILLS.get(variant, ())),
+        values={"pv_operand": pv_operand},
     )
 
 
 CUDA_I8 = {pv: _cuda_i8(pv) for pv in ("f16", "i8", "f8")}
-
+CUDA_I8_F8_IN_F16 = _cuda_i8("f8", "f16")
 
 
 # ---- HIP int8 QK prefill (i8-f16, i8-i8, i8-f8): int8 MFMA / iu8 WMMA QK, PV in fp16, int8 or e4m3 --
@@ -305,6 +323,7 @@ def _hip_i8(pv: str) -> Family:
         archs=archs,
         launcher="prefill_i8",
         main_entry="_f16",
+        values={"pv_operand": pv},
     )
 
 
@@ -337,7 +356,8 @@ _register(Recipe("i8-i8", "int8 QK with exact K smoothing, PV in int8 (P static 
                  {"mma": "f16", "cvt": "f16x2", "pv": "i8"}))
 _register(Recipe("i8-f8", "int8 QK with exact K smoothing, PV in fp8 e4m3 (P static 448, V per channel)",
                  ("float16", "bfloat16"), Tolerance(max_rel=2e-1, rel_l2=6e-2), {"cuda": CUDA_I8["f8"], "hip": HIP_I8["f8"]},
-                 {"mma": "f16", "cvt": "f16x2", "pv": "f8"}))
+                 {"mma": "f16", "cvt": "f16x2", "pv": "f8"},
+                 {("cuda", arch): CUDA_I8_F8_IN_F16 for arch in E4M3_IN_F16_ARCHS}))
 _register(Recipe("kv8-f32", "int8 KV cache dequantized to fp32, fp32 SIMT", ("float32",),
                  Tolerance(max_rel=1e-5, rel_l2=1e-5)))
 _register(Recipe("kv8-split", "int8 KV cache, fp16 hi+lo split of the other operand, two fp16 MMAs",

@@ -57,6 +57,7 @@ def context(spec: KernelSpec) -> dict:
         "arch": spec.arch,
         "log2e": repr(math.log2(math.e)),
         "ln2": repr(math.log(2.0)),
+        **rec.values,
     }
 
 

@@ -51,6 +51,7 @@ class KernelSpec:
             object.__setattr__(self, "arch", arch)
         if self.arch not in fam.archs:
             raise ValueError(f"arch: {self.recipe} on {self.backend} supports {', '.join(fam.archs)}, got {self.arch!r}")
+        fam = self.family
         if self.tile is None:
             object.__setattr__(self, "tile", fam.default_tile(self.head_dim, self.causal, self.arch))
         if not isinstance(self.tile, Tile):
@@ -61,7 +62,7 @@ class KernelSpec:
 
     @property
     def family(self):
-        return recipe(self.recipe).family(self.backend)
+        return recipe(self.recipe).family(self.backend, self.arch)
 
     @property
     def name(self) -> str:

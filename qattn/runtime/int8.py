@@ -20,7 +20,9 @@ kernel's tile is the default one (block_m query rows per Q scale, block_n keys p
   optionally shift = q̃·K̄ per row (log2 domain), which the LSE needs.
 - V: fp16 rows (i8-f16; bf16 V is rounded to fp16 first), or per-channel codes
   (s_V = max over keys |V_c| / 127 or / 448) stored transposed with the keys of every 16-key group
-  permuted into the order the PV MMA's A fragment packs P (see the template).
+  permuted into the order the PV MMA's A fragment packs P (see the template). Where i8-f8 runs its
+  PV on fp16 MMAs (Hopper: recipes.E4M3_IN_F16_ARCHS), V's e4m3 codes are stored as fp16 rows of
+  their values instead: the same numbers, another carrier.
 """
 from __future__ import annotations
 
@@ -40,8 +42,8 @@ from .reference import check_shapes
 COLSTATS_CHUNK = 256
 # Threads of the quantization kernels (QT in quantize_i8.cuh.j2).
 QUANT_THREADS = 256
-# Rows per block of the bf16 -> fp16 V conversion (v_to_half_body).
-V_TO_HALF_ROWS = 64
+# Rows per block of the kernels that write V as fp16 rows (v_rows_body).
+V_ROWS = 64
 _SUFFIX = {"float16": "f16", "bfloat16": "bf16"}
 
 
@@ -67,7 +69,8 @@ class QuantizedQKV:
     k_mean float32 [B, Hkv, D] (zeros when smooth_k is False); shift float32 [B, Hq, Lq] (q̃·K̄, for
     the LSE) or None;
     v: fp16 V [B, Hkv, Lk, D] (i8-f16) or V^T codes uint8 [B, Hkv, D, Lk_pad] (i8-i8: int8 bytes,
-    i8-f8: e4m3 bytes; keys permuted within each 16-key group, zero past Lk);
+    i8-f8: e4m3 bytes; keys permuted within each 16-key group, zero past Lk), or for i8-f8 on an
+    arch that carries e4m3 in fp16, fp16 [B, Hkv, Lk, D] holding the e4m3 codes' values;
     v_scale float32 [B, Hkv, D] (s_V) and v_out_scale (s_V / 127 or / 448), None for i8-f16.
     """
 
@@ -233,22 +236,28 @@ def _quantize_v(kernel, v, stream):
 
     b, hkv, lk, d = v.shape
     pv = recipe(kernel.spec.recipe).ctype["pv"]
+    rows = kernel.spec.family.values["pv_operand"] == "f16"  # fp16 rows, else 8-bit V^T codes
     sfx = _SUFFIX[v.dtype.name]
+    if pv == "f16" and v.dtype.name == "float16":
+        return v, None, None
+    grid_rows = (-(-lk // V_ROWS), hkv, b)
     if pv == "f16":
-        if v.dtype.name == "float16":
-            return v, None, None
         v16 = cupy.empty((b, hkv, lk, d), dtype=cupy.float16)
         fn = kernel.function("_v_to_half_bf16")
-        fn((-(-lk // V_TO_HALF_ROWS), hkv, b), (QUANT_THREADS,), (v, *_strides(v), np.int32(lk), v16), stream=stream)
+        fn(grid_rows, (QUANT_THREADS,), (v, *_strides(v), np.int32(lk), _null(), _null(), _null(), v16), stream=stream)
         return v16, None, None
-    bn = kernel.spec.tile.block_n
-    lk_pad = -(-lk // bn) * bn
     _, amax = _colstats(kernel, v, want_sum=False, want_max=True, stream=stream)
     amax = cupy.ascontiguousarray(amax)
     v_scale = cupy.empty((b, hkv, d), dtype=cupy.float32)
     v_out_scale = cupy.empty((b, hkv, d), dtype=cupy.float32)
-    vt = cupy.empty((b, hkv, d, lk_pad), dtype=cupy.uint8)
     fn = kernel.function("_quant_v_" + sfx)
+    if rows:
+        v16 = cupy.empty((b, hkv, lk, d), dtype=cupy.float16)
+        fn(grid_rows, (QUANT_THREADS,), (v, *_strides(v), np.int32(lk), amax, v_scale, v_out_scale, v16), stream=stream)
+        return v16, v_scale, v_out_scale
+    bn = kernel.spec.tile.block_n
+    lk_pad = -(-lk // bn) * bn
+    vt = cupy.empty((b, hkv, d, lk_pad), dtype=cupy.uint8)
     fn((lk_pad // bn, hkv, b), (QUANT_THREADS,),
        (v, *_strides(v), np.int32(lk), np.int32(lk_pad), amax, v_scale, v_out_scale, vt), stream=stream)
     return vt, v_scale, v_out_scale
