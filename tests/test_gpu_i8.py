@@ -456,3 +456,49 @@ def test_quantize_without_smoothing(fmt):
     assert qkv2.smooth_k is False and qkv2.k8 is off.k8 and not qkv2.shift.any()
     with pytest.raises(ValueError, match="smooth_k: format 'f16'"):
         qattn.attention(q, k, v, format="f16", smooth_k=False)
+
+
+# ---- the fused quantization launches (CUDA): exact codes, fixed-order statistics -----------------
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d,lk", [(128, 9001), (64, 1029), (128, 37)])
+def test_fused_quantization_is_exact(fmt, dtype, d, lk):
+    """K̄ equals the fp64 mean rounded to fp32 (exact sums of these inputs), so K codes and every scale
+    match quant bit for bit; V^T / V rows and Q too; two calls give identical bytes (no atomics)."""
+    from qattn.runtime import int8
+
+    _skip_unsupported(fmt)
+    rng = np.random.default_rng(lk + d)
+    b, hq, hkv, lq = 2, 4, 2, 300
+    host, (q, k, v) = _inputs(rng, dtype, b, hq, hkv, lq, lk, d)
+    kernel = qattn.build("prefill", format=fmt, head_dim=d)
+    bm, bn = kernel.spec.tile.block_m, kernel.spec.tile.block_n
+    qkv = int8.quantize(q, k, v, kernel=kernel, with_shift=True)
+    again = int8.quantize(q, k, v, kernel=kernel, with_shift=True)
+    for name in ("q8", "q_scale", "k8", "k_scale", "k_mean", "shift", "v", "v_scale", "v_out_scale"):
+        a, b2 = getattr(qkv, name), getattr(again, name)
+        assert (a is None) == (b2 is None) and (a is None or bytes(a.get().data) == bytes(b2.get().data)), name
+    q32, k32, v32 = (np.asarray(x, F32) for x in host)
+    k_smooth, k_mean = quant.smooth_k(k32)
+    np.testing.assert_array_equal(qkv.k_mean.get(), k_mean[..., 0, :])
+    k8 = quant.quantize_int8(k_smooth, bn, operand="k")
+    np.testing.assert_array_equal(qkv.k8.get(), k8.codes)
+    np.testing.assert_array_equal(qkv.k_scale.get(), k8.scale[..., ::bn, 0])
+    q8 = quant.quantize_int8(quant.fold_softmax_scale(q32, 1 / np.sqrt(d)), bm, operand="q")
+    np.testing.assert_array_equal(qkv.q8.get(), q8.codes)
+    np.testing.assert_array_equal(qkv.q_scale.get(), q8.scale[..., ::bm, 0])
+    pv = recipe(fmt).ctype["pv"]
+    if pv == "f16":
+        np.testing.assert_array_equal(qkv.v.get(), v32.astype(np.float16))
+        return
+    vq = quant.quantize_v_int8(v32) if pv == "i8" else quant.quantize_v_e4m3(v32)
+    if kernel.spec.family.values["pv_operand"] == "f16":
+        np.testing.assert_array_equal(qkv.v.get(), vq.codes.astype(F32).astype(np.float16))
+    else:
+        vt = qkv.v.get()
+        lk_pad = -(-lk // bn) * bn
+        assert vt.shape == (b, hkv, d, lk_pad)
+        assert not vt[..., _stored_column(np.arange(lk, lk_pad))].any()
+        np.testing.assert_array_equal(_unpermute_vt(vt, lk), vq.codes.view(np.uint8))
+    np.testing.assert_array_equal(qkv.v_scale.get(), vq.scale[..., 0, :])

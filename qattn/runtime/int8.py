@@ -38,25 +38,34 @@ from . import quant
 from .arrays import as_device_array, like_input
 from .reference import check_shapes
 
-# Keys per partial column sum of the K-mean / V-absmax kernel (one fp64 partial per chunk).
+# Keys per partial column sum of the K-mean / V-absmax kernels (one fp64 partial per chunk;
+# STATS_CHUNK in quantize_i8.cuh.j2).
 COLSTATS_CHUNK = 256
 # Threads of the quantization kernels (QT in quantize_i8.cuh.j2).
 QUANT_THREADS = 256
-# Rows per block of the kernels that write V as fp16 rows (v_rows_body).
+# Rows per block of the HIP kernels that write V as fp16 rows (v_rows_body).
 V_ROWS = 64
+# Channels per block of the CUDA kernel that finishes the column statistics.
+FINISH_CHANNELS = 32
 _SUFFIX = {"float16": "f16", "bfloat16": "bf16"}
 
 
-def module_entries(fmt: str) -> list[str]:
-    """The suffixes (after entry_name(spec)) of every kernel an int8-QK module holds: attention per
-    output dtype, and the quantization kernels per input dtype."""
-    names = ["_f16", "_bf16"]
-    for sfx in _SUFFIX.values():
-        names += [f"_colstats_{sfx}", f"_quant_q_{sfx}", f"_quant_k_{sfx}"]
+def module_entries(fmt: str, backend: str | None = None) -> list[str]:
+    """The suffixes (after entry_name(spec)) of the kernels an int8-QK module holds: attention per
+    output dtype and the quantization kernels per input dtype. The CUDA module runs the quantization
+    in three launches (statistics, their finish, Q/K/V codes in one grid), the HIP module step by
+    step with CuPy finishing the statistics; both hold _quant_q_* (QuantizedQKV.with_query).
+    backend None: the entries both modules hold."""
+    names = ["_f16", "_bf16"] + [f"_quant_q_{sfx}" for sfx in _SUFFIX.values()]
+    if backend == "cuda":
+        names += [f"_{step}_{sfx}" for sfx in _SUFFIX.values() for step in ("stats", "quant_qkv")]
+        names.append("_stats_finish")
+    elif backend == "hip":
+        names += [f"_{step}_{sfx}" for sfx in _SUFFIX.values() for step in ("colstats", "quant_k")]
         if fmt != "i8-f16":
-            names.append(f"_quant_v_{sfx}")
-    if fmt == "i8-f16":
-        names.append("_v_to_half_bf16")
+            names += [f"_quant_v_{sfx}" for sfx in _SUFFIX.values()]
+        else:
+            names.append("_v_to_half_bf16")
     return names
 
 
@@ -176,7 +185,68 @@ def _grid_check(b: int, h: int) -> None:
         raise ValueError(f"q: batch and heads must be <= 65535 (grid limits), got batch {b}, heads {h}")
 
 
-# ---- the quantization steps ------------------------------------------------------------------
+# ---- the quantization steps, CUDA: three launches ---------------------------------------------
+
+def _ptr(x, byte_offset: int = 0):
+    return np.uintp(x.data.ptr + byte_offset)
+
+
+def _quantize_fused(kernel, q, k, v, scale, with_shift, smooth_k, stream):
+    """Q8, K8 and the V operand in three launches: the column statistics of K (fp64 sums) and V
+    (absmax) per chunk of keys, their finish (K̄, s_V, in a fixed order), and one grid of Q, K and
+    V blocks. Returns (q8, q_scale, shift, k8, k_scale, k_mean, v_op, v_scale, v_out_scale)."""
+    import cupy
+
+    spec = kernel.spec
+    b, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    bm, bn = spec.tile.block_m, spec.tile.block_n
+    sfx = _SUFFIX[q.dtype.name]
+    v_stats = recipe(spec.recipe).ctype["pv"] != "f16"  # 8-bit PV: per-channel s_V
+    v_job = v_stats or v.dtype.name != "float16"  # fp16 V for the fp16 PV passes through
+    # K̄, s_V and s_V / P_SCALE in one allocation
+    small = (cupy.empty if smooth_k or v_stats else cupy.zeros)((3 if v_stats else 1, b, hkv, d), dtype=cupy.float32)
+    k_mean = small[0]
+    v_scale, v_out_scale = (small[1], small[2]) if v_stats else (None, None)
+    if smooth_k or v_stats:
+        nchunks = -(-lk // COLSTATS_CHUNK)
+        n_part = b * hkv * nchunks * d
+        work = cupy.empty(n_part * ((8 if smooth_k else 0) + (4 if v_stats else 0)), dtype=cupy.uint8)
+        part_sum = _ptr(work) if smooth_k else _null()
+        part_max = _ptr(work, 8 * n_part if smooth_k else 0) if v_stats else _null()
+        kernel.function("_stats_" + sfx)(
+            (nchunks, hkv, b), (QUANT_THREADS,),
+            (k if smooth_k else _null(), *_strides(k), v if v_stats else _null(), *_strides(v), np.int32(lk),
+             part_sum, part_max), stream=stream)
+        kernel.function("_stats_finish")(
+            (-(-d // FINISH_CHANNELS), hkv, b), (QUANT_THREADS,),
+            (part_sum, part_max, np.int32(nchunks), np.int32(lk), k_mean, v_scale if v_stats else _null(),
+             v_out_scale if v_stats else _null()), stream=stream)
+    q8 = cupy.empty((b, hq, lq, d), dtype=cupy.int8)
+    q_scale = cupy.empty((b, hq, -(-lq // bm)), dtype=cupy.float32)
+    shift = cupy.empty((b, hq, lq), dtype=cupy.float32) if with_shift else None
+    k8 = cupy.empty((b, hkv, lk, d), dtype=cupy.int8)
+    k_scale = cupy.empty((b, hkv, -(-lk // bn)), dtype=cupy.float32)
+    nbk = -(-lk // bn)
+    lk_pad = nbk * bn
+    if not v_job:
+        v_op = v
+    elif spec.family.values["pv_operand"] == "f16":  # fp16 rows (of V, or of its e4m3 codes' values)
+        v_op = cupy.empty((b, hkv, lk, d), dtype=cupy.float16)
+    else:
+        v_op = cupy.empty((b, hkv, d, lk_pad), dtype=cupy.uint8)
+    blocks = -(-lq // bm) * hq * b + nbk * hkv * b * (2 if v_job else 1)
+    mul = np.float32(scale * quant.LOG2E)  # as quant.fold_softmax_scale
+    kernel.function("_quant_qkv_" + sfx)(
+        (blocks,), (QUANT_THREADS,),
+        (q, *_strides(q), np.int32(lq), np.int32(hq), np.int32(hq // hkv), mul, q8, q_scale,
+         shift if with_shift else _null(), k, *_strides(k), v, *_strides(v), np.int32(lk), np.int32(hkv),
+         np.int32(lk_pad), np.int32(b), k_mean, v_scale if v_stats else _null(), k8, k_scale,
+         v_op if v_job else _null()), stream=stream)
+    return q8, q_scale, shift, k8, k_scale, k_mean, v_op, v_scale, v_out_scale
+
+
+# ---- the quantization steps, HIP: one kernel a step, CuPy finishing the statistics ---------------
 
 def _colstats(kernel, x, *, want_sum: bool, want_max: bool, stream):
     """Per-channel fp64 sum and/or absmax over the key axis of x [B, H, L, D] (partials per chunk
@@ -304,9 +374,13 @@ def quantize(q, k, v, *, format: str | None = None, scale: float | None = None, 
     _grid_check(b, hq)
     scale = _check_scale(scale, d)
     with _on(q, stream):
-        k8, k_scale, k_mean = _quantize_k(kernel, k, stream, smooth_k)
-        q8, q_scale, shift = _quantize_q(kernel, q, k_mean, scale, hkv, with_shift, stream)
-        v_op, v_scale, v_out_scale = _quantize_v(kernel, v, stream)
+        if spec.backend == "cuda":
+            q8, q_scale, shift, k8, k_scale, k_mean, v_op, v_scale, v_out_scale = _quantize_fused(
+                kernel, q, k, v, scale, with_shift, smooth_k, stream)
+        else:
+            k8, k_scale, k_mean = _quantize_k(kernel, k, stream, smooth_k)
+            q8, q_scale, shift = _quantize_q(kernel, q, k_mean, scale, hkv, with_shift, stream)
+            v_op, v_scale, v_out_scale = _quantize_v(kernel, v, stream)
     return QuantizedQKV(format=spec.recipe, dtype=q.dtype.name, dims=(b, hq, hkv, lq, lk, d),
                         block_m=spec.tile.block_m, block_n=spec.tile.block_n, scale=scale, q8=q8, q_scale=q_scale,
                         k8=k8, k_scale=k_scale, k_mean=k_mean, shift=shift, v=v_op, v_scale=v_scale,
