@@ -1,7 +1,7 @@
 """The qattn command line: list, gen, inspect, compile, parity, bench, probe, cache.
 
 Kernel specs are given the same way everywhere (KIND, --format, --head-dim, --tile, --warps,
---stages, --causal, --backend, --arch). User errors (a bad option, a spec that does not fit, a
+--stages, --causal, --backend, --mma, --arch). User errors (a bad option, a spec that does not fit, a
 failed compile) end in a one-paragraph message that names the option, never a traceback.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ HELP = {"help_option_names": ["-h", "--help"]}
 # The leading word of a ValueError raised by the library names the field it is about.
 _OPTION_OF_FIELD = {
     "kind": "KIND", "format": "--format", "backend": "--backend", "head_dim": "--head-dim", "arch": "--arch",
-    "causal": "--causal", "tile": "--tile", "tile.warps": "--warps", "tile.stages": "--stages",
+    "causal": "--causal", "mma": "--mma", "tile": "--tile", "tile.warps": "--warps", "tile.stages": "--stages",
     "shape": "--shape", "heads": "--heads", "kv_heads": "--kv-heads", "ctx": "--ctx", "preset": "--preset",
     "npz": "--npz",
 }
@@ -137,10 +137,10 @@ class _Progress:
 # ---- kernel specs ---------------------------------------------------------------------------
 
 def make_spec(kind: str, fmt: str, head_dim: int, tile: str | None, warps: int | None, stages: int | None,
-              causal: bool, backend: str, arch: str) -> KernelSpec:
+              causal: bool, backend: str, arch: str, mma: str | None = None) -> KernelSpec:
     """A validated KernelSpec from command-line values. Without --tile the family's tuned tile is
     used; --warps and --stages override its warps and stages."""
-    spec = KernelSpec(kind=kind, recipe=fmt, head_dim=head_dim, causal=causal, backend=backend, arch=arch)
+    spec = KernelSpec(kind=kind, recipe=fmt, head_dim=head_dim, causal=causal, backend=backend, arch=arch, mma=mma)
     given = [name for name, value in (("--tile", tile), ("--warps", warps), ("--stages", stages)) if value is not None]
     if not given:
         return spec
@@ -171,6 +171,8 @@ def spec_options(repeatable: bool = False):
                                                                 else " [default: no-causal]")),
         click.option("--backend", type=click.Choice(BACKENDS), default="cuda", show_default=True,
                      help="code generator and compiler: cuda (NVRTC) or hip (clang, offline)"),
+        click.option("--mma", metavar="UNIT", help="matrix unit where the arch offers a choice, e.g. wgmma for "
+                                                   "i8-f8 on sm_90a (default: the arch's default)"),
         click.option("--arch", "arch", multiple=repeatable, metavar="ARCH",
                      help=f"target, e.g. sm_90a or gfx942 (default: the current GPU's, else "
                           f"{FALLBACK_ARCH['cuda']} / {FALLBACK_ARCH['hip']}){many}"),
@@ -225,11 +227,11 @@ def list_():
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="write the source to FILE instead of printing it")
 @user_errors
-def gen(kind, fmt, head_dim, tile, warps, stages, causal, backend, arch, output):
+def gen(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, arch, output):
     """Print the rendered kernel source of one spec (KIND: prefill)."""
     from .codegen.render import render
 
-    spec = make_spec(kind, fmt, head_dim, tile, warps, stages, bool(causal), backend, arch or _default_arch(backend))
+    spec = make_spec(kind, fmt, head_dim, tile, warps, stages, bool(causal), backend, arch or _default_arch(backend), mma)
     source = render(spec)
     if output is None:
         click.echo(source, nl=False)
@@ -280,11 +282,11 @@ def _resource_rows(backend: str, res: dict) -> list[tuple[str, object]]:
 @spec_options()
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @user_errors
-def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, arch, as_json):
+def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, arch, as_json):
     """Compile one spec and show its resources (CUDA: registers, shared memory, stack, spills,
     blocks/SM; HIP: VGPRs, SGPRs, LDS, scratch, spills, waves/SIMD) and its matrix and conversion
     instructions."""
-    spec = make_spec(kind, fmt, head_dim, tile, warps, stages, bool(causal), backend, arch or _default_arch(backend))
+    spec = make_spec(kind, fmt, head_dim, tile, warps, stages, bool(causal), backend, arch or _default_arch(backend), mma)
     report = inspect_spec(spec)
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -304,7 +306,8 @@ def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, arch, as_
 
 # ---- compile: a matrix of specs ---------------------------------------------------------------
 
-def compile_matrix(kind, formats, head_dims, tile, warps, stages, causal, backend, archs, every) -> list[KernelSpec]:
+def compile_matrix(kind, formats, head_dims, tile, warps, stages, causal, backend, archs, every,
+                   mma=None) -> list[KernelSpec]:
     """The specs of `qattn compile`. With every (--all), an option left out means all its supported
     values (formats with a kernel, the family's head dims and archs, both causal settings), and a
     format that --all picked is built for those of the given head dims and archs it supports."""
@@ -322,7 +325,7 @@ def compile_matrix(kind, formats, head_dims, tile, warps, stages, causal, backen
             dims = [d for d in dims if d in family.head_dims]
             targets = [a for a in targets if a in family.archs]
         for d, arch, c in itertools.product(dims, targets, causals):
-            specs.append(make_spec(kind, fmt, d, tile, warps, stages, c, backend, arch))
+            specs.append(make_spec(kind, fmt, d, tile, warps, stages, c, backend, arch, mma))
     if not specs:
         given = {"--head-dim": ", ".join(map(str, head_dims)), "--arch": ", ".join(archs)}
         given = {option: values for option, values in given.items() if values}
@@ -351,11 +354,11 @@ def _first_error_line(exc: Exception) -> str:
 @click.option("--all", "every", is_flag=True,
               help="every supported combination of the formats with a kernel (options given narrow it)")
 @user_errors
-def compile_(kind, fmt, head_dim, tile, warps, stages, causal, backend, arch, every):
+def compile_(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, arch, every):
     """Compile a matrix of specs x archs into the kernel cache (no GPU needed); exit 1 if any fails."""
     from .runtime.kernel import build_kernel
 
-    specs = compile_matrix(kind, list(fmt), list(head_dim), tile, warps, stages, causal, backend, list(arch), every)
+    specs = compile_matrix(kind, list(fmt), list(head_dim), tile, warps, stages, causal, backend, list(arch), every, mma)
     regs, spills = ("regs", "spills (B)") if backend == "cuda" else ("VGPRs", "spilled regs")
     summary = _table(None, "spec", "status", "s", regs, "smem (B)", spills, right=("s", regs, "smem (B)", spills))
     failed, start = [], time.perf_counter()

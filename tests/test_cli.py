@@ -385,3 +385,14 @@ def test_tools_parity_help():
     assert "--shape CTX/QUERIES" in result.stdout and "--backend" in result.stdout
     assert "[default: every format with a CUDA kernel]" in " ".join(result.stdout.split())
     assert {"f16", "i8-f8", "kv8-imma"} <= set(qattn.runtime.parity.DEFAULT_FORMATS)
+
+
+def test_gen_on_a_chosen_matrix_unit():
+    runner = CliRunner()
+    wgmma = runner.invoke(qattn.cli.main, ["gen", "-f", "i8-f8", "--arch", "sm_90a", "--mma", "wgmma"])
+    assert wgmma.exit_code == 0, wgmma.output
+    assert "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8" in wgmma.output
+    default = runner.invoke(qattn.cli.main, ["gen", "-f", "i8-f8", "--arch", "sm_90a"])
+    assert default.exit_code == 0 and "wgmma.mma_async" not in default.output
+    bad = runner.invoke(qattn.cli.main, ["gen", "-f", "i8-f16", "--arch", "sm_90a", "--mma", "wgmma"])
+    assert bad.exit_code == 2 and "'--mma'" in bad.output and "mma.sync" in bad.output

@@ -36,7 +36,7 @@ SPECS = [KernelSpec("prefill", f, d, None, causal, "hip", arch)
 
 
 def _entries(spec: KernelSpec) -> list[str]:
-    return [entry_name(spec) + suffix for suffix in int8.module_entries(spec.recipe)]
+    return [entry_name(spec) + suffix for suffix in int8.module_entries(spec.recipe, spec.backend)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,6 +4,7 @@ on the same inputs, same run; rel_l2 is against an FP64 reference of the first t
 
     tools/bench_prefill.py --shape 4x32x4096 --shape 1x32x32768 --causal both --json out.json
     tools/bench_prefill.py --shape 4x32x4096 --tile 128x64x8x2 --tile 128x64x4x2   # tile sweep
+    tools/bench_prefill.py --format i8-f8 --format i8-f8@wgmma     # the same format on two matrix units
 """
 import argparse
 import json
@@ -20,7 +21,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", action="append", help="BATCHxHEADSxSEQ (repeatable)")
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--format", action="append", help="qattn formats (default f16)")
+    ap.add_argument("--format", action="append",
+                    help="qattn formats (default f16); FORMAT@UNIT picks a matrix unit, e.g. i8-f8@wgmma")
     ap.add_argument("--causal", choices=["no", "yes", "both"], default="no")
     ap.add_argument("--tile", action="append", help="BMxBNxWARPSxSTAGES to sweep (default: tuned tile)")
     ap.add_argument("--json", help="write the records here")
@@ -34,13 +36,13 @@ def main() -> int:
             peers = PEERS if i == 0 else ()
             records += bench_prefill(shapes, tuple(args.format or ["f16"]), head_dim=args.head_dim,
                                      causal=causal, tiles=tile, peers=peers)
-    print(f"{'impl':<13}{'kernel':<44}{'B':>3}{'H':>4}{'L':>7}{'D':>5} {'causal':<7}{'ms':>9}{'TFLOPS':>8}"
+    print(f"{'impl':<19}{'kernel':<50}{'B':>3}{'H':>4}{'L':>7}{'D':>5} {'causal':<7}{'ms':>9}{'TFLOPS':>8}"
           f"{'vs flash':>9}{'vs cuDNN':>9}{'vs sage':>8}{'rel_l2':>10}{'quant ms':>9}")
     for r in records:
         if "error" in r:
-            print(f"{r['impl']:<13} error: {r['error']}")
+            print(f"{r['impl']:<19} error: {r['error']}")
             continue
-        print(f"{r['impl']:<13}{r.get('kernel', ''):<44}{r['batch']:>3}{r['heads']:>4}{r['seq']:>7}{r['head_dim']:>5} "
+        print(f"{r['impl']:<19}{r.get('kernel', ''):<50}{r['batch']:>3}{r['heads']:>4}{r['seq']:>7}{r['head_dim']:>5} "
               f"{str(r['causal']):<7}{r['ms']:>9.3f}{r['tflops']:>8.1f}"
               f"{r.get('vs_sdpa_flash', float('nan')):>9.2f}{r.get('vs_sdpa_cudnn', float('nan')):>9.2f}"
               f"{r.get('vs_sageattn', float('nan')):>8.2f}{r['rel_l2']:>10.2e}{r.get('quant_ms', float('nan')):>9.3f}")

@@ -19,9 +19,9 @@ for step in $steps; do
       done ;;
     bench)
       # SageAttention joins as a peer when importable (e.g. wheels carried in .whl/ and on PYTHONPATH).
-      python3 tools/bench_prefill.py --format f16 --format bf16 --format i8-f16 --format i8-i8 --format i8-f8 \
+      python3 tools/bench_prefill.py --format f16 --format bf16 --format i8-f16 --format i8-i8 --format i8-f8 --format i8-f8@wgmma \
         --shape 4x32x4096 --shape 1x32x32768 --causal both --json "$out/bench_d128.json" || status=1
-      python3 tools/bench_prefill.py --format f16 --format i8-f16 --format i8-i8 --format i8-f8 --head-dim 64 \
+      python3 tools/bench_prefill.py --format f16 --format i8-f16 --format i8-i8 --format i8-f8 --format i8-f8@wgmma --head-dim 64 \
         --shape 4x32x8192 --json "$out/bench_d64.json" || status=1 ;;
     kv8)
       tools/parity --format kv8-imma,kv8-split,kv8-f32 --shape 32768/2048 --shape 1500/1500 --shape 2100/256 \

@@ -62,15 +62,27 @@ class Recipe:
     tolerance: Tolerance
     families: dict = field(default_factory=dict)  # backend -> Family, for kinds with a kernel
     ctype: dict = field(default_factory=dict)  # template values: element type names per backend
-    # (backend, arch) -> Family where one arch runs the format through another template variant
+    # (backend, arch) -> the Families that arch builds the format with, the default first, where
+    # it differs from families[backend] (another template variant or matrix unit)
     arch_families: dict = field(default_factory=dict)
 
-    def family(self, backend: str, arch: str | None = None) -> Family:
-        """The backend's family; with arch, the variant that arch builds (where it has its own)."""
+    def arch_options(self, backend: str, arch: str | None) -> tuple:
         if backend not in self.families:
             have = ", ".join(self.families) or "none yet (emulator only)"
             raise ValueError(f"format {self.name!r}: no {backend} kernel; backends with a kernel: {have}")
-        return self.arch_families.get((backend, arch), self.families[backend])
+        return self.arch_families.get((backend, arch), (self.families[backend],))
+
+    def family(self, backend: str, arch: str | None = None, mma: str | None = None) -> Family:
+        """The backend's family; with arch, the one that arch builds by default, or the one on the
+        matrix unit mma names (Family.values["mma_unit"], e.g. "mma.sync" or "wgmma")."""
+        options = self.arch_options(backend, arch)
+        if mma is None:
+            return options[0]
+        units = [f.values.get("mma_unit") for f in options]
+        if mma not in units:
+            have = ", ".join(u for u in units if u) or "no choice of unit"
+            raise ValueError(f"mma: {self.name} on {backend} {arch} builds with {have}, got {mma!r}")
+        return options[units.index(mma)]
 
 
 # ---- CUDA tensor-core prefill (f16, bf16): each warp owns 16 * MT query rows ----------------
@@ -276,12 +288,47 @@ def _cuda_i8(pv: str, pv_operand: str | None = None) -> Family:
         main_entry="_f16",
         tuned=dict(_I8_TUNED.get(variant, {})),
         measured_spills=frozenset(_I8_MEASURED_SPILLS.get(variant, ())),
-        values={"pv_operand": pv_operand},
+        values={"pv_operand": pv_operand, "mma_unit": "mma.sync"},
     )
 
 
 CUDA_I8 = {pv: _cuda_i8(pv) for pv in ("f16", "i8", "f8")}
 CUDA_I8_F8_IN_F16 = _cuda_i8("f8", "f16")
+
+
+# ---- CUDA int8 QK prefill on Hopper warpgroup MMAs (i8-f8, sm_90a) --------------------------------
+# Each warpgroup (4 warps) owns 64 query rows; Q8, K8 and V^T codes sit in the no-swizzle
+# core-matrix layout wgmma reads through descriptors (rows of D, or BN, bytes: no padding).
+
+def _wgmma_smem(tile: Tile, d: int) -> int:
+    loop = tile.block_m * d + tile.stages * 2 * tile.block_n * d
+    return max(loop, tile.block_m * _padded_row_bytes(d, 2))
+
+
+def _wgmma_problem(tile: Tile, d: int) -> str | None:
+    if tile.warps % 4 or tile.block_m != 16 * tile.warps:
+        return f"block_m must be 64 rows per warpgroup of 4 warps (16*warps, warps a multiple of 4), got {tile.block_m}/{tile.warps}"
+    if tile.block_n not in (64, 128):
+        return f"block_n must be 64 or 128 (the s8 wgmma's n), got {tile.block_n}"
+    if not 2 <= tile.stages <= 4:
+        return f"stages must be 2..4 (K/V slots in the cp.async ring), got {tile.stages}"
+    if _wgmma_smem(tile, d) > SMEM_LIMIT["cuda"]:
+        return f"needs {_wgmma_smem(tile, d)} B of shared memory, over {SMEM_LIMIT['cuda']}"
+    return None
+
+
+CUDA_I8_F8_WGMMA = Family(
+    template="cuda/prefill_i8.cu.j2",
+    head_dims=(64, 128),
+    # Two warpgroups: the emulator's 128 query rows per Q scale, 64 keys per K scale.
+    default_tiles={64: Tile(128, 64, 8, 2), 128: Tile(128, 64, 8, 2)},
+    tile_problem=_wgmma_problem,
+    smem_bytes=_wgmma_smem,
+    archs=("sm_90a",),
+    launcher="prefill_i8",
+    main_entry="_f16",
+    values={"pv_operand": "f8", "mma_unit": "wgmma"},
+)
 
 
 # ---- HIP int8 QK prefill (i8-f16, i8-i8, i8-f8): int8 MFMA / iu8 WMMA QK, PV in fp16, int8 or e4m3 --
@@ -357,7 +404,7 @@ _register(Recipe("i8-i8", "int8 QK with exact K smoothing, PV in int8 (P static 
 _register(Recipe("i8-f8", "int8 QK with exact K smoothing, PV in fp8 e4m3 (P static 448, V per channel)",
                  ("float16", "bfloat16"), Tolerance(max_rel=2e-1, rel_l2=6e-2), {"cuda": CUDA_I8["f8"], "hip": HIP_I8["f8"]},
                  {"mma": "f16", "cvt": "f16x2", "pv": "f8"},
-                 {("cuda", arch): CUDA_I8_F8_IN_F16 for arch in E4M3_IN_F16_ARCHS}))
+                 {("cuda", "sm_90"): (CUDA_I8_F8_IN_F16,), ("cuda", "sm_90a"): (CUDA_I8_F8_IN_F16, CUDA_I8_F8_WGMMA)}))
 _register(Recipe("kv8-f32", "int8 KV cache dequantized to fp32, fp32 SIMT", ("float32",),
                  Tolerance(max_rel=1e-5, rel_l2=1e-5)))
 _register(Recipe("kv8-split", "int8 KV cache, fp16 hi+lo split of the other operand, two fp16 MMAs",

@@ -32,6 +32,7 @@ class KernelSpec:
     causal: bool = False
     backend: str = "cuda"
     arch: str | None = None  # None: the current device's (CUDA only)
+    mma: str | None = None  # matrix unit where an arch has a choice ("mma.sync", "wgmma"); None: its default
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -51,6 +52,9 @@ class KernelSpec:
             object.__setattr__(self, "arch", arch)
         if self.arch not in fam.archs:
             raise ValueError(f"arch: {self.recipe} on {self.backend} supports {', '.join(fam.archs)}, got {self.arch!r}")
+        if self.mma is not None:
+            if self.mma == recipe(self.recipe).family(self.backend, self.arch).values.get("mma_unit"):
+                object.__setattr__(self, "mma", None)  # the default, spelled out: one spec, one key
         fam = self.family
         if self.tile is None:
             object.__setattr__(self, "tile", fam.default_tile(self.head_dim, self.causal, self.arch))
@@ -62,7 +66,7 @@ class KernelSpec:
 
     @property
     def family(self):
-        return recipe(self.recipe).family(self.backend, self.arch)
+        return recipe(self.recipe).family(self.backend, self.arch, self.mma)
 
     @property
     def name(self) -> str:
@@ -70,6 +74,8 @@ class KernelSpec:
         parts = [self.kind, self.recipe, f"d{self.head_dim}", self.tile.name]
         if self.causal:
             parts.append("causal")
+        if self.mma is not None:
+            parts.append(self.mma.replace(".", ""))
         parts.append(self.arch.replace("_", ""))
         return "_".join(parts)
 

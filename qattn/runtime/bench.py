@@ -89,7 +89,8 @@ def _rel_l2(out, ref) -> float:
 def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers=PEERS, seed=0,
                   tiles=None) -> list[dict]:
     """Time qattn prefill kernels and peers on the same inputs in the same run.
-    shapes: iterable of (batch, heads, seq) with Lq = Lk = seq. Returns one record per
+    shapes: iterable of (batch, heads, seq) with Lq = Lk = seq; formats: names, or "name@unit" for
+    the format on another matrix unit of the arch (e.g. "i8-f8@wgmma"). Returns one record per
     (shape, implementation) with median ms, TFLOPS, the ratio to each peer and rel_l2 against
     FP64 on the first heads (a GPU FP64 reference of the same inputs)."""
     import cupy
@@ -123,17 +124,24 @@ def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers
             peer_ms[name] = t.median_ms
             records.append(dict(shape_rec, impl=name, ms=t.median_ms, tflops=flops / t.median_ms / 1e9,
                                 rel_l2=_rel_l2(out, ref)))
-        for fmt in formats:
+        for entry in formats:
+            fmt, _, mma = entry.partition("@")  # "i8-f8@wgmma": the format on a named matrix unit
             spec = default_spec(fmt, head_dim, causal=causal)
+            if mma:
+                try:
+                    spec = spec.with_(mma=mma, tile=None)
+                except ValueError as exc:  # this arch does not build the format on that unit
+                    records.append(dict(shape_rec, impl=f"qattn:{entry}", error=str(exc)))
+                    continue
             if tiles:
-                spec = spec.with_(tile=tiles[fmt] if isinstance(tiles, dict) else tiles)
+                spec = spec.with_(tile=tiles[entry] if isinstance(tiles, dict) else tiles)
             kernel = build_kernel(spec)
             xs = (q, k, v) if recipe_dtype(fmt) == cupy.float16 else tuple(x.astype(recipe_dtype(fmt)) for x in (q, k, v))
             out = cupy.empty_like(xs[0])
             kernel(*xs, out=out)
             rel_l2 = _rel_l2(out, ref)
             t = time_cuda(lambda: kernel(*xs, out=out))
-            rec = dict(shape_rec, impl=f"qattn:{fmt}", kernel=spec.name, ms=t.median_ms,
+            rec = dict(shape_rec, impl=f"qattn:{entry}", kernel=spec.name, ms=t.median_ms,
                        tflops=flops / t.median_ms / 1e9, rel_l2=rel_l2)
             rec.update({f"vs_{p}": ms / t.median_ms for p, ms in peer_ms.items()})
             if spec.family.launcher == "prefill_i8":  # the share of the call spent quantizing Q, K, V

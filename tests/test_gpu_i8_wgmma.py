@@ -1,0 +1,66 @@
+"""i8-f8 on Hopper warpgroup MMAs (mma="wgmma", sm_90a): against its CPU emulator (rel_l2 <= 1e-3)
+and FP64 on the shapes of the mma.sync kernels' tests (tails, GQA, causal Lq != Lk), with bf16
+inputs, LSE, strided output, and other tiles (128 keys; one warpgroup of 64 rows). Skipped off
+sm_90a."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import qattn
+from test_gpu_i8 import SHAPES, _check, _inputs, _poisoned
+
+pytestmark = pytest.mark.gpu
+
+
+def _kernel(head_dim, causal, tile=None):
+    from qattn.codegen.spec import device_arch
+
+    if device_arch() != "sm_90a":
+        pytest.skip("wgmma needs sm_90a")
+    spec = dict(format="i8-f8", head_dim=head_dim, causal=causal, mma="wgmma")
+    return qattn.build("prefill", **spec, **({"tile": tile} if tile else {}))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lq,lk", SHAPES)
+def test_against_emulator_and_fp64(head_dim, causal, lq, lk):
+    kernel = _kernel(head_dim, causal)
+    assert kernel.spec.family.values["mma_unit"] == "wgmma"
+    rng = np.random.default_rng(hash(("wgmma", head_dim, causal, lq, lk)) % 2**32)
+    group = 4 if (lq + lk) % 2 else 1
+    host, (q, k, v) = _inputs(rng, "float16", 1, 4, 4 // group, lq, lk, head_dim)
+    out = _poisoned(q)
+    assert kernel(q, k, v, out=out) is out
+    _check("i8-f8", out, host, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_lse_and_strided_output(causal):
+    import cupy
+
+    kernel = _kernel(128, causal)
+    rng = np.random.default_rng(17)
+    host, (q, k, v) = _inputs(rng, "bfloat16", 2, 8, 2, 1000, 1300, 128)
+    store = cupy.full((2, 1000, 8, 128), np.nan, dtype=q.dtype)
+    out = store.transpose(0, 2, 1, 3)  # BSHD storage seen as BHSD
+    res, lse = kernel(q, k, v, out=out, return_lse=True)
+    assert res is out
+    _check("i8-f8", out, host, causal=causal, lse=lse)
+
+
+@pytest.mark.parametrize("tile", [(128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3)])
+def test_other_tiles(tile):
+    """A 128-key tile (its own K scale blocks) and one warpgroup of 64 rows per block (its own Q
+    scale blocks), against the emulator run with the same scale blocks."""
+    from qattn.codegen.tile import Tile
+    from qattn.runtime import emulate, metrics
+
+    kernel = _kernel(128, False, Tile(*tile))
+    rng = np.random.default_rng(23)
+    host, (q, k, v) = _inputs(rng, "float16", 1, 4, 4, 700, 1100, 128)
+    out = kernel(q, k, v)
+    emu = emulate.emulate("i8-f8", *host, block_n=tile[1], block_m=tile[0]).astype(np.float16).astype(np.float32)
+    err = metrics.compare(out.get().astype(np.float32), emu)
+    assert err.nonfinite == 0 and err.rel_l2 <= 1e-3, err

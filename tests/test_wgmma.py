@@ -1,0 +1,183 @@
+"""The Hopper warpgroup-MMA building blocks (templates/cuda/wgmma.cuh.j2) on their own: a 64x64
+int8 product S = A Bᵀ from two shared-memory descriptors, and a 64x128 e4m3 product O = P V with
+P in registers (mma.sync A layout) and V^T behind a descriptor. CPU: the module compiles for
+sm_90a with the wgmma instructions. GPU (sm_90a only): both products equal NumPy's on random
+codes, which pins the descriptor fields, the core-matrix layout and the fragment layouts."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from qattn.codegen.render import environment
+from qattn.runtime.compile import compile_cuda
+
+D_QK = 128  # reduction length of the int8 product (bytes per row)
+KEYS = 64  # reduction length of the e4m3 product
+CHANNELS = 128
+
+KERNELS = r"""
+// S [64][64] s32 = A [64][D_QK] s8 * B [64][D_QK]ᵀ s8 (rows contiguous).
+extern "C" __global__ void __launch_bounds__(128) s8_product(const signed char* a, const signed char* b, int* s) {
+    constexpr int CH = D_QK / 16;
+    __shared__ __align__(128) unsigned char as[64 * D_QK], bs[64 * D_QK];
+    for (int i = threadIdx.x; i < 64 * CH; i += 128) {
+        const int r = i / CH, c = i % CH;
+        *reinterpret_cast<uint4*>(as + core_offset<CH>(r, c)) = *reinterpret_cast<const uint4*>(a + r * D_QK + c * 16);
+        *reinterpret_cast<uint4*>(bs + core_offset<CH>(r, c)) = *reinterpret_cast<const uint4*>(b + r * D_QK + c * 16);
+    }
+    fence_async_smem();
+    __syncthreads();
+    int d[8][4];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D_QK / 32; ++kk)
+        wgmma_s8_n64(d, core_desc<CH>(smem_u32(as) + kk * 256), core_desc<CH>(smem_u32(bs) + kk * 256), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[(16 * warp + g + 8 * (e / 2)) * 64 + 8 * j + 2 * t + e % 2] = d[j][e];
+}
+
+// O [64][CHANNELS] f32 = P [64][KEYS] e4m3 * V, V given as V^T [CHANNELS][KEYS] e4m3 (rows contiguous).
+extern "C" __global__ void __launch_bounds__(128) e4m3_product(const unsigned char* p, const unsigned char* vt, float* o) {
+    constexpr int CH = KEYS / 16;
+    __shared__ __align__(128) unsigned char vs[CHANNELS * KEYS];
+    for (int i = threadIdx.x; i < CHANNELS * CH; i += 128) {
+        const int r = i / CH, c = i % CH;
+        *reinterpret_cast<uint4*>(vs + core_offset<CH>(r, c)) = *reinterpret_cast<const uint4*>(vt + r * KEYS + c * 16);
+    }
+    fence_async_smem();
+    __syncthreads();
+    const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    const int row = 16 * warp + g;
+    float d[CHANNELS / 8][4];
+    wgmma_fence();
+#pragma unroll
+    for (int kq = 0; kq < KEYS / 32; ++kq) {
+        const unsigned char* p0 = p + row * KEYS + 32 * kq + 4 * t;
+        const u32 a[4] = {*reinterpret_cast<const u32*>(p0), *reinterpret_cast<const u32*>(p0 + 8 * KEYS),
+                          *reinterpret_cast<const u32*>(p0 + 16), *reinterpret_cast<const u32*>(p0 + 8 * KEYS + 16)};
+        wgmma_e4m3_n{{ channels }}(d, a, core_desc<CH>(smem_u32(vs) + kq * 256), kq > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int j = 0; j < CHANNELS / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[(row + 8 * (e / 2)) * CHANNELS + 8 * j + 2 * t + e % 2] = d[j][e];
+}
+"""
+
+
+def _source() -> str:
+    env = environment()
+    values = {"ln2": repr(math.log(2.0)), "wgmma_shapes": [("s8", 64), ("e4m3", CHANNELS)], "channels": CHANNELS}
+    head = env.get_template("cuda/common.cuh.j2").render(**values) + env.get_template("cuda/wgmma.cuh.j2").render(**values)
+    consts = f"constexpr int D_QK = {D_QK}, KEYS = {KEYS}, CHANNELS = {CHANNELS};\n"
+    return head + consts + env.from_string(KERNELS).render(**values)
+
+
+def _compiled():
+    return compile_cuda(_source(), "sm_90a", "wgmma_blocks")
+
+
+def test_compiles_for_sm90a_with_wgmma():
+    binary = _compiled()
+    ptx = binary.ptx
+    assert "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8" in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{CHANNELS}k32.f32.e4m3.e4m3" in ptx
+    assert "wgmma.fence.sync.aligned" in ptx and "fence.proxy.async.shared::cta" in ptx
+    assert binary.resources["spill_stores"] == 0
+
+
+def test_core_offset_model():
+    """core_offset (transcribed): every 16-byte chunk of a tile lands on its own 16-byte slot."""
+    chunks, rows = 8, 64
+    offsets = {(((r >> 3) * chunks + c) << 7) + ((r & 7) << 4) for r in range(rows) for c in range(chunks)}
+    assert offsets == set(range(0, rows * chunks * 16, 16))
+
+
+@pytest.mark.gpu
+def test_products_match_numpy():
+    import cupy
+    import ml_dtypes
+
+    from qattn.codegen.spec import device_arch
+
+    if device_arch() != "sm_90a":
+        pytest.skip("wgmma needs sm_90a")
+    rng = np.random.default_rng(5)
+    module = cupy.cuda.Module()
+    module.load(_compiled().data)
+    a = rng.integers(-127, 128, (64, D_QK), dtype=np.int8)
+    b = rng.integers(-127, 128, (64, D_QK), dtype=np.int8)
+    s = cupy.full((64, 64), -7, dtype=cupy.int32)
+    module.get_function("s8_product")((1,), (128,), (cupy.asarray(a), cupy.asarray(b), s))
+    np.testing.assert_array_equal(s.get(), a.astype(np.int64) @ b.astype(np.int64).T)
+
+    e4m3 = ml_dtypes.float8_e4m3fn
+    p = rng.uniform(0, 448, (64, KEYS)).astype(e4m3)
+    vt = rng.uniform(-448, 448, (CHANNELS, KEYS)).astype(e4m3)
+    o = cupy.full((64, CHANNELS), np.nan, dtype=cupy.float32)
+    module.get_function("e4m3_product")((1,), (128,), (cupy.asarray(p.view(np.uint8)), cupy.asarray(vt.view(np.uint8)), o))
+    want = p.astype(np.float64) @ vt.astype(np.float64).T
+    scale = np.abs(p.astype(np.float64)) @ np.abs(vt.astype(np.float64)).T
+    # Each product of two e4m3 values is exact, but Hopper's fp8 wgmma sums them in a narrower
+    # accumulator than fp32 (H200: up to ~3e-5 of the sum of |terms| over 64 keys); a layout error
+    # would be of the order of the values themselves.
+    assert np.all(np.abs(o.get() - want) <= 1e-4 * scale)
+
+
+# ---- the i8-f8 attention kernel on wgmma ------------------------------------------------------
+
+def _wgmma_specs():
+    from qattn.codegen.spec import KernelSpec
+    from qattn.codegen.tile import Tile
+
+    specs = [KernelSpec(recipe="i8-f8", head_dim=d, causal=c, arch="sm_90a", mma="wgmma")
+             for d in (64, 128) for c in (False, True)]
+    return specs + [KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma", tile=Tile(128, 128, 8, 2))]
+
+
+def test_mma_unit_choice():
+    from qattn.codegen.spec import KernelSpec
+
+    spec = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma")
+    assert spec.family.values == {"pv_operand": "f8", "mma_unit": "wgmma"}
+    assert spec.name.endswith("_wgmma_sm90a") and spec.tile.block_m == 16 * spec.tile.warps
+    default = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a")
+    spelled = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma=default.family.values["mma_unit"])
+    assert spelled == default and spelled.key == default.key  # the default unit, spelled out, is the same spec
+    assert spec.key != default.key
+    for bad in (dict(recipe="i8-f16", arch="sm_90a"), dict(recipe="i8-f8", arch="sm_90"),
+                dict(recipe="i8-f8", arch="sm_89"), dict(recipe="f16", arch="sm_90a")):
+        with pytest.raises(ValueError, match="mma: "):
+            KernelSpec(head_dim=128, mma="wgmma", **bad)
+    with pytest.raises(ValueError, match="block_m must be 64 rows per warpgroup"):
+        from qattn.codegen.tile import Tile
+
+        KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma", tile=Tile(128, 64, 4, 2))
+
+
+@pytest.mark.parametrize("spec", _wgmma_specs(), ids=lambda s: s.name)
+def test_attention_kernel_compiles_on_wgmma(spec):
+    from qattn.codegen.render import entry_name, render
+    from qattn.runtime import int8
+    from qattn.runtime.compile import entry_resources
+
+    binary = compile_cuda(render(spec), spec.arch, spec.name)
+    for suffix in int8.module_entries(spec.recipe, spec.backend):
+        res = entry_resources(binary.log, entry_name(spec) + suffix)
+        assert res and res["spill_stores"] == 0 and res["spill_loads"] == 0, (suffix, res)
+    ptx = binary.ptx
+    attn = ptx[ptx.index(f".entry {entry_name(spec)}_f16("):]
+    attn = attn[:attn.find(".entry ", 1) if attn.find(".entry ", 1) > 0 else len(attn)]
+    assert f"wgmma.mma_async.sync.aligned.m64n{spec.tile.block_n}k32.s32.s8.s8" in attn
+    assert f"wgmma.mma_async.sync.aligned.m64n{spec.head_dim}k32.f32.e4m3.e4m3" in attn
+    assert "mma.sync" not in attn and "ldmatrix" not in attn
+    assert "fence.proxy.async.shared::cta" in attn and "cp.async" in attn
