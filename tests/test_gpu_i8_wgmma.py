@@ -28,7 +28,9 @@ def _kernel(head_dim, causal, tile=None):
 def test_against_emulator_and_fp64(head_dim, causal, lq, lk):
     kernel = _kernel(head_dim, causal)
     assert kernel.spec.family.values["mma_unit"] == "wgmma"
-    rng = np.random.default_rng(hash(("wgmma", head_dim, causal, lq, lk)) % 2**32)
+    seed = hash(("wgmma", head_dim, causal, lq, lk)) % 2**32  # fresh per process; printed so a failure can be replayed
+    print(f"seed {seed}")
+    rng = np.random.default_rng(seed)
     group = 4 if (lq + lk) % 2 else 1
     host, (q, k, v) = _inputs(rng, "float16", 1, 4, 4 // group, lq, lk, head_dim)
     out = _poisoned(q)
