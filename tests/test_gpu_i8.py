@@ -20,6 +20,15 @@ pytestmark = pytest.mark.gpu
 
 FORMATS = ["i8-f16", "i8-i8", "i8-f8"]
 EMU_REL_L2 = 1e-3  # kernel vs its emulator
+
+
+def emu_rel_l2(fmt: str) -> float:
+    """The kernel-vs-emulator bound. What limits it: rounding P turns the kernel's one-ulp exp2
+    differences (ex2.approx) into whole grid steps of P for the keys near a rounding tie. On four
+    query rows over 2100 keys (the smallest case below), the emulator with exp2 perturbed by
+    ±2^-22 differs from itself by up to 8.6e-4 rel_l2 for i8-i8 (steps of 1/127; 150 seeds),
+    4.9e-4 for i8-f8 and 1.1e-4 for i8-f16 (60 seeds): i8-i8 gets 3e-3, the others 1e-3."""
+    return 3e-3 if fmt == "i8-i8" else EMU_REL_L2
 F32 = np.float32
 
 
@@ -62,7 +71,7 @@ def _check(fmt, out, host, *, causal, scale=None, lse=None):
     emu_out = emu_out.astype(host[0].dtype).astype(F32)
     err = metrics.compare(out32, emu_out)
     assert err.nonfinite == 0, err
-    assert err.rel_l2 <= EMU_REL_L2, ("vs emulator", err)
+    assert err.rel_l2 <= emu_rel_l2(fmt), ("vs emulator", err)
     tol = recipe(fmt).tolerance
     ref = reference.attention(*host, causal=causal, scale=scale, return_lse=lse is not None)
     ref_err = metrics.compare(out32, ref[0] if lse is not None else ref)
@@ -380,7 +389,7 @@ def _smoothing_case(preset, ctx, causal, attend):
             emu, emu_lse = emulate.emulate(fmt, *host, causal=causal, return_lse=True, smooth_k=smooth,
                                            block_m=bm, block_n=bn)
             vs_emu = metrics.compare(out, emu.astype(np.float16).astype(F32))
-            assert vs_emu.nonfinite == 0 and vs_emu.rel_l2 <= EMU_REL_L2, ("vs emulator", fmt, smooth, vs_emu)
+            assert vs_emu.nonfinite == 0 and vs_emu.rel_l2 <= emu_rel_l2(fmt), ("vs emulator", fmt, smooth, vs_emu)
             np.testing.assert_allclose(lse, emu_lse, rtol=1e-4, atol=1e-4)  # smooth_k=False: no q·K̄ added
             errs[fmt, smooth] = metrics.compare(out, ref)
     for fmt in FORMATS:
@@ -453,7 +462,7 @@ def test_quantize_without_smoothing(fmt):
     assert bytes(out.get().data) == bytes(direct.get().data)
     np.testing.assert_array_equal(lse.get(), direct_lse.get())
     emu, emu_lse = emulate.emulate(fmt, *host, causal=True, return_lse=True, smooth_k=False, block_m=bm, block_n=bn)
-    assert metrics.compare(_f32(out), emu.astype(np.float16).astype(F32)).rel_l2 <= EMU_REL_L2
+    assert metrics.compare(_f32(out), emu.astype(np.float16).astype(F32)).rel_l2 <= emu_rel_l2(fmt)
     np.testing.assert_allclose(_f32(lse), emu_lse, rtol=1e-4, atol=1e-4)
     # new queries keep K̄ = 0
     qkv2 = off.with_query(cupy.ascontiguousarray(q[:, :, :33]), kernel=kernel)
