@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .recipes import CUDA_ARCHS, SMEM_LIMIT, Family, _simt_problem, _simt_smem
+from .recipes import CUDA_ARCHS, Family, _simt_problem, _simt_smem, ring_problem, smem_problem
 from .tile import Tile
 
 MMA_TEMPLATE = "cuda/prefill_kv8_mma.cu.j2"
@@ -55,14 +55,9 @@ def _mma_problem(fmt: str, tile: Tile, d: int) -> str | None:
         return f"warps must be 1..8, got {tile.warps}"
     if tile.block_n not in (64, 128):
         return f"block_n must be 64 or 128 (whole ldmatrix.x4 loads of 64 keys), got {tile.block_n}"
-    if not 2 <= tile.stages <= 4:
-        return f"stages must be 2..4 (K/V slots in the cp.async ring), got {tile.stages}"
     if d % 64:
         return f"head_dim must be a multiple of 64, got {d}"
-    need = kv8_mma_smem(fmt)(tile, d)
-    if need > SMEM_LIMIT["cuda"]:
-        return f"needs {need} B of shared memory, over {SMEM_LIMIT['cuda']}"
-    return None
+    return ring_problem(tile) or smem_problem(kv8_mma_smem(fmt)(tile, d), "cuda")
 
 
 def _mma_family(fmt: str) -> Family:

@@ -85,6 +85,40 @@ class Recipe:
         return options[units.index(mma)]
 
 
+# ---- tile checks the families share (each returns why a tile does not fit, or None) ----------
+
+def ring_problem(tile: Tile) -> str | None:
+    if not 2 <= tile.stages <= 4:
+        return f"stages must be 2..4 (K/V slots in the cp.async ring), got {tile.stages}"
+    return None
+
+
+def unpipelined_problem(tile: Tile, kernel: str) -> str | None:
+    return None if tile.stages == 1 else f"the {kernel} kernel is not pipelined: stages must be 1"
+
+
+def smem_problem(need: int, backend: str) -> str | None:
+    if need > SMEM_LIMIT[backend]:
+        return f"needs {need} B of {'LDS' if backend == 'hip' else 'shared memory'}, over {SMEM_LIMIT[backend]}"
+    return None
+
+
+def warp_rows_problem(tile: Tile, d: int) -> str | None:
+    """mma.sync kernels: 16 or 32 query rows per warp, and O and S accumulators that fit."""
+    rows_per_warp = tile.block_m / tile.warps
+    if rows_per_warp not in (16, 32):
+        return f"block_m/warps must be 16 or 32 rows per warp, got {tile.block_m}/{tile.warps}"
+    accum = int(rows_per_warp) // 16 * (d + tile.block_n) // 2  # fp32 accumulator registers per thread
+    if accum > 192:
+        return f"{accum} accumulator registers per thread (O and S) exceed 192; use fewer rows per warp or a narrower block_n"
+    return None
+
+
+def first_problem(*checks) -> str | None:
+    """The first check that fails (checks are zero-argument callables, run in order)."""
+    return next((p for p in (check() for check in checks) if p), None)
+
+
 # ---- CUDA tensor-core prefill (f16, bf16): each warp owns 16 * MT query rows ----------------
 
 def _padded_row_bytes(head_dim: int, elem_bytes: int) -> int:
@@ -98,20 +132,13 @@ def _mma_smem(tile: Tile, d: int) -> int:
 
 
 def _mma_problem(tile: Tile, d: int) -> str | None:
-    rows_per_warp = tile.block_m / tile.warps
-    if rows_per_warp not in (16, 32):
-        return f"block_m/warps must be 16 or 32 rows per warp, got {tile.block_m}/{tile.warps}"
-    if tile.block_n % 16 or not 16 <= tile.block_n <= 128:
-        return f"block_n must be a multiple of 16 in [16, 128], got {tile.block_n}"
-    if not 2 <= tile.stages <= 4:
-        return f"stages must be 2..4 (K/V slots in the cp.async ring), got {tile.stages}"
-    m_tiles = rows_per_warp // 16
-    accum = m_tiles * (d + tile.block_n) // 2  # fp32 accumulator registers per thread
-    if accum > 192:
-        return f"{accum} accumulator registers per thread (O and S) exceed 192; use fewer rows per warp or a narrower block_n"
-    if _mma_smem(tile, d) > SMEM_LIMIT["cuda"]:
-        return f"needs {_mma_smem(tile, d)} B of shared memory, over {SMEM_LIMIT['cuda']}"
-    return None
+    def block_n():
+        if tile.block_n % 16 or not 16 <= tile.block_n <= 128:
+            return f"block_n must be a multiple of 16 in [16, 128], got {tile.block_n}"
+        return None
+
+    return first_problem(lambda: warp_rows_problem(tile, d), block_n, lambda: ring_problem(tile),
+                         lambda: smem_problem(_mma_smem(tile, d), "cuda"))
 
 
 CUDA_MMA = Family(
@@ -145,11 +172,7 @@ def _simt_problem(tile: Tile, d: int) -> str | None:
         return f"threads per query row must be a power of two <= 32, got {per_row}"
     if tile.block_n % per_row or d % per_row:
         return f"block_n ({tile.block_n}) and head_dim ({d}) must be multiples of threads per row ({per_row})"
-    if tile.stages != 1:
-        return "the fp32 SIMT kernel is not pipelined: stages must be 1"
-    if _simt_smem(tile, d) > SMEM_LIMIT["cuda"]:
-        return f"needs {_simt_smem(tile, d)} B of shared memory, over {SMEM_LIMIT['cuda']}"
-    return None
+    return unpipelined_problem(tile, "fp32 SIMT") or smem_problem(_simt_smem(tile, d), "cuda")
 
 
 CUDA_SIMT = Family(
@@ -179,11 +202,7 @@ def _hip_problem(tile: Tile, d: int) -> str | None:
         return f"block_m must be 16 rows per warp (16*warps), got {tile.block_m} with {tile.warps} warps"
     if tile.block_n % 16 or not 16 <= tile.block_n <= 64:
         return f"block_n must be a multiple of 16 in [16, 64], got {tile.block_n}"
-    if tile.stages != 1:
-        return "the HIP kernel is not pipelined yet: stages must be 1"
-    if _hip_smem(tile, d) > SMEM_LIMIT["hip"]:
-        return f"needs {_hip_smem(tile, d)} B of LDS, over {SMEM_LIMIT['hip']}"
-    return None
+    return unpipelined_problem(tile, "HIP") or smem_problem(_hip_smem(tile, d), "hip")
 
 
 HIP_MATRIX = Family(
@@ -217,23 +236,15 @@ def _i8_smem(pv_operand: str) -> Callable[[Tile, int], int]:
 
 def _i8_problem(pv_operand: str) -> Callable[[Tile, int], str | None]:
     def problem(tile: Tile, d: int) -> str | None:
-        rows_per_warp = tile.block_m / tile.warps
-        if rows_per_warp not in (16, 32):
-            return f"block_m/warps must be 16 or 32 rows per warp, got {tile.block_m}/{tile.warps}"
-        if tile.block_m % 32:
-            return f"block_m must be a multiple of 32 (rows per pass of the quantization kernels), got {tile.block_m}"
-        if tile.block_n % 32 or not 32 <= tile.block_n <= 128:
-            return f"block_n must be a multiple of 32 in [32, 128] (the int8 MMA's k step), got {tile.block_n}"
-        if not 2 <= tile.stages <= 4:
-            return f"stages must be 2..4 (K/V slots in the cp.async ring), got {tile.stages}"
-        m_tiles = rows_per_warp // 16
-        accum = m_tiles * (d + tile.block_n) // 2
-        if accum > 192:
-            return f"{accum} accumulator registers per thread (O and S) exceed 192; use fewer rows per warp or a narrower block_n"
-        need = _i8_smem(pv_operand)(tile, d)
-        if need > SMEM_LIMIT["cuda"]:
-            return f"needs {need} B of shared memory, over {SMEM_LIMIT['cuda']}"
-        return None
+        def blocks():
+            if tile.block_m % 32:
+                return f"block_m must be a multiple of 32 (rows per pass of the quantization kernels), got {tile.block_m}"
+            if tile.block_n % 32 or not 32 <= tile.block_n <= 128:
+                return f"block_n must be a multiple of 32 in [32, 128] (the int8 MMA's k step), got {tile.block_n}"
+            return None
+
+        return first_problem(lambda: warp_rows_problem(tile, d), blocks, lambda: ring_problem(tile),
+                             lambda: smem_problem(_i8_smem(pv_operand)(tile, d), "cuda"))
 
     return problem
 
@@ -306,15 +317,15 @@ def _wgmma_smem(tile: Tile, d: int) -> int:
 
 
 def _wgmma_problem(tile: Tile, d: int) -> str | None:
-    if tile.warps % 4 or tile.block_m != 16 * tile.warps:
-        return f"block_m must be 64 rows per warpgroup of 4 warps (16*warps, warps a multiple of 4), got {tile.block_m}/{tile.warps}"
-    if tile.block_n not in (64, 128):
-        return f"block_n must be 64 or 128 (the s8 wgmma's n), got {tile.block_n}"
-    if not 2 <= tile.stages <= 4:
-        return f"stages must be 2..4 (K/V slots in the cp.async ring), got {tile.stages}"
-    if _wgmma_smem(tile, d) > SMEM_LIMIT["cuda"]:
-        return f"needs {_wgmma_smem(tile, d)} B of shared memory, over {SMEM_LIMIT['cuda']}"
-    return None
+    def shape():
+        if tile.warps % 4 or tile.block_m != 16 * tile.warps:
+            return ("block_m must be 64 rows per warpgroup of 4 warps (16*warps, warps a multiple of 4), "
+                    f"got {tile.block_m}/{tile.warps}")
+        if tile.block_n not in (64, 128):
+            return f"block_n must be 64 or 128 (the s8 wgmma's n), got {tile.block_n}"
+        return None
+
+    return first_problem(shape, lambda: ring_problem(tile), lambda: smem_problem(_wgmma_smem(tile, d), "cuda"))
 
 
 CUDA_I8_F8_WGMMA = Family(
@@ -354,11 +365,7 @@ def _hip_i8(pv: str) -> Family:
             return f"block_m must be 16 rows per warp (16*warps), got {tile.block_m} with {tile.warps} warps"
         if tile.block_n not in (32, 64):
             return f"block_n must be 32 or 64 (whole 32-key steps of the 8-bit ops), got {tile.block_n}"
-        if tile.stages != 1:
-            return "the HIP kernel is not pipelined yet: stages must be 1"
-        if smem(tile, d) > SMEM_LIMIT["hip"]:
-            return f"needs {smem(tile, d)} B of LDS, over {SMEM_LIMIT['hip']}"
-        return None
+        return unpipelined_problem(tile, "HIP") or smem_problem(smem(tile, d), "hip")
 
     return Family(
         template="hip/prefill_i8.hip.j2",
