@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The GPU check before a kernel change lands: GPU tests, compute-sanitizer, benchmarks beside
-# torch SDPA, cold-compile and cache-hit load times. Logs and JSON go to ${OUT:-gpu_check}.
-#   tools/gpu_check.sh [tests] [sanitize] [bench] [kv8] [load]     (default: all five)
+# torch SDPA, the quantization step and the matrix units alone, cold-compile and cache-hit load
+# times. Logs and JSON go to ${OUT:-gpu_check}.
+#   tools/gpu_check.sh [tests] [sanitize] [bench] [kv8] [quant] [ceiling] [load]     (default: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_check}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 QATTN_CACHE_DIR=${QATTN_CACHE_DIR:-$out/cache}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install -q --no-deps -e .
-steps=${*:-tests sanitize bench kv8 load}
+steps=${*:-tests sanitize bench kv8 quant ceiling load}
 status=0
 for step in $steps; do
   echo "=== $step"
@@ -28,6 +29,11 @@ for step in $steps; do
         --shape 32768/256 --shape 65536/64 --json "$out/parity_kv8.json" || status=1
       python3 tools/bench_kv8.py --shape 32768/2048 --shape 1500/1500 --shape 2100/256 --shape 32768/256 \
         --shape 65536/64 --json "$out/bench_kv8.json" || status=1 ;;
+    quant)
+      python3 tools/bench_quant.py --format i8-f8 --format i8-i8 --shape 4x32x4096 --shape 16x32x1024 \
+        --shape 1x32x32768 2>&1 | tee "$out/quant.log" || status=1 ;;
+    ceiling)
+      { python3 tools/mma_ceiling.py && python3 tools/mma_ceiling.py --shared-operands; } 2>&1 | tee "$out/ceiling.log" || status=1 ;;
     load)
       # First process compiles (cold, empty cache); a second one must load without NVRTC.
       rm -rf "$QATTN_CACHE_DIR"
