@@ -396,3 +396,17 @@ def test_gen_on_a_chosen_matrix_unit():
     assert default.exit_code == 0 and "wgmma.mma_async" not in default.output
     bad = runner.invoke(qattn.cli.main, ["gen", "-f", "i8-f16", "--arch", "sm_90a", "--mma", "wgmma"])
     assert bad.exit_code == 2 and "'--mma'" in bad.output and "mma.sync" in bad.output
+
+
+def test_sanitize_workload_adds_the_arch_s_other_units(monkeypatch):
+    """tools/sanitize.py covers every format, and on sm_90a also i8-f8 on wgmma (FORMAT@UNIT)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import sanitize
+
+    import qattn.codegen.spec as spec_module
+
+    with_kernel = [n for n, r in RECIPES.items() if "cuda" in r.families]
+    monkeypatch.setattr(spec_module, "device_arch", lambda: "sm_90a")
+    assert sanitize.default_formats() == with_kernel + ["i8-f8@wgmma"]
+    monkeypatch.setattr(spec_module, "device_arch", lambda: "sm_89")
+    assert sanitize.default_formats() == with_kernel
