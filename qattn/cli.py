@@ -205,12 +205,23 @@ def list_():
     console.print("Every format runs on its CPU emulator (parity --backend numpy); "
                   "'kernels' lists the backends with generated kernels.")
     # One row per Family object: formats share a row only where they share head dims, tiles and archs.
-    families: dict[tuple, tuple] = {}  # (backend, id(family)) -> (family, formats using it)
+    # A family that some archs build instead of the backend's (Recipe.arch_families) lists those archs.
+    families: dict[tuple, tuple] = {}  # (backend, id(family)) -> (family, formats using it, archs or None)
     for name, rec in RECIPES.items():
         for backend, family in rec.families.items():
-            families.setdefault((backend, id(family)), (family, []))[1].append(name)
+            families.setdefault((backend, id(family)), (family, [], None))[1].append(name)
+        for (backend, arch), options in rec.arch_families.items():
+            for i, family in enumerate(options):
+                unit = family.values["mma_unit"]
+                label = f"{name} ({'default: ' + unit if i == 0 else '--mma ' + unit})"
+                entry = families.setdefault((backend, id(family)), (family, [], []))
+                if label not in entry[1]:
+                    entry[1].append(label)
+                entry[2].append(arch)
     kernels = _table("kernels", "backend", "formats", "head dims", "default tiles (m BLOCK_M n BLOCK_N w warps s stages)", "archs")
-    for (backend, _), (family, names) in sorted(families.items(), key=lambda item: (item[0][0], item[1][1][0])):
+    for (backend, _), (family, names, used_on) in sorted(families.items(), key=lambda item: (item[0][0], item[1][1][0])):
+        if used_on is None:  # the backend's family: on the archs that do not build another one
+            used_on = [a for a in family.archs if all((backend, a) not in RECIPES[n].arch_families for n in names)]
         tiles = [f"d{d}: {t.name}" for d, t in sorted(family.default_tiles.items())]
         tuned: dict[tuple, list] = {}  # (head_dim, causal, tile) -> archs where it replaces the default
         for (d, causal, arch), t in family.tuned.items():
@@ -218,7 +229,7 @@ def list_():
         tiles += [f"d{d}{' causal' if c else ''} on {', '.join(archs)}: {t}" for (d, c, t), archs in sorted(tuned.items())]
         tiles = "\n".join(tiles)
         kernels.add_row(backend, ", ".join(names), ", ".join(map(str, family.head_dims)), tiles,
-                        ", ".join(family.archs))
+                        ", ".join(used_on))
     console.print(kernels)
 
 

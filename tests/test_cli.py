@@ -69,6 +69,9 @@ def test_list():
     tile = RECIPES["f16"].family("cuda").default_tiles[128].name
     for text in ("prefill", "f16", "bf16", "kv8-imma", "sm_90a", "gfx942", tile):
         assert text in result.output
+    # the archs that build a format through another family get their own rows
+    wide = CliRunner().invoke(main, ["list"], env={"COLUMNS": "240"}).output
+    assert "i8-f8 (--mma wgmma)" in wide and "i8-f8 (default: mma.sync)" in wide
 
 
 def test_gen_prints_source():

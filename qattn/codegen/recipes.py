@@ -258,14 +258,11 @@ _W4, _W8 = Tile(128, 64, 4, 2), Tile(128, 64, 8, 2)
 _I8_TUNED = {
     "f16": {(128, False, "sm_90a"): _W4, (128, True, "sm_90a"): _W4, (64, True, "sm_90a"): _W4},
     "i8": {(128, False, "sm_90a"): _W4, (128, True, "sm_90a"): _W4, (64, True, "sm_90a"): _W8},
-    "f8": {(64, True, "sm_100a"): Tile(128, 64, 4, 3), (128, True, "sm_100a"): _W8, (128, True, "sm_120"): _W8,
-           (128, False, "sm_90a"): _W4, (128, True, "sm_90a"): _W4, (64, False, "sm_90a"): _W4,
-           (64, True, "sm_90a"): _W4},
+    "f8": {(64, True, "sm_100a"): Tile(128, 64, 4, 3), (128, True, "sm_100a"): _W8, (128, True, "sm_120"): _W8},
 }
 _I8_MEASURED_SPILLS = {
     "f16": {(128, True, "sm_90a")},
     "i8": {(128, False, "sm_90a")},
-    "f8": {(128, False, "sm_90a"), (128, True, "sm_90a"), (64, False, "sm_90a"), (64, True, "sm_90a")},
 }
 # On Hopper, ptxas lowers mma.sync e4m3 to fp16 HMMAs plus an unpack of both operands in every warp
 # (the i8-f8 SASS holds two HMMA.16816 and five F2FP.F16.E4M3.UNPACK_B per e4m3 MMA). There the
@@ -289,8 +286,7 @@ def _cuda_i8(pv: str, pv_operand: str | None = None) -> Family:
         template="cuda/prefill_i8.cu.j2",
         head_dims=(64, 128),
         # 128 query rows per Q scale and 64 keys per K scale (the emulator's defaults). Eight warps
-        # of 16 rows: with four warps of 32 rows ptxas spills at d128 (and for e4m3 PV at d64 on
-        # sm_90a, where the e4m3 MMA is emulated with fp16 MMAs).
+        # of 16 rows: with four warps of 32 rows ptxas spills at d128.
         default_tiles={64: Tile(128, 64, 8, 3), 128: Tile(128, 64, 8, 3)},
         tile_problem=_i8_problem(pv_operand),
         smem_bytes=_i8_smem(pv_operand),
