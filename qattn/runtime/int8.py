@@ -43,7 +43,7 @@ from .reference import check_shapes
 COLSTATS_CHUNK = 256
 # Threads of the quantization kernels (QT in quantize_i8.cuh.j2).
 QUANT_THREADS = 256
-# Rows per block of the HIP kernels that write V as fp16 rows (v_rows_body).
+# Rows per block of the HIP kernel that rounds bf16 V to fp16 rows (v_to_half_body).
 V_ROWS = 64
 # Channels per block of the CUDA kernel that finishes the column statistics.
 FINISH_CHANNELS = 32
@@ -301,30 +301,23 @@ def _quantize_q(kernel, q, k_mean, scale, hkv, with_shift, stream):
 
 
 def _quantize_v(kernel, v, stream):
-    """The PV operand: (v, v_scale, v_out_scale)."""
+    """The PV operand (HIP): (v, v_scale, v_out_scale)."""
     import cupy
 
     b, hkv, lk, d = v.shape
     pv = recipe(kernel.spec.recipe).ctype["pv"]
-    rows = kernel.spec.family.values["pv_operand"] == "f16"  # fp16 rows, else 8-bit V^T codes
-    sfx = _SUFFIX[v.dtype.name]
-    if pv == "f16" and v.dtype.name == "float16":
-        return v, None, None
-    grid_rows = (-(-lk // V_ROWS), hkv, b)
     if pv == "f16":
+        if v.dtype.name == "float16":
+            return v, None, None
         v16 = cupy.empty((b, hkv, lk, d), dtype=cupy.float16)
         fn = kernel.function("_v_to_half_bf16")
-        fn(grid_rows, (QUANT_THREADS,), (v, *_strides(v), np.int32(lk), _null(), _null(), _null(), v16), stream=stream)
+        fn((-(-lk // V_ROWS), hkv, b), (QUANT_THREADS,), (v, *_strides(v), np.int32(lk), v16), stream=stream)
         return v16, None, None
     _, amax = _colstats(kernel, v, want_sum=False, want_max=True, stream=stream)
     amax = cupy.ascontiguousarray(amax)
     v_scale = cupy.empty((b, hkv, d), dtype=cupy.float32)
     v_out_scale = cupy.empty((b, hkv, d), dtype=cupy.float32)
-    fn = kernel.function("_quant_v_" + sfx)
-    if rows:
-        v16 = cupy.empty((b, hkv, lk, d), dtype=cupy.float16)
-        fn(grid_rows, (QUANT_THREADS,), (v, *_strides(v), np.int32(lk), amax, v_scale, v_out_scale, v16), stream=stream)
-        return v16, v_scale, v_out_scale
+    fn = kernel.function("_quant_v_" + _SUFFIX[v.dtype.name])
     bn = kernel.spec.tile.block_n
     lk_pad = -(-lk // bn) * bn
     vt = cupy.empty((b, hkv, d, lk_pad), dtype=cupy.uint8)
