@@ -141,7 +141,8 @@ def _wgmma_specs():
 
     specs = [KernelSpec(recipe="i8-f8", head_dim=d, causal=c, arch="sm_90a", mma="wgmma")
              for d in (64, 128) for c in (False, True)]
-    return specs + [KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma", tile=Tile(128, 128, 8, 2))]
+    return specs + [KernelSpec(recipe="i8-f8", head_dim=64, arch="sm_90a", mma="wgmma", tile=Tile(128, 128, 8, 2)),
+                    KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma", tile=Tile(64, 64, 4, 3))]
 
 
 def test_mma_unit_choice():
@@ -158,10 +159,12 @@ def test_mma_unit_choice():
                 dict(recipe="i8-f8", arch="sm_89"), dict(recipe="f16", arch="sm_90a")):
         with pytest.raises(ValueError, match="mma: "):
             KernelSpec(head_dim=128, mma="wgmma", **bad)
-    with pytest.raises(ValueError, match="block_m must be 64 rows per warpgroup"):
-        from qattn.codegen.tile import Tile
+    from qattn.codegen.tile import Tile
 
+    with pytest.raises(ValueError, match="block_m must be 64 rows per warpgroup"):
         KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma", tile=Tile(128, 64, 4, 2))
+    with pytest.raises(ValueError, match="block_n \\+ head_dim must be <= 192"):
+        KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma", tile=Tile(128, 128, 8, 2))
 
 
 @pytest.mark.parametrize("spec", _wgmma_specs(), ids=lambda s: s.name)
@@ -180,4 +183,5 @@ def test_attention_kernel_compiles_on_wgmma(spec):
     assert f"wgmma.mma_async.sync.aligned.m64n{spec.tile.block_n}k32.s32.s8.s8" in attn
     assert f"wgmma.mma_async.sync.aligned.m64n{spec.head_dim}k32.f32.e4m3.e4m3" in attn
     assert "mma.sync" not in attn and "ldmatrix" not in attn
+    assert "C7514" not in binary.log, "ptxas serialized the wgmmas"
     assert "fence.proxy.async.shared::cta" in attn and "cp.async" in attn

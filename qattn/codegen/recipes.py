@@ -323,6 +323,8 @@ def _wgmma_problem(tile: Tile, d: int) -> str | None:
                     f"got {tile.block_m}/{tile.warps}")
         if tile.block_n not in (64, 128):
             return f"block_n must be 64 or 128 (the s8 wgmma's n), got {tile.block_n}"
+        if tile.block_n + d > 192:  # S of the next block and P (BN / 2 each), O and this block's PV (D / 2 each)
+            return f"block_n + head_dim must be <= 192 (accumulator registers per thread), got {tile.block_n} + {d}"
         return None
 
     return first_problem(shape, lambda: ring_problem(tile), lambda: smem_problem(_wgmma_smem(tile, d), "cuda"))
