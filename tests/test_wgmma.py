@@ -185,3 +185,18 @@ def test_attention_kernel_compiles_on_wgmma(spec):
     assert "mma.sync" not in attn and "ldmatrix" not in attn
     assert "C7514" not in binary.log, "ptxas serialized the wgmmas"
     assert "fence.proxy.async.shared::cta" in attn and "cp.async" in attn
+
+
+def test_core_row_loader_model():
+    """load_core_rows (transcribed): thread tid's k-th copy lands at byte 16 (tid + k threads), which is
+    core_offset of its row and chunk, and the copies cover every (row, chunk) of the tile once."""
+    for chunks, threads, rows in ((4, 128, 128), (8, 128, 64), (8, 256, 128), (4, 256, 64)):
+        step = threads // chunks
+        seen = []
+        for tid in range(threads):
+            r0, c = (tid // 8 // chunks) * 8 + tid % 8, (tid // 8) % chunks
+            for k in range(rows // step):
+                r = r0 + k * step
+                assert (((r >> 3) * chunks + c) << 7) + ((r & 7) << 4) == 16 * (tid + k * threads)
+                seen.append((r, c))
+        assert sorted(seen) == [(r, c) for r in range(rows) for c in range(chunks)]
