@@ -188,8 +188,9 @@ def prefill_kv8(kernel, q, k, v=None, *, scale: float | None = None, return_lse:
         raise ValueError(f"q: on device {q.device.id}, but the cache is on device {cache.device.id}")
     if q.strides[-1] != 4:
         raise ValueError(f"q: the head_dim axis must be contiguous (stride 4 bytes), got strides {q.strides}")
-    kc, ks = cache.k
-    vc, vs = cache.v
+    # The whole code and scale arrays (their first Lk tokens are the cache's views, same pointers and
+    # strides): slicing views on every call costs more host time than the small kernels take.
+    kc, ks, vc, vs = cache.k_codes, cache.k_scales, cache.v_codes, cache.v_scales
     if any(x.data.ptr % CODE_ALIGN for x in (kc, vc)):
         raise ValueError(f"k: cache code arrays must be {CODE_ALIGN}-byte aligned")
     if out is None:
@@ -210,7 +211,7 @@ def prefill_kv8(kernel, q, k, v=None, *, scale: float | None = None, return_lse:
 
     with q.device:
         lse = cupy.empty((b, hq, lq), dtype=cupy.float32) if return_lse else None
-        stat = cupy.zeros((b, hq, d // 64 + 1), dtype=cupy.float32)
+        stat = cupy.empty((b, hq, d // 64 + 1), dtype=cupy.float32)  # the statistics pass writes all of it
         vs_st = _elem_strides(vs)[:2]
         if spec.recipe in MMA_FORMATS:
             kernel.function(STAT_ENTRY)((hq, b), (STAT_THREADS,),
