@@ -538,8 +538,10 @@ def _parse_bench_shapes(ctx, param, values):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, path_type=Path),
               callback=_json_path, help="also write the records as JSON to FILE")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the random inputs")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="interleaved timing rounds per shape (every implementation once a round; the median is kept)")
 @user_errors
-def bench(formats, shapes, head_dim, causal, peers, json_path, seed):
+def bench(formats, shapes, head_dim, causal, peers, json_path, seed, rounds):
     """Time qattn prefill kernels and their peers (torch SDPA flash and cuDNN, SageAttention) on the
     same inputs in the same run; rel_l2 is each one's error against FP64 on the first heads."""
     from .runtime import bench as timing
@@ -547,7 +549,7 @@ def bench(formats, shapes, head_dim, causal, peers, json_path, seed):
     if device_arch() is None:
         raise click.ClickException("bench: no CUDA GPU found; timing needs one")
     records = timing.bench_prefill(shapes or [(4, 32, 4096), (1, 32, 32768)], formats or ("f16",), head_dim=head_dim,
-                                   causal=causal, peers=peers or timing.PEERS, seed=seed)
+                                   causal=causal, peers=peers or timing.PEERS, seed=seed, rounds=rounds)
     ratios = sorted({k for r in records for k in r if k.startswith("vs_")})
     table = _table(f"prefill, D {head_dim}, {'causal' if causal else 'non-causal'}", "batch/heads/seq", "impl", "ms",
                    "TFLOPS", "rel_l2", *ratios, right=("ms", "TFLOPS", "rel_l2", *ratios))

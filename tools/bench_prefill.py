@@ -25,6 +25,8 @@ def main() -> int:
                     help="qattn formats (default f16); FORMAT@UNIT picks a matrix unit, e.g. i8-f8@wgmma")
     ap.add_argument("--causal", choices=["no", "yes", "both"], default="no")
     ap.add_argument("--tile", action="append", help="BMxBNxWARPSxSTAGES to sweep (default: tuned tile)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved timing rounds per shape (every implementation once a round; median kept)")
     ap.add_argument("--json", help="write the records here")
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in (args.shape or ["4x32x4096"])]
@@ -35,7 +37,7 @@ def main() -> int:
         for i, tile in enumerate(tiles):
             peers = PEERS if i == 0 else ()
             records += bench_prefill(shapes, tuple(args.format or ["f16"]), head_dim=args.head_dim,
-                                     causal=causal, tiles=tile, peers=peers)
+                                     causal=causal, tiles=tile, peers=peers, rounds=args.rounds)
     print(f"{'impl':<19}{'kernel':<50}{'B':>3}{'H':>4}{'L':>7}{'D':>5} {'causal':<7}{'ms':>9}{'TFLOPS':>8}"
           f"{'vs flash':>9}{'vs cuDNN':>9}{'vs sage':>8}{'rel_l2':>10}{'quant ms':>9}")
     for r in records:

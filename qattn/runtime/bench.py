@@ -87,17 +87,22 @@ def _rel_l2(out, ref) -> float:
 
 
 def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers=PEERS, seed=0,
-                  tiles=None) -> list[dict]:
+                  tiles=None, rounds: int = 3) -> list[dict]:
     """Time qattn prefill kernels and peers on the same inputs in the same run.
     shapes: iterable of (batch, heads, seq) with Lq = Lk = seq; formats: names, or "name@unit" for
     the format on another matrix unit of the arch (e.g. "i8-f8@wgmma"). Returns one record per
     (shape, implementation) with median ms, TFLOPS, the ratio to each peer and rel_l2 against
-    FP64 on the first heads (a GPU FP64 reference of the same inputs)."""
+    FP64 on the first heads (a GPU FP64 reference of the same inputs).
+    The implementations of a shape are timed in `rounds` interleaved rounds (each round times every
+    one in turn) and each reports the median of its round medians, so that clock and power drift
+    over the run, which on a power-bound GPU favours whoever runs first or last, is shared by all."""
     import cupy
 
     from .api import default_spec
     from .kernel import build_kernel
 
+    if rounds < 1:
+        raise ValueError(f"rounds: expected a positive integer, got {rounds}")
     records = []
     rng = cupy.random.default_rng(seed)
     for batch, heads, seq in shapes:
@@ -106,7 +111,7 @@ def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers
         q, k, v = (rng.standard_normal((batch, heads, seq, head_dim), dtype=cupy.float32).astype(cupy.float16)
                    for _ in range(3))
         ref = _fp64_slice(q, k, v, causal)
-        peer_ms = {}
+        timed = []  # (record, callable to time)
         torch_inputs = None
         for name in peers:
             fn = _peer(name)
@@ -117,13 +122,11 @@ def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers
             torch_inputs = torch_inputs or tuple(torch.from_dlpack(x) for x in (q, k, v))
             try:
                 out = fn(*torch_inputs, causal)
-                t = time_cuda(lambda: fn(*torch_inputs, causal))
             except Exception as exc:  # backend unavailable for this shape/GPU
                 records.append(dict(shape_rec, impl=name, error=str(exc).splitlines()[0]))
                 continue
-            peer_ms[name] = t.median_ms
-            records.append(dict(shape_rec, impl=name, ms=t.median_ms, tflops=flops / t.median_ms / 1e9,
-                                rel_l2=_rel_l2(out, ref)))
+            timed.append((dict(shape_rec, impl=name, rel_l2=_rel_l2(out, ref)),
+                          lambda fn=fn: fn(*torch_inputs, causal)))
         for entry in formats:
             fmt, _, mma = entry.partition("@")  # "i8-f8@wgmma": the format on a named matrix unit
             spec = default_spec(fmt, head_dim, causal=causal)
@@ -139,15 +142,25 @@ def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers
             xs = (q, k, v) if recipe_dtype(fmt) == cupy.float16 else tuple(x.astype(recipe_dtype(fmt)) for x in (q, k, v))
             out = cupy.empty_like(xs[0])
             kernel(*xs, out=out)
-            rel_l2 = _rel_l2(out, ref)
-            t = time_cuda(lambda: kernel(*xs, out=out))
-            rec = dict(shape_rec, impl=f"qattn:{entry}", kernel=spec.name, ms=t.median_ms,
-                       tflops=flops / t.median_ms / 1e9, rel_l2=rel_l2)
-            rec.update({f"vs_{p}": ms / t.median_ms for p, ms in peer_ms.items()})
+            rec = dict(shape_rec, impl=f"qattn:{entry}", kernel=spec.name, rel_l2=_rel_l2(out, ref))
+            timed.append((rec, lambda kernel=kernel, xs=xs, out=out: kernel(*xs, out=out)))
             if spec.family.launcher == "prefill_i8":  # the share of the call spent quantizing Q, K, V
                 from .int8 import quantize
 
                 rec["quant_ms"] = time_cuda(lambda: quantize(*xs, kernel=kernel)).median_ms
+        per_round = [[] for _ in timed]
+        for _ in range(rounds):
+            for times, (_, fn) in zip(per_round, timed):
+                times.append(time_cuda(fn, runs=max(5, 20 // rounds), min_ms=200.0 / rounds).median_ms)
+        peer_ms = {}
+        for times, (rec, _) in zip(per_round, timed):
+            rec.update(ms=statistics.median(times), round_ms=times)
+            rec["tflops"] = flops / rec["ms"] / 1e9
+            if rec["impl"] in PEERS:
+                peer_ms[rec["impl"]] = rec["ms"]
+        for rec, _ in timed:
+            if rec["impl"] not in PEERS:
+                rec.update({f"vs_{p}": ms / rec["ms"] for p, ms in peer_ms.items()})
             records.append(rec)
     return records
 

@@ -12,7 +12,6 @@ from ..codegen.render import entry_name, main_entry_name, render
 from ..codegen.spec import KernelSpec
 from . import compile as compiler
 from .cache import KernelCache, KernelNotCached, content_key, jit_disabled
-from .device_function import DeviceFunction
 
 _MEMORY: dict[KernelSpec, "Kernel"] = {}
 _LOCK = threading.Lock()
@@ -40,7 +39,7 @@ class Kernel:
     def shared_bytes(self) -> int:
         return self.spec.family.smem_bytes(self.spec.tile, self.spec.head_dim)
 
-    def function(self, suffix: str = "") -> DeviceFunction:
+    def function(self, suffix: str = ""):
         """The loaded device function entry_name(spec) + suffix (needs a GPU of the spec's arch);
         templates with several kernels in one module name the others by suffix."""
         fn = self._functions.get(suffix)
@@ -59,7 +58,7 @@ class Kernel:
             if self.shared_bytes > 48 * 1024:
                 driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                         self.shared_bytes)
-            fn = self._functions[suffix] = DeviceFunction(fn)
+            self._functions[suffix] = fn
         return fn
 
     def __call__(self, *args, **kwargs):
