@@ -31,6 +31,22 @@ def time_cuda(fn, *, warmup: int = 3, runs: int = 20, min_ms: float = 200.0) -> 
     return Timing(statistics.median(times), min(times), len(times))
 
 
+def time_interleaved(fns, rounds: int, timer=None) -> list[list[float]]:
+    """Per-call times of each of fns in `rounds` rounds, each round timing every fn once in turn
+    (timer(fn, rounds) -> ms; default time_cuda with the run budget split over the rounds).
+    Returns one list of round times per fn."""
+    if rounds < 1:
+        raise ValueError(f"rounds: expected a positive integer, got {rounds}")
+    if timer is None:
+        def timer(fn, n):
+            return time_cuda(fn, runs=max(5, 20 // n), min_ms=200.0 / n).median_ms
+    per_fn: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for times, fn in zip(per_fn, fns):
+            times.append(timer(fn, rounds))
+    return per_fn
+
+
 def attention_flops(batch: int, heads: int, lq: int, lk: int, head_dim: int, causal: bool) -> float:
     """4·B·H·Lq·Lk·D, halved for causal (the convention peers report TFLOPS with)."""
     return 4.0 * batch * heads * lq * lk * head_dim / (2.0 if causal else 1.0)
@@ -101,8 +117,6 @@ def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers
     from .api import default_spec
     from .kernel import build_kernel
 
-    if rounds < 1:
-        raise ValueError(f"rounds: expected a positive integer, got {rounds}")
     records = []
     rng = cupy.random.default_rng(seed)
     for batch, heads, seq in shapes:
@@ -148,10 +162,7 @@ def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers
                 from .int8 import quantize
 
                 rec["quant_ms"] = time_cuda(lambda: quantize(*xs, kernel=kernel)).median_ms
-        per_round = [[] for _ in timed]
-        for _ in range(rounds):
-            for times, (_, fn) in zip(per_round, timed):
-                times.append(time_cuda(fn, runs=max(5, 20 // rounds), min_ms=200.0 / rounds).median_ms)
+        per_round = time_interleaved([fn for _, fn in timed], rounds)
         peer_ms = {}
         for times, (rec, _) in zip(per_round, timed):
             rec.update(ms=statistics.median(times), round_ms=times)
