@@ -17,6 +17,13 @@ from qattn.codegen.tile import Tile  # noqa: E402
 from qattn.runtime.bench import PEERS, bench_prefill  # noqa: E402
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", action="append", help="BATCHxHEADSxSEQ (repeatable)")
@@ -25,7 +32,7 @@ def main() -> int:
                     help="qattn formats (default f16); FORMAT@UNIT picks a matrix unit, e.g. i8-f8@wgmma")
     ap.add_argument("--causal", choices=["no", "yes", "both"], default="no")
     ap.add_argument("--tile", action="append", help="BMxBNxWARPSxSTAGES to sweep (default: tuned tile)")
-    ap.add_argument("--rounds", type=int, default=3,
+    ap.add_argument("--rounds", type=_positive, default=3,
                     help="interleaved timing rounds per shape (every implementation once a round; median kept)")
     ap.add_argument("--json", help="write the records here")
     args = ap.parse_args()
