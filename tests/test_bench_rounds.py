@@ -1,4 +1,5 @@
-"""Interleaved timing rounds (runtime.bench.time_interleaved), on the CPU with a fake timer."""
+"""The timing helpers that need no GPU to check: interleaved rounds (runtime.bench.time_interleaved,
+with a fake timer) and time_queued's argument check."""
 import pytest
 
 from qattn.runtime.bench import time_interleaved
@@ -21,3 +22,10 @@ def test_rounds_visit_every_function_in_turn():
 def test_rounds_must_be_positive(rounds):
     with pytest.raises(ValueError, match="rounds: expected a positive integer"):
         time_interleaved([lambda: None], rounds=rounds, timer=lambda fn, n: 1.0)
+
+
+def test_time_queued_needs_calls():
+    from qattn.runtime.bench import time_queued
+
+    with pytest.raises(ValueError, match="calls: expected a positive integer"):
+        time_queued(lambda: None, calls=0)

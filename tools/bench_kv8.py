@@ -3,7 +3,9 @@
 parity shapes, beside torch SDPA's fp16 flash backend run on the dequantized cache (same
 inputs, same run). The cache is written once; only attention is timed. The tensor-core kernels
 run twice: with the launcher's split over keys (its automatic choice, or --splits) and unsplit
-(splits=1, the plain grid), so the split's gain is measured in the same run.
+(splits=1, the plain grid), so the split's gain is measured in the same run. A second line per
+shape splits the short calls' time: the host's time to enqueue one call and the per-call time of
+calls queued back to back (equal to the host time when the call is host-bound).
 
     tools/bench_kv8.py --shape 32768/2048 --shape 1500/1500 --json kv8.json
 """
@@ -14,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from qattn.runtime.bench import attention_flops, time_cuda  # noqa: E402
+from qattn.runtime.bench import attention_flops, time_cuda, time_queued  # noqa: E402
 
 FORMATS = ("kv8-imma", "kv8-split", "kv8-f32")
 SPLIT_FORMATS = ("kv8-imma", "kv8-split")  # the formats with a split over keys
@@ -53,9 +55,13 @@ def main() -> int:
                "causal": args.causal}
         deq = [x.astype(cupy.float16) for x in cache.dequantize(cupy.float32)]
         tq, tk, tv = (torch.from_dlpack(x) for x in (q.astype(cupy.float16), *deq))
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            flash = time_cuda(lambda: torch.nn.functional.scaled_dot_product_attention(
-                tq, tk, tv, is_causal=args.causal, enable_gqa=args.heads != hkv)).median_ms
+        def sdpa_flash():
+            return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=args.causal,
+                                                                    enable_gqa=args.heads != hkv)
+
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):  # entered once: its cost is not the peer's
+            flash = time_cuda(sdpa_flash).median_ms
+            queued = {"flash": time_queued(sdpa_flash)}
         row["sdpa_flash_fp16_ms"] = flash
         for fmt in FORMATS:
             kernel = build_kernel(default_spec(fmt, d, causal=args.causal))
@@ -66,6 +72,9 @@ def main() -> int:
             row[f"{fmt}_tops"] = flops / row[f"{fmt}_ms"] / 1e9
             if fmt in SPLIT_FORMATS:
                 row[f"{fmt}_unsplit_ms"] = time_cuda(lambda: kernel(q, cache, out=out, splits=1)).median_ms
+                queued[fmt[4:]] = time_queued(lambda: kernel(q, cache, out=out, splits=splits))
+        for name, t in queued.items():
+            row[f"{name}_host_ms"], row[f"{name}_back_to_back_ms"] = t.host_ms, t.back_to_back_ms
         records.append(row)
         imma, split = row["kv8-imma_ms"], row["kv8-split_ms"]
         print(f"{ctx:>6}/{queries:<5} splits {row['kv8-imma_splits']:>3}  "
@@ -73,6 +82,8 @@ def main() -> int:
               f"split {split:8.3f} (unsplit {row['kv8-split_unsplit_ms']:8.3f})  f32 {row['kv8-f32_ms']:8.3f}  "
               f"fp16 flash {flash:8.3f}  imma/split {split / imma:5.2f}x  imma/flash {flash / imma:5.2f}x "
               f"(unsplit {flash / row['kv8-imma_unsplit_ms']:5.2f}x)")
+        print(" " * 13 + "host / back-to-back ms per call: " + "  ".join(
+            f"{name} {t.host_ms:.3f} / {t.back_to_back_ms:.3f}" for name, t in queued.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
     return 0

@@ -31,6 +31,39 @@ def time_cuda(fn, *, warmup: int = 3, runs: int = 20, min_ms: float = 200.0) -> 
     return Timing(statistics.median(times), min(times), len(times))
 
 
+@dataclass
+class Queued:
+    host_ms: float  # host time per call, enqueueing it (nothing waited for)
+    back_to_back_ms: float  # per call over back-to-back calls: the GPU's time, or the host's when that is longer
+
+
+def time_queued(fn, *, calls: int = 200) -> Queued:
+    """Where the time of a short call goes: the host's time to enqueue fn() (perf_counter over
+    `calls` calls, no synchronization) and the per-call time of `calls` calls queued back to back
+    between two CUDA events. A call whose back-to-back time equals its host time is host-bound."""
+    import time
+
+    import cupy
+
+    if calls < 1:
+        raise ValueError(f"calls: expected a positive integer, got {calls}")
+    stream = cupy.cuda.get_current_stream()
+    fn()
+    stream.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host_ms = (time.perf_counter() - t0) * 1e3 / calls
+    stream.synchronize()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(calls):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return Queued(host_ms, cupy.cuda.get_elapsed_time(start, stop) / calls)
+
+
 def time_interleaved(fns, rounds: int, timer=None) -> list[list[float]]:
     """Per-call times of each of fns in `rounds` rounds, each round timing every fn once in turn
     (timer(fn, rounds) -> ms; default time_cuda with the run budget split over the rounds).
