@@ -127,8 +127,14 @@ def _padded_row_bytes(head_dim: int, elem_bytes: int) -> int:
     return (head_dim + 16 // elem_bytes) * elem_bytes
 
 
+def tile_pitch(row_bytes: int) -> int:
+    """Smem pitch of a cp.async-filled CUDA tile (tile_offset in flash_mma.cuh.j2): the least
+    multiple of 16 >= row_bytes that is 32 mod 64, so rows start 32-byte aligned."""
+    return row_bytes + (96 - row_bytes % 64) % 64
+
+
 def _mma_smem(tile: Tile, d: int) -> int:
-    return (tile.block_m + 2 * tile.stages * tile.block_n) * _padded_row_bytes(d, 2)
+    return (tile.block_m + 2 * tile.stages * tile.block_n) * tile_pitch(2 * d)
 
 
 def _mma_problem(tile: Tile, d: int) -> str | None:
@@ -149,13 +155,12 @@ CUDA_MMA = Family(
     tile_problem=_mma_problem,
     smem_bytes=_mma_smem,
     archs=CUDA_ARCHS,
-    # ptxas spills 8-24 B of the causal d128 m128n64 kernel (the mask keeps more values live); a
-    # narrower key tile keeps it in registers. Not on sm_90a: there the m128n64 kernel (8 B
-    # spilled) measured 13% faster than the spill-free m128n32 one on the H200 (BENCHMARKS.md).
+    # Causal d128 elsewhere keeps the narrower key tile (ptxas kept it in registers where m128n64
+    # spilled); on sm_90a m128n64 measured 13% faster than m128n32 on the H200 (BENCHMARKS.md).
     tuned={(128, True, arch): Tile(128, 32, 4, 2) for arch in CUDA_ARCHS if arch != "sm_90a"},
-    # Non-causal d128: the key loop's second, mask-free softmax copy costs 8 B of spill on
-    # sm_80-sm_90a and measured 1-5% faster than the spill-free single copy on the H200
-    # (BENCHMARKS.md); the sm_8x entries assume the same trade (same mma.sync code, unmeasured).
+    # d128 on sm_90a: the key loop's second, mask-free softmax copy costs ptxas a few bytes of
+    # spill (4 B non-causal) and measured 1-5% faster than the spill-free single copy on the H200
+    # (BENCHMARKS.md); the sm_8x entries allow the same trade (same mma.sync code, unmeasured).
     measured_spills=frozenset({(128, True, "sm_90a")}
                               | {(128, False, arch) for arch in ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")}),
 )
