@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .recipes import CUDA_ARCHS, Family, _simt_problem, _simt_smem, ring_problem, smem_problem
+from .recipes import CUDA_ARCHS, Family, _simt_problem, _simt_smem, ring_problem, smem_problem, tile_pitch
 from .tile import Tile
 
 MMA_TEMPLATE = "cuda/prefill_kv8_mma.cu.j2"
@@ -35,7 +35,7 @@ def kv8_mma_smem(fmt: str) -> Callable[[Tile, int], int]:
     """Bytes of dynamic shared memory: the transposed V tile, STAGES slots of codes and scales, and
     the Q operand fragments of the block's rows."""
     def smem(tile: Tile, d: int) -> int:
-        slot = 2 * tile.block_n * (d + 16) + 2 * tile.block_n * 4
+        slot = 2 * tile.block_n * tile_pitch(d) + 2 * tile.block_n * 4
         return d * (tile.block_n + 16) + tile.stages * slot + Q_BYTES[fmt] * tile.block_m * d
 
     return smem

@@ -226,17 +226,17 @@ HIP_MATRIX = Family(
 
 # ---- CUDA int8 QK prefill (i8-f16, i8-i8, i8-f8): m16n8k32 s8 QK, PV in fp16, int8 or e4m3 -----
 # One module per spec also holds the quantization kernels (K mean, Q/K block codes, V codes).
-# Q8 and K8 sit in smem as rows of D + 16 bytes; V either as fp16 rows (D + 8 elements) or, for
-# 8-bit PV, transposed: D channel rows of BN + 16 key bytes. The epilogue stages the 16-bit output
-# rows over the same memory after the key loop.
+# Q8 and K8 sit in smem as rows of D + 16 bytes; V either as fp16 rows (tile_pitch(2D)) or,
+# for 8-bit PV, transposed: D channel rows of BN + 16 key bytes. The epilogue stages the
+# 16-bit output rows (D + 8 elements) over the same memory after the key loop.
 
 def _i8_v_tile_bytes(tile: Tile, d: int, pv_operand: str) -> int:
-    return tile.block_n * _padded_row_bytes(d, 2) if pv_operand == "f16" else d * (tile.block_n + 16)
+    return tile.block_n * tile_pitch(2 * d) if pv_operand == "f16" else d * (tile.block_n + 16)
 
 
 def _i8_smem(pv_operand: str) -> Callable[[Tile, int], int]:
     def smem(tile: Tile, d: int) -> int:
-        loop = tile.block_m * (d + 16) + tile.stages * (tile.block_n * (d + 16) + _i8_v_tile_bytes(tile, d, pv_operand))
+        loop = (tile.block_m + tile.stages * tile.block_n) * (d + 16) + tile.stages * _i8_v_tile_bytes(tile, d, pv_operand)
         epilogue = tile.block_m * _padded_row_bytes(d, 2)
         return max(loop, epilogue)
 
