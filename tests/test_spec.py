@@ -158,7 +158,8 @@ def _spec_matrix():
     for s in supported_cuda_specs():
         for arch in archs:
             if arch in s.family.archs:  # i8-f8 (the e4m3 MMA) starts at sm_89
-                specs.append(s.with_(arch=arch))
+                # the arch's own default tile (small-shared-memory archs take smaller ones)
+                specs.append(KernelSpec(recipe=s.recipe, head_dim=s.head_dim, causal=s.causal, arch=arch))
     extra_tiles = [Tile(64, 64, 4, 2), Tile(128, 32, 8, 3), Tile(64, 64, 2, 2), Tile(128, 64, 8, 4)]
     for name, d, tile in itertools.product(("f16", "bf16"), (64, 128), extra_tiles):
         specs.append(KernelSpec(recipe=name, head_dim=d, tile=tile, arch="sm_90a"))
@@ -188,7 +189,7 @@ def test_key_is_stable_hex_and_content_based():
     assert s.as_dict()["tile"] == {"block_m": s.tile.block_m, "block_n": s.tile.block_n,
                                    "warps": s.tile.warps, "stages": s.tile.stages}
     # every field changes the key
-    for change in (dict(causal=False), dict(arch="sm_90a"), dict(head_dim=128),
+    for change in (dict(causal=False), dict(arch="sm_90a"), dict(head_dim=96),
                    dict(recipe="f16"), dict(tile=Tile(64, 64, 4, 3))):
         assert s.with_(**change).key != s.key, change
 
@@ -234,3 +235,39 @@ def test_tile_fields_must_be_positive_ints(args, field):
 def test_tile_parse_zero_is_rejected_by_tile():
     with pytest.raises(ValueError, match=r"tile\.block_n"):
         Tile.parse("128x0", warps=4, stages=2)
+
+
+def test_every_default_tile_fits_its_arch_shared_memory():
+    from qattn.codegen.recipes import CUDA_ARCHS, HIP_ARCHS, SMEM_PER_BLOCK
+
+    checked = 0
+    for name, rec in RECIPES.items():
+        for backend in rec.families:
+            for arch in CUDA_ARCHS if backend == "cuda" else HIP_ARCHS:
+                try:
+                    fam = rec.family(backend, arch)
+                except ValueError:
+                    continue
+                if arch not in fam.archs:
+                    continue
+                for d, causal in itertools.product(fam.head_dims, (False, True)):
+                    spec = KernelSpec(recipe=name, head_dim=d, causal=causal, arch=arch, backend=backend)
+                    assert fam.smem_bytes(spec.tile, d) <= SMEM_PER_BLOCK[arch], spec.name
+                    checked += 1
+    assert checked > 200
+
+
+def test_small_shared_memory_archs_fall_back_to_smaller_tiles():
+    # 99 KB per block on sm_86/sm_89/sm_120: the d128 f16 default (108 KB) cannot launch there.
+    big = KernelSpec(recipe="f16", head_dim=128, arch="sm_90a").tile
+    for arch in ("sm_86", "sm_89", "sm_120"):
+        small = KernelSpec(recipe="f16", head_dim=128, arch=arch).tile
+        assert small != big and small.block_n < big.block_n
+    assert KernelSpec(recipe="f16", head_dim=128, arch="sm_80").tile == big  # 163 KB is enough
+
+
+def test_a_tile_over_the_arch_shared_memory_is_refused_by_name():
+    tile = Tile(128, 64, 4, 2)
+    KernelSpec(recipe="f16", head_dim=128, arch="sm_90a", tile=tile)
+    with pytest.raises(ValueError, match=r"m128n64w4s2 .*needs \d+ B of shared memory per block; sm_89 allows 101376"):
+        KernelSpec(recipe="f16", head_dim=128, arch="sm_89", tile=tile)

@@ -15,7 +15,11 @@ CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100a", "sm_120")
 HIP_ARCHS = ("gfx90a", "gfx942", "gfx1100", "gfx1201")
 BACKENDS = ("cuda", "hip")
 KINDS = ("prefill",)
-SMEM_LIMIT = {"cuda": 227 * 1024, "hip": 64 * 1024}
+SMEM_LIMIT = {"cuda": 227 * 1024, "hip": 64 * 1024}  # the most any arch of the backend has
+# Shared memory (LDS) one block may opt into, by arch: a tile over it cannot launch there.
+SMEM_PER_BLOCK = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024,
+                  "sm_90a": 227 * 1024, "sm_100a": 227 * 1024, "sm_120": 99 * 1024,
+                  **{arch: 64 * 1024 for arch in HIP_ARCHS}}
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,9 @@ class Family:
     archs: tuple[str, ...]
     align_bytes: int = 16  # pointer and row-stride alignment the loads need (16: cp.async / vector)
     tuned: dict = field(default_factory=dict)  # (head_dim, causal, arch) -> Tile, where it beats the default
+    # head_dim -> tiles to fall back on, in order, on archs with too little shared memory per block
+    # for the default (unmeasured: chosen to fit, and to keep the default's shape where they can).
+    smaller_tiles: dict = field(default_factory=dict)
     # (head_dim, causal, arch) whose default tile ptxas spills a little (<= 64 B) but which measured
     # faster than every spill-free tile (BENCHMARKS.md); everywhere else defaults must not spill.
     measured_spills: frozenset = frozenset()
@@ -48,7 +55,13 @@ class Family:
     values: dict = field(default_factory=dict)  # extra template constants of this family
 
     def default_tile(self, head_dim: int, causal: bool, arch: str) -> Tile:
-        return self.tuned.get((head_dim, causal, arch), self.default_tiles[head_dim])
+        """The tuned tile for (head_dim, causal, arch), else the head dim's default; where the arch
+        has too little shared memory for it, the first of smaller_tiles that fits (or it, and the
+        spec's check says so)."""
+        tile = self.tuned.get((head_dim, causal, arch), self.default_tiles[head_dim])
+        fits = [t for t in (tile, *self.smaller_tiles.get(head_dim, ()))
+                if self.smem_bytes(t, head_dim) <= SMEM_PER_BLOCK[arch]]
+        return fits[0] if fits else tile
 
     def threads(self, tile: Tile) -> int:
         return 32 * tile.warps
@@ -160,9 +173,10 @@ CUDA_MMA = Family(
     tuned={(128, True, arch): Tile(128, 32, 4, 2) for arch in CUDA_ARCHS if arch != "sm_90a"},
     # d128 on sm_90a: the key loop's second, mask-free softmax copy costs ptxas a few bytes of
     # spill (4 B non-causal) and measured 1-5% faster than the spill-free single copy on the H200
-    # (BENCHMARKS.md); the sm_8x entries allow the same trade (same mma.sync code, unmeasured).
+    # (BENCHMARKS.md); sm_80 and sm_90 are allowed the same trade (same mma.sync code, unmeasured).
     measured_spills=frozenset({(128, True, "sm_90a")}
-                              | {(128, False, arch) for arch in ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")}),
+                              | {(128, False, arch) for arch in ("sm_80", "sm_90", "sm_90a")}),
+    smaller_tiles={128: (Tile(128, 32, 4, 2),), 256: (Tile(64, 32, 4, 2), Tile(32, 32, 2, 2))},
 )
 
 
@@ -192,6 +206,7 @@ CUDA_SIMT = Family(
     smem_bytes=_simt_smem,
     archs=CUDA_ARCHS,
     align_bytes=4,
+    smaller_tiles={256: (Tile(16, 32, 4, 1),)},
 )
 
 

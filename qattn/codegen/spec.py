@@ -5,7 +5,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, replace
 
-from .recipes import BACKENDS, KINDS, recipe
+from .recipes import BACKENDS, KINDS, SMEM_PER_BLOCK, recipe
 from .tile import Tile
 
 
@@ -63,6 +63,10 @@ class KernelSpec:
         problem = fam.tile_problem(self.tile, self.head_dim)
         if problem:
             raise ValueError(f"tile {self.tile.name} for {self.recipe} d{self.head_dim} on {self.backend}: {problem}")
+        need, limit = fam.smem_bytes(self.tile, self.head_dim), SMEM_PER_BLOCK[self.arch]
+        if need > limit:
+            raise ValueError(f"tile {self.tile.name} for {self.recipe} d{self.head_dim} needs {need} B of shared "
+                             f"memory per block; {self.arch} allows {limit}: choose a smaller tile")
 
     @property
     def family(self):
