@@ -223,10 +223,14 @@ def list_():
         if used_on is None:  # the backend's family: on the archs that do not build another one
             used_on = [a for a in family.archs if all((backend, a) not in RECIPES[n].arch_families for n in names)]
         tiles = [f"d{d}: {t.name}" for d, t in sorted(family.default_tiles.items())]
-        tuned: dict[tuple, list] = {}  # (head_dim, causal, tile) -> archs where it replaces the default
-        for (d, causal, arch), t in family.tuned.items():
-            tuned.setdefault((d, causal, t.name), []).append(arch)
-        tiles += [f"d{d}{' causal' if c else ''} on {', '.join(archs)}: {t}" for (d, c, t), archs in sorted(tuned.items())]
+        # (head_dim, causal, tile) -> archs where a tuned tile, or a smaller one that fits the
+        # arch's shared memory, replaces the default
+        replaced: dict[tuple, list] = {}
+        for d, causal, arch in itertools.product(family.head_dims, (False, True), used_on):
+            t = family.default_tile(d, causal, arch)
+            if t != family.default_tiles[d]:
+                replaced.setdefault((d, causal, t.name), []).append(arch)
+        tiles += [f"d{d}{' causal' if c else ''} on {', '.join(archs)}: {t}" for (d, c, t), archs in sorted(replaced.items())]
         tiles = "\n".join(tiles)
         kernels.add_row(backend, ", ".join(names), ", ".join(map(str, family.head_dims)), tiles,
                         ", ".join(used_on))
