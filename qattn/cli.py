@@ -543,7 +543,7 @@ def _parse_bench_shapes(ctx, param, values):
               callback=_json_path, help="also write the records as JSON to FILE")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the random inputs")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
-              help="interleaved timing rounds per shape (every implementation once a round; the median is kept)")
+              help="interleaved timing rounds per shape (every implementation once a round, odd rounds in reverse; the median is kept)")
 @user_errors
 def bench(formats, shapes, head_dim, causal, peers, json_path, seed, rounds):
     """Time qattn prefill kernels and their peers (torch SDPA flash and cuDNN, SageAttention) on the

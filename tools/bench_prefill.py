@@ -33,7 +33,7 @@ def main() -> int:
     ap.add_argument("--causal", choices=["no", "yes", "both"], default="no")
     ap.add_argument("--tile", action="append", help="BMxBNxWARPSxSTAGES to sweep (default: tuned tile)")
     ap.add_argument("--rounds", type=_positive, default=3,
-                    help="interleaved timing rounds per shape (every implementation once a round; median kept)")
+                    help="interleaved timing rounds per shape (every implementation once a round, odd rounds in reverse; median kept)")
     ap.add_argument("--json", help="write the records here")
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in (args.shape or ["4x32x4096"])]

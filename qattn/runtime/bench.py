@@ -67,16 +67,18 @@ def time_queued(fn, *, calls: int = 200) -> Queued:
 def time_interleaved(fns, rounds: int, timer=None) -> list[list[float]]:
     """Per-call times of each of fns in `rounds` rounds, each round timing every fn once in turn
     (timer(fn, rounds) -> ms; default time_cuda with the run budget split over the rounds).
-    Returns one list of round times per fn."""
+    Odd rounds run in reverse order: on a power-capped GPU the clock after a hungry kernel recovers
+    over milliseconds, and a fixed order would hand that cost to the same fn every round.
+    Returns one list of round times per fn, in the order of fns."""
     if rounds < 1:
         raise ValueError(f"rounds: expected a positive integer, got {rounds}")
     if timer is None:
         def timer(fn, n):
             return time_cuda(fn, runs=max(5, 20 // n), min_ms=200.0 / n).median_ms
     per_fn: list[list[float]] = [[] for _ in fns]
-    for _ in range(rounds):
-        for times, fn in zip(per_fn, fns):
-            times.append(timer(fn, rounds))
+    for r in range(rounds):
+        for k in range(len(fns)) if r % 2 == 0 else reversed(range(len(fns))):
+            per_fn[k].append(timer(fns[k], rounds))
     return per_fn
 
 
