@@ -544,8 +544,11 @@ def _parse_bench_shapes(ctx, param, values):
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the random inputs")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
               help="interleaved timing rounds per shape (every implementation once a round, odd rounds in reverse; the median is kept)")
+@click.option("--sustained", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+              help="time each implementation over SECONDS of back-to-back calls per round (the power-capped "
+                   "steady state) instead of single calls")
 @user_errors
-def bench(formats, shapes, head_dim, causal, peers, json_path, seed, rounds):
+def bench(formats, shapes, head_dim, causal, peers, json_path, seed, rounds, sustained):
     """Time qattn prefill kernels and their peers (torch SDPA flash and cuDNN, SageAttention) on the
     same inputs in the same run; rel_l2 is each one's error against FP64 on the first heads."""
     from .runtime import bench as timing
@@ -553,7 +556,8 @@ def bench(formats, shapes, head_dim, causal, peers, json_path, seed, rounds):
     if device_arch() is None:
         raise click.ClickException("bench: no CUDA GPU found; timing needs one")
     records = timing.bench_prefill(shapes or [(4, 32, 4096), (1, 32, 32768)], formats or ("f16",), head_dim=head_dim,
-                                   causal=causal, peers=peers or timing.PEERS, seed=seed, rounds=rounds)
+                                   causal=causal, peers=peers or timing.PEERS, seed=seed, rounds=rounds,
+                                   sustained=sustained)
     ratios = sorted({k for r in records for k in r if k.startswith("vs_")})
     table = _table(f"prefill, D {head_dim}, {'causal' if causal else 'non-causal'}", "batch/heads/seq", "impl", "ms",
                    "TFLOPS", "rel_l2", *ratios, right=("ms", "TFLOPS", "rel_l2", *ratios))

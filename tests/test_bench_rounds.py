@@ -1,8 +1,16 @@
 """The timing helpers that need no GPU to check: interleaved rounds (runtime.bench.time_interleaved,
-with a fake timer) and time_queued's argument check."""
+with a fake timer), the sustained timer's loop (time_sustained, with a fake cupy) and the
+argument checks."""
+import subprocess
+import sys
+import types
+from pathlib import Path
+
 import pytest
 
-from qattn.runtime.bench import time_interleaved
+from qattn.runtime.bench import bench_prefill, time_interleaved, time_sustained
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_rounds_visit_every_function_in_turn():
@@ -40,3 +48,56 @@ def test_time_queued_needs_calls():
 
     with pytest.raises(ValueError, match="calls: expected a positive integer"):
         time_queued(lambda: None, calls=0)
+
+
+class _FakeCupy:
+    """Just enough of cupy for time_sustained: a stream, events that note when they were
+    recorded (in calls made so far) and when they were waited for, and an elapsed time of 2 ms
+    per call."""
+
+    def __init__(self):
+        self.calls = 0
+        self.log = []  # ("record" | "wait", calls so far)
+        fake = self
+
+        class Event:
+            def record(self):
+                self.at = fake.calls
+                fake.log.append(("record", fake.calls))
+
+            def synchronize(self):
+                fake.log.append(("wait", self.at))
+
+        stream = types.SimpleNamespace(synchronize=lambda: fake.log.append(("wait", fake.calls)))
+        self.cuda = types.SimpleNamespace(Event=Event, get_current_stream=lambda: stream,
+                                          get_elapsed_time=lambda a, b: 2.0 * (b.at - a.at))
+
+    def fn(self):
+        self.calls += 1
+
+
+def test_sustained_keeps_one_batch_queued_and_times_the_whole_stretch(monkeypatch):
+    fake = _FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    ms = time_sustained(fake.fn, seconds=0.02, batch=4)
+    assert ms == pytest.approx(2.0)  # elapsed over the stretch / calls in it
+    timed = fake.calls - 1  # one warm-up call
+    assert timed >= 8 and timed % 4 == 0
+    # Each wait inside the loop is for the batch before the one just queued: the GPU always has work.
+    waits = [at for kind, at in fake.log if kind == "wait"][1:-1]
+    records = [at for kind, at in fake.log if kind == "record"][1:-1]
+    assert waits == records[:len(waits)] and len(waits) == len(records) - 1
+
+
+@pytest.mark.parametrize("seconds", [0, -1.0, float("nan")])
+def test_sustained_needs_a_positive_duration(seconds):
+    with pytest.raises(ValueError, match="seconds: expected a positive duration"):
+        time_sustained(lambda: None, seconds)
+    with pytest.raises(ValueError, match="sustained: expected a positive number of seconds"):
+        bench_prefill([(1, 1, 128)], sustained=seconds)
+
+
+def test_bench_prefill_tool_refuses_a_zero_sustained():
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_prefill.py"), "--sustained", "0"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "--sustained" in result.stderr and "positive" in result.stderr

@@ -5,6 +5,7 @@ on the same inputs, same run; rel_l2 is against an FP64 reference of the first t
     tools/bench_prefill.py --shape 4x32x4096 --shape 1x32x32768 --causal both --json out.json
     tools/bench_prefill.py --shape 4x32x4096 --tile 128x64x8x2 --tile 128x64x4x2   # tile sweep
     tools/bench_prefill.py --format i8-f8 --format i8-f8@wgmma     # the same format on two matrix units
+    tools/bench_prefill.py --shape 4x32x4096 --sustained 2.5 --rounds 2  # power-capped steady state
 """
 import argparse
 import json
@@ -24,6 +25,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
+    return value
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", action="append", help="BATCHxHEADSxSEQ (repeatable)")
@@ -34,6 +42,9 @@ def main() -> int:
     ap.add_argument("--tile", action="append", help="BMxBNxWARPSxSTAGES to sweep (default: tuned tile)")
     ap.add_argument("--rounds", type=_positive, default=3,
                     help="interleaved timing rounds per shape (every implementation once a round, odd rounds in reverse; median kept)")
+    ap.add_argument("--sustained", type=_seconds, metavar="SECONDS",
+                    help="time each implementation over SECONDS of back-to-back calls per round (the "
+                         "power-capped steady state) instead of single calls")
     ap.add_argument("--json", help="write the records here")
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in (args.shape or ["4x32x4096"])]
@@ -44,7 +55,8 @@ def main() -> int:
         for i, tile in enumerate(tiles):
             peers = PEERS if i == 0 else ()
             records += bench_prefill(shapes, tuple(args.format or ["f16"]), head_dim=args.head_dim,
-                                     causal=causal, tiles=tile, peers=peers, rounds=args.rounds)
+                                     causal=causal, tiles=tile, peers=peers, rounds=args.rounds,
+                                     sustained=args.sustained)
     print(f"{'impl':<19}{'kernel':<50}{'B':>3}{'H':>4}{'L':>7}{'D':>5} {'causal':<7}{'ms':>9}{'TFLOPS':>8}"
           f"{'vs flash':>9}{'vs cuDNN':>9}{'vs sage':>8}{'rel_l2':>10}{'quant ms':>9}")
     for r in records:

@@ -64,6 +64,39 @@ def time_queued(fn, *, calls: int = 200) -> Queued:
     return Queued(host_ms, cupy.cuda.get_elapsed_time(start, stop) / calls)
 
 
+def time_sustained(fn, seconds: float, *, batch: int = 16) -> float:
+    """Per-call ms of fn() run back to back for about `seconds` (after one warm-up call): the steady
+    state of a long job on a power-capped GPU, which windows of a few dozen calls can miss (the
+    clock a hungry kernel leaves behind recovers over milliseconds). CUDA events span the whole
+    stretch; the host keeps one batch of calls queued ahead, so the GPU never waits for it."""
+    import time
+
+    import cupy
+
+    if not seconds > 0:
+        raise ValueError(f"seconds: expected a positive duration, got {seconds}")
+    stream = cupy.cuda.get_current_stream()
+    fn()
+    stream.synchronize()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    calls, queued, t0 = 0, None, time.perf_counter()
+    while True:
+        for _ in range(batch):
+            fn()
+        calls += batch
+        done = cupy.cuda.Event()
+        done.record()
+        if queued is not None:
+            queued.synchronize()  # the batch before this one: one batch stays in flight
+        queued = done
+        if time.perf_counter() - t0 >= seconds:
+            break
+    stop.record()
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) / calls
+
+
 def time_interleaved(fns, rounds: int, timer=None) -> list[list[float]]:
     """Per-call times of each of fns in `rounds` rounds, each round timing every fn once in turn
     (timer(fn, rounds) -> ms; default time_cuda with the run budget split over the rounds).
@@ -138,7 +171,7 @@ def _rel_l2(out, ref) -> float:
 
 
 def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers=PEERS, seed=0,
-                  tiles=None, rounds: int = 3) -> list[dict]:
+                  tiles=None, rounds: int = 3, sustained: float | None = None) -> list[dict]:
     """Time qattn prefill kernels and peers on the same inputs in the same run.
     shapes: iterable of (batch, heads, seq) with Lq = Lk = seq; formats: names, or "name@unit" for
     the format on another matrix unit of the arch (e.g. "i8-f8@wgmma"). Returns one record per
@@ -146,7 +179,11 @@ def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers
     FP64 on the first heads (a GPU FP64 reference of the same inputs).
     The implementations of a shape are timed in `rounds` interleaved rounds (each round times every
     one in turn) and each reports the median of its round medians, so that clock and power drift
-    over the run, which on a power-bound GPU favours whoever runs first or last, is shared by all."""
+    over the run, which on a power-bound GPU favours whoever runs first or last, is shared by all.
+    sustained (seconds): time each implementation in each round over that long a back-to-back
+    stretch (time_sustained) instead of a median of single calls."""
+    if sustained is not None and not sustained > 0:
+        raise ValueError(f"sustained: expected a positive number of seconds, got {sustained}")
     import cupy
 
     from .api import default_spec
@@ -197,7 +234,8 @@ def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers
                 from .int8 import quantize
 
                 rec["quant_ms"] = time_cuda(lambda: quantize(*xs, kernel=kernel)).median_ms
-        per_round = time_interleaved([fn for _, fn in timed], rounds)
+        timer = None if sustained is None else (lambda fn, _rounds: time_sustained(fn, sustained))
+        per_round = time_interleaved([fn for _, fn in timed], rounds, timer)
         peer_ms = {}
         for times, (rec, _) in zip(per_round, timed):
             rec.update(ms=statistics.median(times), round_ms=times)
