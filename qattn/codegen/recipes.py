@@ -48,6 +48,7 @@ class Family:
     # (head_dim, causal, arch) whose default tile ptxas spills a little (<= 64 B) but which measured
     # faster than every spill-free tile (BENCHMARKS.md); everywhere else defaults must not spill.
     measured_spills: frozenset = frozenset()
+    producer_warps: int = 0  # warps beside tile.warps that only load (warp-specialized kernels)
     launcher: str = "prefill"  # key of runtime.launch.LAUNCHERS that runs this family's kernels
     # Suffix of the entry point (entry_name(spec) + suffix) whose ptxas figures a Kernel reports,
     # for templates whose module holds several kernels.
@@ -64,7 +65,7 @@ class Family:
         return fits[0] if fits else tile
 
     def threads(self, tile: Tile) -> int:
-        return 32 * tile.warps
+        return 32 * (tile.warps + self.producer_warps)
 
 
 @dataclass(frozen=True)
@@ -328,12 +329,15 @@ CUDA_I8_F8_IN_F16 = _cuda_i8("f8", "f16")
 
 
 # ---- CUDA int8 QK prefill on Hopper warpgroup MMAs (i8-f8, sm_90a) --------------------------------
-# Each warpgroup (4 warps) owns 64 query rows; Q8, K8 and V^T codes sit in the no-swizzle
-# core-matrix layout wgmma reads through descriptors (rows of D, or BN, bytes: no padding).
+# Each consumer warpgroup (4 of tile.warps) owns 64 query rows; a producer warpgroup beside them
+# fills the K and V^T rings with bulk copies. Q8, K8 and V^T codes sit in the no-swizzle
+# core-matrix layout wgmma reads through descriptors (rows of D, or BN, bytes: no padding); the
+# output rows are staged in their own region (a warpgroup finishes while the other still reads K/V),
+# and four mbarriers per ring slot follow.
 
 def _wgmma_smem(tile: Tile, d: int) -> int:
     loop = tile.block_m * d + tile.stages * 2 * tile.block_n * d
-    return max(loop, tile.block_m * _padded_row_bytes(d, 2))
+    return loop + tile.block_m * _padded_row_bytes(d, 2) + 4 * 8 * tile.stages
 
 
 def _wgmma_problem(tile: Tile, d: int) -> str | None:
@@ -358,6 +362,7 @@ CUDA_I8_F8_WGMMA = Family(
     tile_problem=_wgmma_problem,
     smem_bytes=_wgmma_smem,
     archs=("sm_90a",),
+    producer_warps=4,
     launcher="prefill_i8",
     main_entry="_f16",
     values={"pv_operand": "f8", "mma_unit": "wgmma"},

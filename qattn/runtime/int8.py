@@ -225,10 +225,11 @@ def _quantize_fused(kernel, q, k, v, scale, with_shift, smooth_k, stream):
     q8 = cupy.empty((b, hq, lq, d), dtype=cupy.int8)
     q_scale = cupy.empty((b, hq, -(-lq // bm)), dtype=cupy.float32)
     shift = cupy.empty((b, hq, lq), dtype=cupy.float32) if with_shift else None
-    k8 = cupy.empty((b, hkv, lk, d), dtype=cupy.int8)
-    k_scale = cupy.empty((b, hkv, -(-lk // bn)), dtype=cupy.float32)
     nbk = -(-lk // bn)
     lk_pad = nbk * bn
+    k_tiles = spec.family.values["mma_unit"] == "wgmma"  # K8 as block tiles of wgmma's layout
+    k8 = cupy.empty((b, hkv, lk_pad if k_tiles else lk, d), dtype=cupy.int8)
+    k_scale = cupy.empty((b, hkv, nbk), dtype=cupy.float32)
     if not v_job:
         v_op = v
     elif spec.family.values["pv_operand"] == "f16":  # fp16 rows (of V, or of its e4m3 codes' values)
