@@ -71,7 +71,7 @@ def test_list():
         assert text in result.output
     # the archs that build a format through another family get their own rows
     wide = CliRunner().invoke(main, ["list"], env={"COLUMNS": "240"}).output
-    assert "i8-f8 (--mma wgmma)" in wide and "i8-f8 (default: mma.sync)" in wide
+    assert "i8-f8 (--mma" in wide and "i8-f8 (default: wgmma)" in wide
 
 
 def test_gen_prints_source():
@@ -408,13 +408,15 @@ def test_gen_on_a_chosen_matrix_unit():
     assert wgmma.exit_code == 0, wgmma.output
     assert "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8" in wgmma.output
     default = runner.invoke(qattn.cli.main, ["gen", "-f", "i8-f8", "--arch", "sm_90a"])
-    assert default.exit_code == 0 and "wgmma.mma_async" not in default.output
+    assert default.exit_code == 0 and default.output == wgmma.output  # wgmma is sm_90a's default
+    sync = runner.invoke(qattn.cli.main, ["gen", "-f", "i8-f8", "--arch", "sm_90a", "--mma", "mma.sync"])
+    assert sync.exit_code == 0 and "wgmma.mma_async" not in sync.output and "mma.sync.aligned" in sync.output
     bad = runner.invoke(qattn.cli.main, ["gen", "-f", "i8-f16", "--arch", "sm_90a", "--mma", "wgmma"])
     assert bad.exit_code == 2 and "'--mma'" in bad.output and "mma.sync" in bad.output
 
 
 def test_sanitize_workload_adds_the_arch_s_other_units(monkeypatch):
-    """tools/sanitize.py covers every format, and on sm_90a also i8-f8 on wgmma (FORMAT@UNIT)."""
+    """tools/sanitize.py covers every format, and on sm_90a also i8-f8 on mma.sync (FORMAT@UNIT)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
     import sanitize
 
@@ -422,6 +424,6 @@ def test_sanitize_workload_adds_the_arch_s_other_units(monkeypatch):
 
     with_kernel = [n for n, r in RECIPES.items() if "cuda" in r.families]
     monkeypatch.setattr(spec_module, "device_arch", lambda: "sm_90a")
-    assert sanitize.default_formats() == with_kernel + ["i8-f8@wgmma"]
+    assert sanitize.default_formats() == with_kernel + ["i8-f8@mma.sync"]
     monkeypatch.setattr(spec_module, "device_arch", lambda: "sm_89")
     assert sanitize.default_formats() == with_kernel

@@ -193,7 +193,7 @@ def test_quantization_steps_match_quant(fmt, dtype):
     k_smooth, k_mean = quant.smooth_k(k32)
     np.testing.assert_allclose(qkv.k_mean.get(), k_mean[..., 0, :], rtol=1e-6, atol=1e-7)
     k8 = quant.quantize_int8(k_smooth, 64, operand="k")
-    got_k8 = qkv.k8.get()
+    got_k8 = qkv.k8_rows().get()
     mismatch = np.abs(got_k8.astype(int) - k8.codes.astype(int))
     assert mismatch.max() <= 1 and (mismatch > 0).mean() < 1e-4, "K codes"
     np.testing.assert_allclose(qkv.k_scale.get(), k8.scale[..., ::64, 0], rtol=1e-6)
@@ -217,7 +217,7 @@ def test_quantization_steps_match_quant(fmt, dtype):
             np.testing.assert_array_equal(qkv.v.get(), vq.codes.astype(F32).astype(np.float16))
         else:
             lk_pad = -(-lk // 64) * 64
-            vt = qkv.v.get()
+            vt = qkv.vt_rows().get()
             assert vt.shape == (b, hkv, d, lk_pad) and vt.dtype == np.uint8
             # Padding keys (lk and beyond) sit at permuted columns, some of them below lk.
             pad_columns = _stored_column(np.arange(lk, lk_pad))
@@ -283,11 +283,12 @@ def test_output_deterministic(fmt):
     assert bytes(a.get().data) == bytes(b.get().data)
 
 
-def test_offsets_past_2_to_31():
-    """B·H·L·D past 2^31 elements: the kernels' int64 offsets (checked on the last heads)."""
+@pytest.mark.parametrize("fmt", ["i8-i8", "i8-f8"])
+def test_offsets_past_2_to_31(fmt):
+    """B·H·L·D past 2^31 elements: the kernels' int64 offsets (checked on the last heads); i8-f8
+    covers the wgmma kernel and its tiled K8 / V^T where that is the default."""
     import cupy
 
-    fmt = "i8-i8"
     b, h, length, d = 1, 16400, 1024, 128  # 2.15e9 elements per tensor
     assert b * h * length * d > 2**31
     cupy.random.seed(5)
@@ -448,7 +449,7 @@ def test_quantize_without_smoothing(fmt):
     assert off.smooth_k is False and on.smooth_k is True
     assert off.k_mean.shape == (b, hkv, d) and not off.k_mean.any() and not off.shift.any()
     k8 = quant.quantize_int8(np.asarray(host[1], F32), bn, operand="k")
-    np.testing.assert_array_equal(off.k8.get(), k8.codes)
+    np.testing.assert_array_equal(off.k8_rows().get(), k8.codes)
     np.testing.assert_array_equal(off.k_scale.get(), k8.scale[..., ::bn, 0])
     np.testing.assert_array_equal(off.q8.get(), on.q8.get())
     np.testing.assert_array_equal(off.q_scale.get(), on.q_scale.get())
@@ -486,7 +487,7 @@ def test_fused_quantization_is_exact(fmt, dtype, d, lk):
     b, hq, hkv, lq = 2, 4, 2, 300
     host, (q, k, v) = _inputs(rng, dtype, b, hq, hkv, lq, lk, d)
     kernel = qattn.build("prefill", format=fmt, head_dim=d)
-    bm, bn = kernel.spec.tile.block_m, kernel.spec.tile.block_n
+    bm, bn = int8.scale_blocks(kernel.spec)
     qkv = int8.quantize(q, k, v, kernel=kernel, with_shift=True)
     again = int8.quantize(q, k, v, kernel=kernel, with_shift=True)
     for name in ("q8", "q_scale", "k8", "k_scale", "k_mean", "shift", "v", "v_scale", "v_out_scale"):
@@ -496,7 +497,7 @@ def test_fused_quantization_is_exact(fmt, dtype, d, lk):
     k_smooth, k_mean = quant.smooth_k(k32)
     np.testing.assert_array_equal(qkv.k_mean.get(), k_mean[..., 0, :])
     k8 = quant.quantize_int8(k_smooth, bn, operand="k")
-    np.testing.assert_array_equal(qkv.k8.get(), k8.codes)
+    np.testing.assert_array_equal(qkv.k8_rows().get(), k8.codes)
     np.testing.assert_array_equal(qkv.k_scale.get(), k8.scale[..., ::bn, 0])
     q8 = quant.quantize_int8(quant.fold_softmax_scale(q32, 1 / np.sqrt(d)), bm, operand="q")
     np.testing.assert_array_equal(qkv.q8.get(), q8.codes)
@@ -509,8 +510,8 @@ def test_fused_quantization_is_exact(fmt, dtype, d, lk):
     if kernel.spec.family.values["pv_operand"] == "f16":
         np.testing.assert_array_equal(qkv.v.get(), vq.codes.astype(F32).astype(np.float16))
     else:
-        vt = qkv.v.get()
-        lk_pad = -(-lk // bn) * bn
+        vt = qkv.vt_rows().get()
+        lk_pad = -(-lk // kernel.spec.tile.block_n) * kernel.spec.tile.block_n
         assert vt.shape == (b, hkv, d, lk_pad)
         assert not vt[..., _stored_column(np.arange(lk, lk_pad))].any()
         np.testing.assert_array_equal(_unpermute_vt(vt, lk), vq.codes.view(np.uint8))

@@ -19,7 +19,9 @@ from qattn.runtime.compile import compile_cuda, entry_resources, parse_ptxas
 
 I8_FORMATS = ("i8-f16", "i8-i8", "i8-f8")
 ARCHS = {"i8-f16": ("sm_80", "sm_90a"), "i8-i8": ("sm_80", "sm_90a"), "i8-f8": ("sm_89", "sm_90a", "sm_120")}
-SPECS = [KernelSpec(recipe=f, head_dim=d, causal=c, arch=a)
+# The mma.sync kernels on every arch (spelled out where the arch's default is another unit: i8-f8
+# on sm_90a runs on wgmma, tests/test_wgmma.py).
+SPECS = [KernelSpec(recipe=f, head_dim=d, causal=c, arch=a, mma="mma.sync")
          for f in I8_FORMATS for a in ARCHS[f] for d in (64, 128) for c in (False, True)]
 
 
@@ -64,19 +66,21 @@ def test_families_archs_and_launcher():
 
 
 def test_hopper_carries_e4m3_in_fp16():
-    """i8-f8 on sm_90/sm_90a builds the fp16-carrier variant (V as fp16 rows of e4m3 values, fp16
-    PV MMAs); every other arch and format keeps its own PV operand."""
+    """i8-f8 on mma.sync on sm_90/sm_90a builds the fp16-carrier variant (V as fp16 rows of e4m3
+    values, fp16 PV MMAs; sm_90a's default is the wgmma kernel, with e4m3 PV); every other arch and
+    format keeps its own PV operand."""
     from qattn.codegen.recipes import E4M3_IN_F16_ARCHS
 
     assert set(E4M3_IN_F16_ARCHS) == {"sm_90", "sm_90a"}
     for arch in ("sm_89", "sm_90", "sm_90a", "sm_120"):
-        spec = KernelSpec(recipe="i8-f8", head_dim=128, arch=arch)
+        spec = KernelSpec(recipe="i8-f8", head_dim=128, arch=arch, mma="mma.sync")
         want = "f16" if arch in E4M3_IN_F16_ARCHS else "f8"
         assert spec.family.values["pv_operand"] == want, arch
         assert spec.family.archs == RECIPES["i8-f8"].family("cuda").archs
+    assert KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a").family.values["mma_unit"] == "wgmma"
     for f in ("i8-f16", "i8-i8"):
         assert KernelSpec(recipe=f, head_dim=128, arch="sm_90a").family is RECIPES[f].family("cuda")
-    carrier = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a").family
+    carrier = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="mma.sync").family
     f16 = RECIPES["i8-f16"].family("cuda")
     from qattn.codegen.tile import Tile
 

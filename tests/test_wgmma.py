@@ -142,6 +142,7 @@ def _wgmma_specs():
     specs = [KernelSpec(recipe="i8-f8", head_dim=d, causal=c, arch="sm_90a", mma="wgmma")
              for d in (64, 128) for c in (False, True)]
     return specs + [KernelSpec(recipe="i8-f8", head_dim=64, arch="sm_90a", mma="wgmma", tile=Tile(128, 128, 8, 2)),
+                    KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma", tile=Tile(128, 64, 8, 4)),
                     KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma", tile=Tile(64, 64, 4, 3))]
 
 
@@ -149,20 +150,24 @@ def test_mma_unit_choice():
     from qattn.codegen.spec import KernelSpec
 
     spec = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma")
-    assert spec.family.values == {"pv_operand": "f8", "mma_unit": "wgmma"}
-    assert spec.name.endswith("_wgmma_sm90a") and spec.tile.block_m == 16 * spec.tile.warps
+    assert spec.family.values == {"pv_operand": "f8", "mma_unit": "wgmma", "q_scale_rows": 128, "k_scale_keys": 64}
+    assert spec.tile.block_m == 16 * spec.tile.warps
+    assert spec.family.threads(spec.tile) == 32 * spec.tile.warps + 128  # and the producer warpgroup
     default = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a")
     spelled = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma=default.family.values["mma_unit"])
     assert spelled == default and spelled.key == default.key  # the default unit, spelled out, is the same spec
-    assert spec.key != default.key
+    assert spec == default  # wgmma is sm_90a's default unit
+    sync = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="mma.sync")
+    assert sync.key != default.key and sync.name.endswith("_mmasync_sm90a")
     for bad in (dict(recipe="i8-f16", arch="sm_90a"), dict(recipe="i8-f8", arch="sm_90"),
                 dict(recipe="i8-f8", arch="sm_89"), dict(recipe="f16", arch="sm_90a")):
         with pytest.raises(ValueError, match="mma: "):
             KernelSpec(head_dim=128, mma="wgmma", **bad)
     from qattn.codegen.tile import Tile
 
-    with pytest.raises(ValueError, match="block_m must be 64 rows per warpgroup"):
-        KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma", tile=Tile(128, 64, 4, 2))
+    for tile in (Tile(128, 64, 4, 2), Tile(192, 64, 12, 2)):
+        with pytest.raises(ValueError, match="block_m must be 64 or 128"):
+            KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma", tile=tile)
     with pytest.raises(ValueError, match="block_n \\+ head_dim must be <= 192"):
         KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma", tile=Tile(128, 128, 8, 2))
 
@@ -184,7 +189,35 @@ def test_attention_kernel_compiles_on_wgmma(spec):
     assert f"wgmma.mma_async.sync.aligned.m64n{spec.head_dim}k32.f32.e4m3.e4m3" in attn
     assert "mma.sync" not in attn and "ldmatrix" not in attn
     assert "C7514" not in binary.log, "ptxas serialized the wgmmas"
-    assert "fence.proxy.async.shared::cta" in attn and "cp.async" in attn
+    assert "fence.proxy.async.shared::cta" in attn and "cp.async" in attn  # Q, by the consumers
+    # K and V^T: bulk copies by the producer, completing on mbarriers; registers handed over
+    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in attn
+    assert "mbarrier.try_wait.parity" in attn and "mbarrier.arrive.expect_tx" in attn
+    assert "setmaxnreg.dec.sync.aligned.u32 24" in attn and "setmaxnreg.inc.sync.aligned.u32" in attn
+
+
+def test_tile_layouts_round_trip():
+    """untile_k8 / untile_vt invert the stores of the quantizer (transcribed: byte (row, col) of a
+    tile at core_offset(row, col / 16) + col % 16), for both tile widths and a key tail."""
+    from qattn.runtime.int8 import untile_k8, untile_vt
+
+    rng = np.random.default_rng(3)
+    for d, keys, lk in ((128, 64, 150), (64, 128, 300)):
+        nbk = -(-lk // keys)
+        rows = rng.integers(-127, 128, (2, 3, nbk * keys, d), dtype=np.int8)
+        tiled = np.zeros_like(rows).reshape(2, 3, -1)
+        for r in range(nbk * keys):
+            for c in range(d):
+                off = (r // keys) * keys * d + ((((r % keys) >> 3) * (d // 16) + c // 16) << 7) + ((r % keys & 7) << 4) + c % 16
+                tiled[:, :, off] = rows[:, :, r, c]
+        np.testing.assert_array_equal(untile_k8(tiled.reshape(rows.shape), lk, keys), rows[:, :, :lk])
+        vt = rng.integers(0, 256, (2, 3, d, nbk * keys), dtype=np.uint8)
+        vt_tiled = np.zeros_like(vt).reshape(2, 3, -1)
+        for ch in range(d):
+            for k in range(nbk * keys):
+                off = (k // keys) * keys * d + (((ch >> 3) * (keys // 16) + (k % keys) // 16) << 7) + ((ch & 7) << 4) + k % 16
+                vt_tiled[:, :, off] = vt[:, :, ch, k]
+        np.testing.assert_array_equal(untile_vt(vt_tiled.reshape(vt.shape), keys), vt)
 
 
 def test_core_row_loader_model():

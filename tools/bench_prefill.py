@@ -4,7 +4,7 @@ on the same inputs, same run; rel_l2 is against an FP64 reference of the first t
 
     tools/bench_prefill.py --shape 4x32x4096 --shape 1x32x32768 --causal both --json out.json
     tools/bench_prefill.py --shape 4x32x4096 --tile 128x64x8x2 --tile 128x64x4x2   # tile sweep
-    tools/bench_prefill.py --format i8-f8 --format i8-f8@wgmma     # the same format on two matrix units
+    tools/bench_prefill.py --format i8-f8 --format i8-f8@mma.sync  # the same format on two matrix units
     tools/bench_prefill.py --shape 4x32x4096 --sustained 2.5 --rounds 2  # power-capped steady state
 """
 import argparse
@@ -37,7 +37,7 @@ def main() -> int:
     ap.add_argument("--shape", action="append", help="BATCHxHEADSxSEQ (repeatable)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--format", action="append",
-                    help="qattn formats (default f16); FORMAT@UNIT picks a matrix unit, e.g. i8-f8@wgmma")
+                    help="qattn formats (default f16); FORMAT@UNIT picks a matrix unit, e.g. i8-f8@mma.sync")
     ap.add_argument("--causal", choices=["no", "yes", "both"], default="no")
     ap.add_argument("--tile", action="append", help="BMxBNxWARPSxSTAGES to sweep (default: tuned tile)")
     ap.add_argument("--rounds", type=_positive, default=3,

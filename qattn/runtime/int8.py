@@ -74,7 +74,9 @@ class QuantizedQKV:
     """Operands of one int8-QK attention call, as the attention kernel reads them.
 
     q8 int8 [B, Hq, Lq, D] and q_scale float32 [B, Hq, ceil(Lq/block_m)] (q̃ = Q·τ·log2 e);
-    k8 int8 [B, Hkv, Lk, D] and k_scale float32 [B, Hkv, ceil(Lk/block_n)] (of K − K̄);
+    k8 int8 [B, Hkv, Lk, D] and k_scale float32 [B, Hkv, ceil(Lk/block_n)] (of K − K̄); for the
+    wgmma kernel k8 is [B, Hkv, Lk_pad, D] holding tiles of the tile's block_n keys in wgmma's
+    core-matrix order, and v its V^T tiles likewise (see templates/cuda/wgmma.cuh.j2);
     k_mean float32 [B, Hkv, D] (zeros when smooth_k is False); shift float32 [B, Hq, Lq] (q̃·K̄, for
     the LSE) or None;
     v: fp16 V [B, Hkv, Lk, D] (i8-f16) or V^T codes uint8 [B, Hkv, D, Lk_pad] (i8-i8: int8 bytes,
@@ -86,8 +88,8 @@ class QuantizedQKV:
     format: str
     dtype: str  # input (and output) dtype name: "float16" or "bfloat16"
     dims: tuple  # (B, Hq, Hkv, Lq, Lk, D)
-    block_m: int
-    block_n: int
+    block_m: int  # query rows per Q scale
+    block_n: int  # keys per K scale
     scale: float  # the softmax scale τ folded into q8
     q8: object
     q_scale: object
@@ -99,6 +101,15 @@ class QuantizedQKV:
     v_scale: object = None
     v_out_scale: object = None
     smooth_k: bool = True  # False: K quantized without subtracting its mean (k_mean is zeros)
+    tile_keys: int = 0  # keys per K8 / V^T tile where they are stored as wgmma tiles; 0: plain layouts
+
+    def k8_rows(self):
+        """The K codes as rows [B, Hkv, Lk, D], whatever their stored layout."""
+        return untile_k8(self.k8, self.dims[4], self.tile_keys) if self.tile_keys else self.k8
+
+    def vt_rows(self):
+        """The V^T codes as [B, Hkv, D, Lk_pad] rows (8-bit PV), whatever their stored layout."""
+        return untile_vt(self.v, self.tile_keys) if self.tile_keys else self.v
 
     def with_query(self, q, *, kernel=None, with_shift: bool | None = None, scale: float | None = None,
                    stream=None) -> "QuantizedQKV":
@@ -118,7 +129,31 @@ class QuantizedQKV:
                                    q8=q8, q_scale=q_scale, shift=shift)
 
 
+def untile_k8(k8, lk: int, tile_keys: int):
+    """K codes stored as tiles of tile_keys keys in wgmma's core-matrix order ([B, Hkv, Lk_pad, D]:
+    per tile, 8-row x 16-byte core matrices, rows of 8 first, then 16-byte chunks) back to rows
+    [B, Hkv, Lk, D]. NumPy or CuPy arrays."""
+    b, h, lk_pad, d = k8.shape
+    cores = k8.reshape(b, h, lk_pad // tile_keys, tile_keys // 8, d // 16, 8, 16)
+    return cores.transpose(0, 1, 2, 3, 5, 4, 6).reshape(b, h, lk_pad, d)[:, :, :lk]
+
+
+def untile_vt(vt, tile_keys: int):
+    """V^T codes stored per tile of tile_keys keys in wgmma's core-matrix order (channel rows of
+    tile_keys bytes) back to [B, Hkv, D, Lk_pad] rows. NumPy or CuPy arrays."""
+    b, h, d, lk_pad = vt.shape
+    cores = vt.reshape(b, h, lk_pad // tile_keys, d // 8, tile_keys // 16, 8, 16)
+    return cores.transpose(0, 1, 3, 5, 2, 4, 6).reshape(b, h, d, lk_pad)
+
+
 # ---- helpers ---------------------------------------------------------------------------------
+
+def scale_blocks(spec) -> tuple[int, int]:
+    """(query rows per Q scale, keys per K scale) of a kernel: its tile's block_m x block_n, unless
+    its family fixes them (the wgmma kernels keep the format's 128 x 64 whatever the tile)."""
+    values = spec.family.values
+    return values.get("q_scale_rows", spec.tile.block_m), values.get("k_scale_keys", spec.tile.block_n)
+
 
 def _default_kernel(fmt: str, head_dim: int, causal: bool = False):
     from .api import default_spec
@@ -135,9 +170,26 @@ def _check_kernel(kernel, qkv: QuantizedQKV) -> None:
         raise ValueError(f"kernel: {spec.name} is format {spec.recipe!r}, the operands are {qkv.format!r}")
     if spec.head_dim != qkv.dims[5]:
         raise ValueError(f"kernel: {spec.name} has head_dim {spec.head_dim}, the operands {qkv.dims[5]}")
-    if (spec.tile.block_m, spec.tile.block_n) != (qkv.block_m, qkv.block_n):
-        raise ValueError(f"kernel: {spec.name} has scale blocks of {spec.tile.block_m} rows x {spec.tile.block_n} keys, "
+    if scale_blocks(spec) != (qkv.block_m, qkv.block_n):
+        q_rows, k_keys = scale_blocks(spec)
+        raise ValueError(f"kernel: {spec.name} has scale blocks of {q_rows} rows x {k_keys} keys, "
                          f"the operands were quantized with {qkv.block_m} x {qkv.block_n}")
+    if _tile_keys(spec) != qkv.tile_keys or _v_layout(spec) != _v_layout_of(qkv):
+        raise ValueError(f"kernel: {spec.name} reads K8 and V in another layout than the operands have "
+                         f"(quantize them with this kernel)")
+
+
+def _tile_keys(spec) -> int:
+    """Keys per K8 / V^T tile where the kernel reads them as wgmma tiles, else 0."""
+    return spec.tile.block_n if spec.family.values["mma_unit"] == "wgmma" else 0
+
+
+def _v_layout(spec) -> str:
+    return "rows" if recipe(spec.recipe).ctype["pv"] == "f16" or spec.family.values["pv_operand"] == "f16" else "vt"
+
+
+def _v_layout_of(qkv: QuantizedQKV) -> str:
+    return "rows" if np.dtype(qkv.v.dtype) == np.float16 else "vt"
 
 
 def _checked(x, name: str, dtype: str | None, allowed=("float16", "bfloat16"), fmt: str = "int8-QK"):
@@ -200,7 +252,8 @@ def _quantize_fused(kernel, q, k, v, scale, with_shift, smooth_k, stream):
     spec = kernel.spec
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
-    bm, bn = spec.tile.block_m, spec.tile.block_n
+    bn = spec.tile.block_n
+    q_rows, k_keys = scale_blocks(spec)
     sfx = _SUFFIX[q.dtype.name]
     v_stats = recipe(spec.recipe).ctype["pv"] != "f16"  # 8-bit PV: per-channel s_V
     v_job = v_stats or v.dtype.name != "float16"  # fp16 V for the fp16 PV passes through
@@ -223,20 +276,20 @@ def _quantize_fused(kernel, q, k, v, scale, with_shift, smooth_k, stream):
             (part_sum, part_max, np.int32(nchunks), np.int32(lk), k_mean, v_scale if v_stats else _null(),
              v_out_scale if v_stats else _null()), stream=stream)
     q8 = cupy.empty((b, hq, lq, d), dtype=cupy.int8)
-    q_scale = cupy.empty((b, hq, -(-lq // bm)), dtype=cupy.float32)
+    q_scale = cupy.empty((b, hq, -(-lq // q_rows)), dtype=cupy.float32)
     shift = cupy.empty((b, hq, lq), dtype=cupy.float32) if with_shift else None
     nbk = -(-lk // bn)
     lk_pad = nbk * bn
     k_tiles = spec.family.values["mma_unit"] == "wgmma"  # K8 as block tiles of wgmma's layout
     k8 = cupy.empty((b, hkv, lk_pad if k_tiles else lk, d), dtype=cupy.int8)
-    k_scale = cupy.empty((b, hkv, nbk), dtype=cupy.float32)
+    k_scale = cupy.empty((b, hkv, -(-lk // k_keys)), dtype=cupy.float32)
     if not v_job:
         v_op = v
     elif spec.family.values["pv_operand"] == "f16":  # fp16 rows (of V, or of its e4m3 codes' values)
         v_op = cupy.empty((b, hkv, lk, d), dtype=cupy.float16)
     else:
         v_op = cupy.empty((b, hkv, d, lk_pad), dtype=cupy.uint8)
-    blocks = -(-lq // bm) * hq * b + nbk * hkv * b * (2 if v_job else 1)
+    blocks = -(-lq // q_rows) * hq * b + nbk * hkv * b * (2 if v_job else 1)
     mul = np.float32(scale * quant.LOG2E)  # as quant.fold_softmax_scale
     kernel.function("_quant_qkv_" + sfx)(
         (blocks,), (QUANT_THREADS,),
@@ -287,7 +340,7 @@ def _quantize_q(kernel, q, k_mean, scale, hkv, with_shift, stream):
     import cupy
 
     b, hq, lq, d = q.shape
-    bm = kernel.spec.tile.block_m
+    bm = scale_blocks(kernel.spec)[0]
     if hq % hkv:
         raise ValueError(f"q: {hq} query heads is not a multiple of k's {hkv} kv heads (GQA needs Hq = g*Hkv)")
     q8 = cupy.empty((b, hq, lq, d), dtype=cupy.int8)
@@ -375,10 +428,12 @@ def quantize(q, k, v, *, format: str | None = None, scale: float | None = None, 
             k8, k_scale, k_mean = _quantize_k(kernel, k, stream, smooth_k)
             q8, q_scale, shift = _quantize_q(kernel, q, k_mean, scale, hkv, with_shift, stream)
             v_op, v_scale, v_out_scale = _quantize_v(kernel, v, stream)
+    q_rows, k_keys = scale_blocks(spec)
     return QuantizedQKV(format=spec.recipe, dtype=q.dtype.name, dims=(b, hq, hkv, lq, lk, d),
-                        block_m=spec.tile.block_m, block_n=spec.tile.block_n, scale=scale, q8=q8, q_scale=q_scale,
+                        block_m=q_rows, block_n=k_keys, scale=scale, q8=q8, q_scale=q_scale,
                         k8=k8, k_scale=k_scale, k_mean=k_mean, shift=shift, v=v_op, v_scale=v_scale,
-                        v_out_scale=v_out_scale, smooth_k=smooth_k)
+                        v_out_scale=v_out_scale, smooth_k=smooth_k,
+                        tile_keys=_tile_keys(spec))
 
 
 # ---- attention on quantized operands ---------------------------------------------------------
