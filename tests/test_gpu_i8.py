@@ -409,11 +409,13 @@ def _gpu_attend(fmt, host, causal, smooth_k):
     import cupy
 
     q, k, v = (cupy.asarray(x) for x in host)
-    tile = qattn.build("prefill", format=fmt, head_dim=q.shape[-1], causal=causal).spec.tile  # what attention runs
+    from qattn.runtime import int8
+
+    spec = qattn.build("prefill", format=fmt, head_dim=q.shape[-1], causal=causal).spec  # what attention runs
     out = _poisoned(q)
     res, lse = qattn.attention(q, k, v, format=fmt, causal=causal, return_lse=True, out=out, smooth_k=smooth_k)
     assert res is out
-    return _f32(out), _f32(lse), (tile.block_m, tile.block_n)
+    return _f32(out), _f32(lse), int8.scale_blocks(spec)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -443,7 +445,7 @@ def test_quantize_without_smoothing(fmt):
     b, hq, hkv, lq, lk, d = 2, 4, 2, 300, 1029, 128
     host, (q, k, v) = _inputs(rng, "float16", b, hq, hkv, lq, lk, d)
     kernel = qattn.build("prefill", format=fmt, head_dim=d, causal=True)
-    bm, bn = kernel.spec.tile.block_m, kernel.spec.tile.block_n
+    bm, bn = int8.scale_blocks(kernel.spec)
     off = int8.quantize(q, k, v, kernel=kernel, with_shift=True, smooth_k=False)
     on = int8.quantize(q, k, v, kernel=kernel, with_shift=True)
     assert off.smooth_k is False and on.smooth_k is True
