@@ -282,7 +282,10 @@ def _resource_rows(backend: str, res: dict) -> list[tuple[str, object]]:
     shared memory and spill bytes; clang's per-lane VGPRs, per-wave SGPRs, LDS, scratch and
     spilled registers."""
     if backend == "cuda":
-        return [("registers / thread", res.get("registers")), ("threads / block", res["threads"]),
+        hand_over = ([("registers after setmaxnreg: producer / consumers",
+                       f"{res['registers_released']} / {res['registers_claimed']}")]
+                     if "registers_claimed" in res else [])
+        return [("registers / thread", res.get("registers")), *hand_over, ("threads / block", res["threads"]),
                 ("shared memory, static (B)", res.get("static_smem")),
                 ("shared memory, dynamic (B)", res["dynamic_smem"]), ("stack frame (B)", res.get("stack")),
                 ("spill stores (B)", res.get("spill_stores")), ("spill loads (B)", res.get("spill_loads")),

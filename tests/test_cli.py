@@ -113,6 +113,19 @@ def test_inspect_table():
     assert result.exit_code == 0, result.output
     assert "registers / thread" in result.output and "blocks / SM" in result.output
     assert "spill stores (B)" in result.output and "VGPRs" not in result.output
+    assert "setmaxnreg" not in result.output
+
+
+def test_inspect_shows_the_register_hand_over():
+    """The warp-specialized wgmma kernel: registers at launch, then what setmaxnreg leaves the
+    producer and gives the consumers (the launch's pool, shared out: 128*24 + 128*232 = 256*128)."""
+    report = json.loads(run("inspect", "-f", "i8-f8", "-d", "128", "--arch", "sm_90a", "--json").stdout)
+    res = report["resources"]
+    assert (res["registers"], res["threads"], res["blocks_per_sm"]) == (128, 256, 2)
+    assert (res["registers_released"], res["registers_claimed"]) == (24, 232)
+    assert 128 * res["registers_released"] + 128 * res["registers_claimed"] <= res["threads"] * res["registers"]
+    table = run("inspect", "-f", "i8-f8", "-d", "128", "--arch", "sm_90a").output
+    assert "registers after setmaxnreg: producer / consumers" in " ".join(table.split()) and "24 / 232" in table
 
 
 @needs_clang

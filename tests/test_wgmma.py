@@ -233,3 +233,27 @@ def test_core_row_loader_model():
                 assert (((r >> 3) * chunks + c) << 7) + ((r & 7) << 4) == 16 * (tid + k * threads)
                 seen.append((r, c))
         assert sorted(seen) == [(r, c) for r in range(rows) for c in range(chunks)]
+
+
+def test_operands_must_match_the_kernel_layout():
+    """Operands quantized for the mma.sync kernel (plain K8 rows, fp16 V rows on Hopper) are refused
+    by the wgmma kernel (K8 / V^T tiles), by name, and the other way round."""
+    from types import SimpleNamespace
+
+    from qattn.codegen.spec import KernelSpec
+    from qattn.runtime import int8
+
+    wgmma = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a")
+    sync = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="mma.sync")
+    assert int8.scale_blocks(wgmma) == int8.scale_blocks(sync) == (128, 64)
+
+    def operands(spec):
+        v = np.zeros(1, np.uint8 if spec.family.values["pv_operand"] == "f8" else np.float16)
+        return int8.QuantizedQKV(format="i8-f8", dtype="float16", dims=(1, 1, 1, 1, 1, 128), block_m=128,
+                                 block_n=64, scale=1.0, q8=None, q_scale=None, k8=None, k_scale=None, k_mean=None,
+                                 shift=None, v=v, tile_keys=int8._tile_keys(spec))
+
+    for spec, other in ((wgmma, sync), (sync, wgmma)):
+        int8._check_kernel(SimpleNamespace(spec=spec), operands(spec))  # its own: accepted
+        with pytest.raises(ValueError, match="another layout"):
+            int8._check_kernel(SimpleNamespace(spec=spec), operands(other))

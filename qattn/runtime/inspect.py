@@ -53,6 +53,15 @@ def count_instructions(text: str, listing: str) -> dict:
     return counts
 
 
+def register_hand_over(ptx: str) -> dict:
+    """Per-thread registers after setmaxnreg in a warp-specialized kernel: {"registers_released":
+    what the warps that shrink keep, "registers_claimed": what the ones that grow get}; {} without."""
+    found = {}
+    for kind, n in re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx or ""):
+        found["registers_claimed" if kind == "inc" else "registers_released"] = int(n)
+    return found
+
+
 def inspect_spec(spec: KernelSpec) -> dict:
     """Compile one spec and report its resources, occupancy and instruction counts (HIP needs
     clang-19: RuntimeError without it)."""
@@ -67,6 +76,7 @@ def inspect_spec(spec: KernelSpec) -> dict:
     if spec.backend == "cuda":
         resources["blocks_per_sm"] = blocks_per_sm(spec.arch, resources["threads"], resources["registers"],
                                                    resources["static_smem"] + resources["dynamic_smem"])
+        resources.update(register_hand_over(binary.ptx))
     text = compiler.disassemble(binary.data, spec.backend)
     listing = ("sass" if spec.backend == "cuda" else "amdgpu") if text is not None else None
     if text is None and spec.backend == "cuda":
