@@ -6,7 +6,7 @@ import numpy as np
 from qattn.runtime import quant
 
 F32 = np.float32
-BIAS = 0x4B400000  # QATTN_IMMA_BIAS: the bits of 1.5·2^23
+BIAS = 0x4B400000  # QATTN_MAGIC_BITS: the bits of 1.5·2^23
 BIAS_F = F32(12582912.0)
 
 
