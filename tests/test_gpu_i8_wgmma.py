@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import qattn
-from test_gpu_i8 import SHAPES, _check, _inputs, _poisoned
+from qattn.runtime import emulate
+from test_gpu_i8 import F32, SHAPES, _check, _f32, _inputs, _poisoned
 
 pytestmark = pytest.mark.gpu
 
@@ -53,6 +54,7 @@ def test_bf16_lse_and_strided_output(causal):
 
 
 @pytest.mark.parametrize("head_dim,tile,causal", [(64, (128, 128, 8, 2), False), (64, (64, 64, 4, 3), True),
+                                                   (64, (64, 128, 4, 2), True),
                                                    (128, (128, 64, 8, 2), True), (128, (64, 64, 4, 3), False),
                                                    (128, (128, 64, 8, 4), False)])
 def test_other_tiles(head_dim, tile, causal):
@@ -68,3 +70,30 @@ def test_other_tiles(head_dim, tile, causal):
     out = _poisoned(q)
     kernel(q, k, v, out=out)
     _check("i8-f8", out, host, causal=causal)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_rising_row_max_rebases_the_accumulator(head_dim, causal):
+    """Scores that climb along the keys (the row max rises by over 2^96 along the context): the kernel's
+    accumulator reference must move several times (it moves once the max has risen 2^32 above it),
+    and output and LSE must still match the emulator and FP64."""
+    import cupy
+
+    kernel = _kernel(head_dim, causal)
+    rng = np.random.default_rng(31)
+    lq, lk = 300, 1500
+    ramp = np.linspace(0.0, 1.0, lk, dtype=F32)[None, None, :, None] * (8.0 if head_dim == 128 else 11.0)
+    q = (1.0 + 0.2 * rng.standard_normal((1, 2, lq, head_dim))).astype(np.float16)
+    k = (ramp * (1.0 + 0.2 * rng.standard_normal((1, 2, lk, head_dim)))).astype(np.float16)
+    v = rng.standard_normal((1, 2, lk, head_dim)).astype(np.float16)
+    logits = q[0, 0, -1].astype(np.float64) @ k[0, 0].astype(np.float64).T / np.sqrt(head_dim) / np.log(2)
+    assert logits.max() - logits[:64].max() > 96, "the row max must rise well past the rebase threshold"
+    host = [q, k, v]
+    out = _poisoned(cupy.asarray(q))
+    _, lse = kernel(*(cupy.asarray(x) for x in host), out=out, return_lse=True)
+    _check("i8-f8", out, host, causal=causal)
+    # LSE against the emulator only: scores this large carry the int8 QK error into it (~0.09 from
+    # FP64 here, the format's, not the kernel's)
+    emu_lse = emulate.emulate("i8-f8", *host, causal=causal, return_lse=True)[1]
+    np.testing.assert_allclose(_f32(lse), emu_lse, rtol=1e-4, atol=1e-4)
