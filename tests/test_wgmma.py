@@ -182,6 +182,10 @@ def test_attention_kernel_compiles_on_wgmma(spec):
     for suffix in int8.module_entries(spec.recipe, spec.backend):
         res = entry_resources(binary.log, entry_name(spec) + suffix)
         assert res and res["spill_stores"] == 0 and res["spill_loads"] == 0, (suffix, res)
+    # ptxas serializes every wgmma of a kernel when it cannot prove their registers untouched while
+    # in flight (advisory C7514): the kernel still runs, at a fraction of its speed
+    serialized = [line for line in binary.log.splitlines() if "C7514" in line or "serialized" in line]
+    assert not serialized, serialized
     ptx = binary.ptx
     attn = ptx[ptx.index(f".entry {entry_name(spec)}_f16("):]
     attn = attn[:attn.find(".entry ", 1) if attn.find(".entry ", 1) > 0 else len(attn)]
