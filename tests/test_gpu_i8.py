@@ -62,11 +62,17 @@ def _f32(x):
     return np.asarray(to_numpy(x)).astype(F32)
 
 
-def _check(fmt, out, host, *, causal, scale=None, lse=None):
-    """out against the emulator (rounded to out's dtype, as the kernel rounds its fp32 result) and FP64."""
+def _check(fmt, out, host, *, causal, scale=None, lse=None, block_n=None):
+    """out against the emulator with block_n keys per K scale and softmax step (default: the default
+    kernel's; rounded to out's dtype, as the kernel rounds its fp32 result) and FP64."""
+    if block_n is None:
+        from qattn.runtime import int8
+        from qattn.runtime.api import default_spec
+
+        block_n = int8.scale_blocks(default_spec(fmt, host[0].shape[-1], causal=causal))[1]
     out32 = _f32(out)
     assert not np.isnan(out32).any(), "out has NaNs: not every element was written"
-    emu = emulate.emulate(fmt, *host, causal=causal, scale=scale, return_lse=lse is not None)
+    emu = emulate.emulate(fmt, *host, causal=causal, scale=scale, return_lse=lse is not None, block_n=block_n)
     emu_out = emu[0] if lse is not None else emu
     emu_out = emu_out.astype(host[0].dtype).astype(F32)
     err = metrics.compare(out32, emu_out)

@@ -1,6 +1,6 @@
 """i8-f8 on Hopper warpgroup MMAs (mma="wgmma", sm_90a): against its CPU emulator (rel_l2 <= 1e-3)
 and FP64 on the shapes of the mma.sync kernels' tests (tails, GQA, causal Lq != Lk), with bf16
-inputs, LSE, strided output, and other tiles (128 keys; one warpgroup of 64 rows). Skipped off
+inputs, LSE, strided output, and other tiles (64 or 128 keys; one or two warpgroups). Skipped off
 sm_90a."""
 from __future__ import annotations
 
@@ -23,6 +23,15 @@ def _kernel(head_dim, causal, tile=None):
     return qattn.build("prefill", **spec, **({"tile": tile} if tile else {}))
 
 
+def _key_block(kernel):
+    """The kernel's format key block (keys per K scale and per softmax step): its tile's block_n."""
+    from qattn.runtime import int8
+
+    q_rows, keys = int8.scale_blocks(kernel.spec)
+    assert (q_rows, keys) == (128, kernel.spec.tile.block_n)
+    return keys
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lq,lk", SHAPES)
@@ -36,7 +45,7 @@ def test_against_emulator_and_fp64(head_dim, causal, lq, lk):
     host, (q, k, v) = _inputs(rng, "float16", 1, 4, 4 // group, lq, lk, head_dim)
     out = _poisoned(q)
     assert kernel(q, k, v, out=out) is out
-    _check("i8-f8", out, host, causal=causal)
+    _check("i8-f8", out, host, causal=causal, block_n=_key_block(kernel))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -50,7 +59,7 @@ def test_bf16_lse_and_strided_output(causal):
     out = store.transpose(0, 2, 1, 3)  # BSHD storage seen as BHSD
     res, lse = kernel(q, k, v, out=out, return_lse=True)
     assert res is out
-    _check("i8-f8", out, host, causal=causal, lse=lse)
+    _check("i8-f8", out, host, causal=causal, lse=lse, block_n=_key_block(kernel))
 
 
 @pytest.mark.parametrize("head_dim,tile,causal", [(64, (128, 128, 8, 2), False), (64, (64, 64, 4, 3), True),
@@ -58,18 +67,16 @@ def test_bf16_lse_and_strided_output(causal):
                                                    (128, (128, 64, 8, 2), True), (128, (64, 64, 4, 3), False),
                                                    (128, (128, 64, 8, 4), False)])
 def test_other_tiles(head_dim, tile, causal):
-    """Two warpgroups of 64 rows, 128-key blocks (two K scales each), deeper rings: whatever the
-    tile, the format's scale blocks (128 query rows x 64 keys), so the emulator's defaults."""
+    """Two warpgroups of 64 rows, 64- and 128-key blocks, deeper rings: 128 query rows per Q scale
+    whatever the tile, the tile's keys per K scale and softmax step."""
     from qattn.codegen.tile import Tile
-    from qattn.runtime import int8
 
     kernel = _kernel(head_dim, causal, Tile(*tile))
-    assert int8.scale_blocks(kernel.spec) == (128, 64)
     rng = np.random.default_rng(23)
     host, (q, k, v) = _inputs(rng, "float16", 1, 4, 4, 700, 1100, head_dim)
     out = _poisoned(q)
     kernel(q, k, v, out=out)
-    _check("i8-f8", out, host, causal=causal)
+    _check("i8-f8", out, host, causal=causal, block_n=_key_block(kernel))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -92,8 +99,8 @@ def test_rising_row_max_rebases_the_accumulator(head_dim, causal):
     host = [q, k, v]
     out = _poisoned(cupy.asarray(q))
     _, lse = kernel(*(cupy.asarray(x) for x in host), out=out, return_lse=True)
-    _check("i8-f8", out, host, causal=causal)
+    _check("i8-f8", out, host, causal=causal, block_n=_key_block(kernel))
     # LSE against the emulator only: scores this large carry the int8 QK error into it (~0.09 from
     # FP64 here, the format's, not the kernel's)
-    emu_lse = emulate.emulate("i8-f8", *host, causal=causal, return_lse=True)[1]
+    emu_lse = emulate.emulate("i8-f8", *host, causal=causal, return_lse=True, block_n=_key_block(kernel))[1]
     np.testing.assert_allclose(_f32(lse), emu_lse, rtol=1e-4, atol=1e-4)

@@ -150,7 +150,7 @@ def test_mma_unit_choice():
     from qattn.codegen.spec import KernelSpec
 
     spec = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma")
-    assert spec.family.values == {"pv_operand": "f8", "mma_unit": "wgmma", "q_scale_rows": 128, "k_scale_keys": 64}
+    assert spec.family.values == {"pv_operand": "f8", "mma_unit": "wgmma", "q_scale_rows": 128}
     assert spec.tile.block_m == 16 * spec.tile.warps
     assert spec.family.threads(spec.tile) == 32 * spec.tile.warps + 128  # and the producer warpgroup
     default = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a")
@@ -261,3 +261,23 @@ def test_operands_must_match_the_kernel_layout():
         int8._check_kernel(SimpleNamespace(spec=spec), operands(spec))  # its own: accepted
         with pytest.raises(ValueError, match="another layout"):
             int8._check_kernel(SimpleNamespace(spec=spec), operands(other))
+
+
+def test_key_block_is_the_tile_keys():
+    """The wgmma kernel's format key block is its tile's block_n: 64 keys at d128, 128 at d64 by
+    default; operands quantized with another key block are refused by name."""
+    from types import SimpleNamespace
+
+    from qattn.codegen.spec import KernelSpec
+    from qattn.codegen.tile import Tile
+    from qattn.runtime import int8
+
+    assert int8.scale_blocks(KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a")) == (128, 64)
+    d64 = KernelSpec(recipe="i8-f8", head_dim=64, arch="sm_90a")
+    assert int8.scale_blocks(d64) == (128, 128)
+    assert int8.scale_blocks(KernelSpec(recipe="i8-f8", head_dim=64, arch="sm_90a", tile=Tile(64, 64, 4, 2))) == (128, 64)
+    qkv = int8.QuantizedQKV(format="i8-f8", dtype="float16", dims=(1, 1, 1, 1, 1, 64), block_m=128, block_n=64,
+                            scale=1.0, q8=None, q_scale=None, k8=None, k_scale=None, k_mean=None, shift=None,
+                            v=np.zeros(1, np.uint8), tile_keys=int8._tile_keys(d64))
+    with pytest.raises(ValueError, match="scale blocks of 128 rows x 128 keys"):
+        int8._check_kernel(SimpleNamespace(spec=d64), qkv)

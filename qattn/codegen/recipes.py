@@ -357,18 +357,20 @@ def _wgmma_problem(tile: Tile, d: int) -> str | None:
 CUDA_I8_F8_WGMMA = Family(
     template="cuda/prefill_i8.cu.j2",
     head_dims=(64, 128),
-    # Whatever the tile, the format's 128 query rows per Q scale and 64 keys per K scale (values).
-    # Measured on the H200 (BENCHMARKS.md): one consumer warpgroup of 64 rows, two blocks per SM
-    # (each hides the other's prologue and epilogue) beat two warpgroups of 128 rows by 7-15%; at
-    # d64, 64-key tiles fit three blocks per SM and beat 128-key tiles (two per SM) by 5-7%.
-    default_tiles={64: Tile(64, 64, 4, 2), 128: Tile(64, 64, 4, 2)},
+    # Whatever the tile, 128 query rows per Q scale (values); the key tile is the format's key block
+    # (keys per K scale and per softmax step), as in the mma.sync kernels. Measured on the H200
+    # (BENCHMARKS.md): one consumer warpgroup of 64 rows, two blocks per SM (each hides the other's
+    # prologue and epilogue) beat two warpgroups of 128 rows by 7-15%; at d64, 128-key blocks (two
+    # blocks per SM) beat 64-key blocks at three per SM by 5-9%. At d128 a 128-key tile does not
+    # fit the registers (block_n + head_dim <= 192).
+    default_tiles={64: Tile(64, 128, 4, 2), 128: Tile(64, 64, 4, 2)},
     tile_problem=_wgmma_problem,
     smem_bytes=_wgmma_smem,
     archs=("sm_90a",),
     producer_warps=4,
     launcher="prefill_i8",
     main_entry="_f16",
-    values={"pv_operand": "f8", "mma_unit": "wgmma", "q_scale_rows": 128, "k_scale_keys": 64},
+    values={"pv_operand": "f8", "mma_unit": "wgmma", "q_scale_rows": 128},
 )
 
 

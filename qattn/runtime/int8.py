@@ -9,8 +9,10 @@ public for callers that keep K (and V) quantized across calls::
     out, lse = attention_quantized(kernel, qkv, return_lse=True)
     qkv2 = qkv.with_query(q_next, kernel=kernel)                  # new queries, same K/V codes
 
-What the kernels compute is what ``emulate.emulate(fmt, ...)`` computes with its defaults when the
-kernel's tile is the default one (block_m query rows per Q scale, block_n keys per K scale):
+What a kernel computes is what ``emulate.emulate(fmt, ..., block_m=rows, block_n=keys)`` computes,
+with ``(rows, keys) = scale_blocks(kernel.spec)`` (block_m query rows per Q scale, block_n keys per
+K scale and per softmax step): 128 x 64 for the default kernels, the emulator's defaults, except
+i8-f8 at head dim 64 on sm_90a, whose default wgmma tile takes 128 x 128:
 
 - K̄ = mean of K over keys (fp64 partial sums per chunk of keys, finished here, rounded to fp32);
   K̃ = K − K̄; s_K = max|K̃| / 127 per block of block_n keys; K8 = rint(K̃ / s_K). With
@@ -149,10 +151,10 @@ def untile_vt(vt, tile_keys: int):
 # ---- helpers ---------------------------------------------------------------------------------
 
 def scale_blocks(spec) -> tuple[int, int]:
-    """(query rows per Q scale, keys per K scale) of a kernel: its tile's block_m x block_n, unless
-    its family fixes them (the wgmma kernels keep the format's 128 x 64 whatever the tile)."""
+    """(query rows per Q scale, keys per K scale and softmax step) of a kernel: its tile's block_m x
+    block_n, unless its family fixes one (the wgmma kernels' Q scales cover 128 rows whatever the tile)."""
     values = spec.family.values
-    return values.get("q_scale_rows", spec.tile.block_m), values.get("k_scale_keys", spec.tile.block_n)
+    return values.get("q_scale_rows", spec.tile.block_m), spec.tile.block_n
 
 
 def _default_kernel(fmt: str, head_dim: int, causal: bool = False):
