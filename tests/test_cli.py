@@ -419,7 +419,7 @@ def test_gen_on_a_chosen_matrix_unit():
     runner = CliRunner()
     wgmma = runner.invoke(qattn.cli.main, ["gen", "-f", "i8-f8", "--arch", "sm_90a", "--mma", "wgmma"])
     assert wgmma.exit_code == 0, wgmma.output
-    assert "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8" in wgmma.output
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in wgmma.output
     default = runner.invoke(qattn.cli.main, ["gen", "-f", "i8-f8", "--arch", "sm_90a"])
     assert default.exit_code == 0 and default.output == wgmma.output  # wgmma is sm_90a's default
     sync = runner.invoke(qattn.cli.main, ["gen", "-f", "i8-f8", "--arch", "sm_90a", "--mma", "mma.sync"])

@@ -194,15 +194,16 @@ def test_quantization_steps_match_quant(fmt, dtype):
     qkv = int8.quantize(q, k, v, format=fmt, with_shift=True)
     q32, k32, v32 = (np.asarray(x, F32) for x in host)
     scale = 1 / np.sqrt(d)
-    assert qkv.dims == (b, hq, hkv, lq, lk, d) and (qkv.block_m, qkv.block_n) == (128, 64)
-    # K mean and K codes (one scale per 64 keys)
+    keys = int8.scale_blocks(_default_spec(fmt))[1]  # 64, or 128 on the sm_90a wgmma kernel
+    assert qkv.dims == (b, hq, hkv, lq, lk, d) and (qkv.block_m, qkv.block_n) == (128, keys)
+    # K mean and K codes (one scale per block of keys)
     k_smooth, k_mean = quant.smooth_k(k32)
     np.testing.assert_allclose(qkv.k_mean.get(), k_mean[..., 0, :], rtol=1e-6, atol=1e-7)
-    k8 = quant.quantize_int8(k_smooth, 64, operand="k")
+    k8 = quant.quantize_int8(k_smooth, keys, operand="k")
     got_k8 = qkv.k8_rows().get()
     mismatch = np.abs(got_k8.astype(int) - k8.codes.astype(int))
     assert mismatch.max() <= 1 and (mismatch > 0).mean() < 1e-4, "K codes"
-    np.testing.assert_allclose(qkv.k_scale.get(), k8.scale[..., ::64, 0], rtol=1e-6)
+    np.testing.assert_allclose(qkv.k_scale.get(), k8.scale[..., ::keys, 0], rtol=1e-6)
     # Q codes: exact (they depend on q and the scale only)
     q2 = quant.fold_softmax_scale(q32, scale)
     q8 = quant.quantize_int8(q2, 128, operand="q")
@@ -222,7 +223,7 @@ def test_quantization_steps_match_quant(fmt, dtype):
             assert qkv.v.shape == (b, hkv, lk, d) and qkv.v.dtype == np.float16
             np.testing.assert_array_equal(qkv.v.get(), vq.codes.astype(F32).astype(np.float16))
         else:
-            lk_pad = -(-lk // 64) * 64
+            lk_pad = -(-lk // keys) * keys
             vt = qkv.vt_rows().get()
             assert vt.shape == (b, hkv, d, lk_pad) and vt.dtype == np.uint8
             # Padding keys (lk and beyond) sit at permuted columns, some of them below lk.

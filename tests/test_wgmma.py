@@ -168,8 +168,6 @@ def test_mma_unit_choice():
     for tile in (Tile(128, 64, 4, 2), Tile(192, 64, 12, 2)):
         with pytest.raises(ValueError, match="block_m must be 64 or 128"):
             KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma", tile=tile)
-    with pytest.raises(ValueError, match="block_n \\+ head_dim must be <= 192"):
-        KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma", tile=Tile(128, 128, 8, 2))
 
 
 @pytest.mark.parametrize("spec", _wgmma_specs(), ids=lambda s: s.name)
@@ -249,30 +247,32 @@ def test_operands_must_match_the_kernel_layout():
 
     wgmma = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a")
     sync = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="mma.sync")
-    assert int8.scale_blocks(wgmma) == int8.scale_blocks(sync) == (128, 64)
+    assert int8.scale_blocks(wgmma) == (128, 128) and int8.scale_blocks(sync) == (128, 64)
 
-    def operands(spec):
-        v = np.zeros(1, np.uint8 if spec.family.values["pv_operand"] == "f8" else np.float16)
+    def operands(layout, keys):  # laid out for kernel `layout`, with `keys` keys per K scale
+        v = np.zeros(1, np.uint8 if layout.family.values["pv_operand"] == "f8" else np.float16)
         return int8.QuantizedQKV(format="i8-f8", dtype="float16", dims=(1, 1, 1, 1, 1, 128), block_m=128,
-                                 block_n=64, scale=1.0, q8=None, q_scale=None, k8=None, k_scale=None, k_mean=None,
-                                 shift=None, v=v, tile_keys=int8._tile_keys(spec))
+                                 block_n=keys, scale=1.0, q8=None, q_scale=None, k8=None, k_scale=None, k_mean=None,
+                                 shift=None, v=v, tile_keys=int8._tile_keys(layout))
 
     for spec, other in ((wgmma, sync), (sync, wgmma)):
-        int8._check_kernel(SimpleNamespace(spec=spec), operands(spec))  # its own: accepted
-        with pytest.raises(ValueError, match="another layout"):
-            int8._check_kernel(SimpleNamespace(spec=spec), operands(other))
+        keys = int8.scale_blocks(spec)[1]
+        int8._check_kernel(SimpleNamespace(spec=spec), operands(spec, keys))  # its own: accepted
+        with pytest.raises(ValueError, match="another layout"):  # its scale blocks, the other's layout
+            int8._check_kernel(SimpleNamespace(spec=spec), operands(other, keys))
 
 
 def test_key_block_is_the_tile_keys():
-    """The wgmma kernel's format key block is its tile's block_n: 64 keys at d128, 128 at d64 by
-    default; operands quantized with another key block are refused by name."""
+    """The wgmma kernel's format key block is its tile's block_n (128 keys by default); operands
+    quantized with another key block are refused by name."""
     from types import SimpleNamespace
 
     from qattn.codegen.spec import KernelSpec
     from qattn.codegen.tile import Tile
     from qattn.runtime import int8
 
-    assert int8.scale_blocks(KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a")) == (128, 64)
+    assert int8.scale_blocks(KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a")) == (128, 128)
+    assert int8.scale_blocks(KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", tile=Tile(64, 64, 4, 2))) == (128, 64)
     d64 = KernelSpec(recipe="i8-f8", head_dim=64, arch="sm_90a")
     assert int8.scale_blocks(d64) == (128, 128)
     assert int8.scale_blocks(KernelSpec(recipe="i8-f8", head_dim=64, arch="sm_90a", tile=Tile(64, 64, 4, 2))) == (128, 64)

@@ -12,7 +12,7 @@ public for callers that keep K (and V) quantized across calls::
 What a kernel computes is what ``emulate.emulate(fmt, ..., block_m=rows, block_n=keys)`` computes,
 with ``(rows, keys) = scale_blocks(kernel.spec)`` (block_m query rows per Q scale, block_n keys per
 K scale and per softmax step): 128 x 64 for the default kernels, the emulator's defaults, except
-i8-f8 at head dim 64 on sm_90a, whose default wgmma tile takes 128 x 128:
+i8-f8 on sm_90a, whose default wgmma tiles take 128 x 128:
 
 - K̄ = mean of K over keys (fp64 partial sums per chunk of keys, finished here, rounded to fp32);
   K̃ = K − K̄; s_K = max|K̃| / 127 per block of block_n keys; K8 = rint(K̃ / s_K). With
