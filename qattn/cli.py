@@ -605,6 +605,9 @@ def _parse_grids(ctx, param, values):
               help="another P grid: the p below which it rounds to zero; repeatable (int8 and e4m3 are always shown)")
 @click.option("--queries", type=click.IntRange(min=1), default=128, show_default=True,
               help="query rows sampled per context")
+@click.option("--key-block", type=click.IntRange(min=1), default=64, show_default=True,
+              help="keys per K scale and per softmax step of the int8-QK formats (the i8-f8 wgmma kernels on "
+                   "sm_90a use 128)")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the presets and of the row sample")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="also write the report as JSON to FILE (keys: see qattn.runtime.probe)")
@@ -612,7 +615,7 @@ def _parse_grids(ctx, param, values):
               help="also write a two-panel PNG to FILE: mass by decade with both 8-bit grids; K channels "
                    "before/after smoothing (needs matplotlib)")
 @user_errors
-def probe(npz, preset, contexts, formats, grids, queries, seed, json_path, plot_path):
+def probe(npz, preset, contexts, formats, grids, queries, key_block, seed, json_path, plot_path):
     """Where attention rows keep their probability mass, how much of it the int8 and e4m3 P grids
     flush to zero, how K smoothing tames K's outlier channels, and what each format's emulator
     costs against FP64, by context length. Runs on the CPU."""
@@ -626,7 +629,8 @@ def probe(npz, preset, contexts, formats, grids, queries, seed, json_path, plot_
         except RuntimeError as exc:
             raise click.ClickException(str(exc)) from None
     report = probing.run_probe(npz=None if npz is None else str(npz), preset=preset, ctx=list(contexts) or None,
-                               formats=formats or probing.PROBE_FORMATS, grids=grids, queries=queries, seed=seed)
+                               formats=formats or probing.PROBE_FORMATS, grids=grids, queries=queries,
+                               key_block=key_block, seed=seed)
     console = _console()
     for table in probing.format_tables(report):
         console.print(table)

@@ -46,6 +46,30 @@ def test_outliers_preset_smooths_and_loses_more_mass_at_32k(seed):
     assert 0 < errors["rel_l2"] < 0.1 and errors["cos"] > 0.99 and errors["kl"] >= 0
 
 
+def test_key_block_sets_the_emulators_blocks(seed):
+    """--key-block reaches the emulators (the errors are emulate(..., block_n=key_block)'s) and the K
+    statistics, and is reported; the mass figures do not depend on it."""
+    from qattn.runtime import emulate, metrics
+
+    tensors = {700: data.preset("outliers", ctx=700, queries=40, head_dim=64, seed=seed)}
+    by_block = {kb: probe.run_probe(tensors, formats=("i8-f8",), key_block=kb, seed=seed) for kb in (64, 128)}
+    for kb, report in by_block.items():
+        assert report["key_block"] == kb
+        x = tensors[700]
+        want = metrics.compare(emulate.emulate("i8-f8", x["q"], x["k"], x["v"], block_n=kb),
+                               emulate.reference("i8-f8", x["q"], x["k"], x["v"]))
+        assert math.isclose(report["contexts"][0]["errors"]["i8-f8"]["rel_l2"], want.rel_l2, rel_tol=1e-12)
+    e64, e128 = (by_block[kb]["contexts"][0] for kb in (64, 128))
+    assert e64["errors"]["i8-f8"]["rel_l2"] != e128["errors"]["i8-f8"]["rel_l2"]
+    assert e64["k_int8_levels"]["raw"]["per_block"] != e128["k_int8_levels"]["raw"]["per_block"]
+    assert e64["mass_below"] == e128["mass_below"]
+    result = run_cli("--preset", "normal", "--ctx", "300", "--queries", "8", "-f", "i8-f8", "--key-block", "128")
+    assert result.exit_code == 0, result.output
+    assert "per 128 keys" in result.output and "128 keys per K scale" in result.output
+    bad = CliRunner().invoke(main, ["probe", "--preset", "normal", "--key-block", "0"])
+    assert bad.exit_code == 2 and "--key-block" in bad.output
+
+
 def test_mass_below_on_a_known_row():
     """Scores chosen so that the row's p = exp(s − max) is [1, 0.5, 2e-3, 3e-7]."""
     p = np.array([1.0, 0.5, 2e-3, 3e-7])
@@ -125,6 +149,7 @@ def test_npz_without_v_and_any_bhsd_shape(tmp_path, seed):
     (dict(), "npz"), (dict(preset="outliers", npz="x.npz"), "npz"), (dict(preset="gauss", ctx=[64]), "preset"),
     (dict(preset="normal", formats=("f64",)), "format"), (dict(preset="normal", queries=0), "queries"),
     (dict(preset="normal", grids={"x": 2.0}), "grid"), (dict(preset="normal", ctx=[0]), "ctx"),
+    (dict(preset="normal", key_block=0), "key_block"),
 ])
 def test_run_probe_bad_arguments(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}:"):

@@ -16,6 +16,8 @@ JSON-serialisable report (``qattn probe --json FILE`` writes it, non-finite numb
                 keeps is 2⁻⁹/448 ≈ 4.4e-6). User grids (``--grid NAME=FLOOR``) are added as given.
 ``decades``     the bin edges of ``mass_by_decade``: 0, 1e-8, 1e-7, …, 0.1, 1.
 ``formats``     the recipes whose errors are reported.
+``key_block``   keys per K scale and per online-softmax step of the int8-QK formats (the
+                emulators' ``block_n``; 64 by default, 128 as the i8-f8 wgmma kernels on sm_90a).
 ``contexts``    one entry per context length, in increasing order:
   ``ctx``              keys in the context; ``rows`` query rows sampled; ``heads`` query heads.
   ``mass_below``       {grid: mean over rows of the fraction of the row's mass in entries with
@@ -32,7 +34,7 @@ JSON-serialisable report (``qattn probe --json FILE`` writes it, non-finite numb
                        the kv head with the worst raw ratio (the plot's right panel).
   ``k_int8_levels``    {raw, smoothed}: {per_tensor, per_block}: int8 levels the median channel
                        spans, 127 · median channel absmax / absmax of the scale's group, with one
-                       scale per (batch, kv head) tensor or per block of ``BLOCK_N`` keys
+                       scale per (batch, kv head) tensor or per block of ``key_block`` keys
                        (mean over blocks and heads).
 """
 from __future__ import annotations
@@ -46,7 +48,6 @@ FLOORS = {"int8": 0.5 / quant.INT8_MAX, "e4m3": 2.0 ** -10 / quant.E4M3_MAX}
 DECADES = [0.0] + [10.0 ** e for e in range(-8, 1)]
 PROBE_FORMATS = ("i8-f16", "i8-i8", "i8-f8")
 DEFAULT_CTX = (4096, 32768)
-BLOCK_N = 64
 
 
 def grid_points(grid: str) -> np.ndarray:
@@ -117,39 +118,39 @@ def _channel_absmax(k: np.ndarray) -> np.ndarray:
     return absmax / np.median(absmax, axis=-1, keepdims=True)
 
 
-def _int8_levels(k: np.ndarray) -> dict:
+def _int8_levels(k: np.ndarray, key_block: int) -> dict:
     """int8 levels the median channel spans with one scale per tensor vs per block of keys."""
     absmax = np.abs(k).max(axis=-2)  # [B, H, D]
     per_tensor = float((quant.INT8_MAX * np.median(absmax, axis=-1) / absmax.max(axis=-1)).mean())
-    n_blocks = -(-k.shape[-2] // BLOCK_N)
-    padded = np.pad(np.abs(k), [(0, 0), (0, 0), (0, n_blocks * BLOCK_N - k.shape[-2]), (0, 0)])
-    block_absmax = padded.reshape(k.shape[:2] + (n_blocks, BLOCK_N, k.shape[-1])).max(axis=-2)  # [B, H, n, D]
+    n_blocks = -(-k.shape[-2] // key_block)
+    padded = np.pad(np.abs(k), [(0, 0), (0, 0), (0, n_blocks * key_block - k.shape[-2]), (0, 0)])
+    block_absmax = padded.reshape(k.shape[:2] + (n_blocks, key_block, k.shape[-1])).max(axis=-2)  # [B, H, n, D]
     per_block = float((quant.INT8_MAX * np.median(block_absmax, axis=-1) / block_absmax.max(axis=-1)).mean())
     return {"per_tensor": per_tensor, "per_block": per_block}
 
 
-def _k_stats(k: np.ndarray) -> dict:
+def _k_stats(k: np.ndarray, key_block: int) -> dict:
     smoothed, _ = quant.smooth_k(k)
     raw_rel, smooth_rel = _channel_absmax(k), _channel_absmax(smoothed)
     worst = np.unravel_index(int(np.argmax(raw_rel.max(axis=-1))), raw_rel.shape[:2])
     return {
         "k_channel_ratio": {"raw": float(raw_rel.max()), "smoothed": float(smooth_rel.max())},
         "k_channel_absmax": {"raw": raw_rel[worst].tolist(), "smoothed": smooth_rel[worst].tolist()},
-        "k_int8_levels": {"raw": _int8_levels(k), "smoothed": _int8_levels(smoothed)},
+        "k_int8_levels": {"raw": _int8_levels(k, key_block), "smoothed": _int8_levels(smoothed, key_block)},
     }
 
 
-def _errors(fmt: str, q, k, v, scale, p_ref) -> dict:
-    out = emulate.emulate(fmt, q, k, v, scale=scale, block_n=BLOCK_N)
+def _errors(fmt: str, q, k, v, scale, p_ref, key_block: int) -> dict:
+    out = emulate.emulate(fmt, q, k, v, scale=scale, block_n=key_block)
     errors = metrics.compare(out, emulate.reference(fmt, q, k, v, scale=scale))
-    s2 = emulate.scores(fmt, q, k, v, scale=scale, block_n=BLOCK_N).astype(np.float64)
+    s2 = emulate.scores(fmt, q, k, v, scale=scale, block_n=key_block).astype(np.float64)
     p_fmt = np.exp2(s2 - s2.max(axis=-1, keepdims=True))
     p_fmt /= p_fmt.sum(axis=-1, keepdims=True)
     return {"max_rel": errors.max_rel, "rel_l2": errors.rel_l2, "cos": errors.cos,
             "kl": float(metrics.kl_rows(p_ref, p_fmt).mean())}
 
 
-def _probe_context(ctx: int, tensors: dict, formats, floors: dict, queries: int, rng) -> dict:
+def _probe_context(ctx: int, tensors: dict, formats, floors: dict, queries: int, key_block: int, rng) -> dict:
     q = _sample_rows(np.asarray(tensors["q"], np.float32), queries, rng)
     k, v = np.asarray(tensors["k"], np.float32), np.asarray(tensors["v"], np.float32)
     scale = tensors.get("scale")
@@ -159,24 +160,27 @@ def _probe_context(ctx: int, tensors: dict, formats, floors: dict, queries: int,
         "ctx": ctx, "rows": int(q.shape[-2]), "heads": int(q.shape[1]),
         "mass_below": {name: float(metrics.mass_below(p_rel, floor).mean()) for name, floor in floors.items()},
         "mass_by_decade": metrics.mass_histogram(p_rel, DECADES).reshape(-1, len(DECADES) - 1).mean(axis=0).tolist(),
-        "errors": {fmt: _errors(fmt, q, k, v, scale, p_ref) for fmt in formats},
-        **_k_stats(k),
+        "errors": {fmt: _errors(fmt, q, k, v, scale, p_ref, key_block) for fmt in formats},
+        **_k_stats(k, key_block),
     }
 
 
 def run_probe(tensors_by_ctx: dict[int, dict] | None = None, *, npz: str | None = None, preset: str | None = None,
               ctx=None, formats=PROBE_FORMATS, grids: dict[str, float] | None = None, queries: int = 128,
-              seed: int = 0) -> dict:
+              key_block: int = 64, seed: int = 0) -> dict:
     """Probe the tensors at each context length; see the module docstring for the report.
     Give exactly one of tensors_by_ctx ({ctx: dict(q, k, v[, scale])}), npz (a file holding
     q, k and optionally v, BHSD, whose last ctx keys make each context) or preset (a qattn.data
     preset name, generated at each ctx). ctx defaults to 4096 and 32768 (for an npz, those
-    shorter than the file, and the whole file). queries bounds the query rows sampled per context."""
+    shorter than the file, and the whole file). queries bounds the query rows sampled per context;
+    key_block is the int8-QK formats' keys per K scale and softmax step."""
     unknown = [f for f in formats if f not in emulate.EMULATORS]
     if unknown:
         raise ValueError(f"format: unknown recipes {unknown}; expected names from {sorted(emulate.EMULATORS)}")
     if queries < 1:
         raise ValueError(f"queries: expected a positive number of rows, got {queries}")
+    if not isinstance(key_block, (int, np.integer)) or key_block < 1:
+        raise ValueError(f"key_block: expected a positive number of keys, got {key_block!r}")
     floors = dict(FLOORS)
     for name, floor in (grids or {}).items():
         if not 0 < float(floor) <= 1:
@@ -184,9 +188,9 @@ def run_probe(tensors_by_ctx: dict[int, dict] | None = None, *, npz: str | None 
         floors[name] = float(floor)
     source, v, by_ctx = _load(tensors_by_ctx, npz, preset, ctx, queries, seed)
     rng = np.random.default_rng(seed)
-    contexts = [_probe_context(c, by_ctx[c], formats, floors, queries, rng) for c in sorted(by_ctx)]
+    contexts = [_probe_context(c, by_ctx[c], formats, floors, queries, key_block, rng) for c in sorted(by_ctx)]
     return {"source": source, "v": v, "floors": floors, "decades": DECADES, "formats": list(formats),
-            "contexts": contexts}
+            "key_block": int(key_block), "contexts": contexts}
 
 
 def _share(fraction: float) -> str:
@@ -204,13 +208,15 @@ def format_tables(report: dict) -> list:
     for name, floor in report["floors"].items():
         mass.add_column(f"mass < {name}\nfloor ({floor:.2g})", justify="right")
     mass.add_column("K worst/median channel\nraw → smoothed", justify="right")
-    mass.add_column("int8 levels, median channel\nper tensor / per block\nraw → smoothed", justify="right")
+    mass.add_column(f"int8 levels, median channel\nper tensor / per {report['key_block']} keys\nraw → smoothed",
+                    justify="right")
     for entry in report["contexts"]:
         ratio, levels = entry["k_channel_ratio"], entry["k_int8_levels"]
         level_cells = [f"{levels[s]['per_tensor']:.0f} / {levels[s]['per_block']:.0f}" for s in ("raw", "smoothed")]
         mass.add_row(f"{entry['ctx']}", *[_share(entry["mass_below"][name]) for name in report["floors"]],
                      f"{ratio['raw']:.1f}× → {ratio['smoothed']:.1f}×", " → ".join(level_cells))
-    errors = Table(title="emulated formats vs FP64", title_justify="left")
+    errors = Table(title=f"emulated formats vs FP64 ({report['key_block']} keys per K scale and softmax step)",
+                   title_justify="left")
     for name in ("ctx", "format", "max_rel", "rel_l2", "cos", "KL(P_ref ‖ P)"):
         errors.add_column(name, justify="left" if name == "format" else "right")
     for entry in report["contexts"]:
