@@ -314,6 +314,10 @@ def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, arch
     for label, value in _resource_rows(spec.backend, report["resources"]):
         table.add_row(label, "-" if value is None else str(value))
     console.print(table)
+    if "scale_blocks" in report:
+        rows, keys = report["scale_blocks"]["q_rows"], report["scale_blocks"]["k_keys"]
+        console.print(f"format blocks: {rows} query rows per Q scale, {keys} keys per K scale and softmax step "
+                      f"(the emulator's block_m={rows}, block_n={keys})")
     instr = report["instructions"]
     counts = _table(f"instructions, {_LISTING_NOTE[instr['listing']]}", "kind", "opcode", "count", right=("count",))
     for group in ("matrix", "convert"):

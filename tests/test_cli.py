@@ -128,6 +128,20 @@ def test_inspect_shows_the_register_hand_over():
     assert "registers after setmaxnreg: producer / consumers" in " ".join(table.split()) and "24 / 232" in table
 
 
+def test_inspect_shows_the_format_blocks():
+    """int8-QK kernels: the query rows per Q scale and keys per K scale the emulator must be given
+    to compute what the kernel computes (the wgmma tile's keys on sm_90a); none for other formats."""
+    wgmma = json.loads(run("inspect", "-f", "i8-f8", "-d", "64", "--arch", "sm_90a", "--json").stdout)
+    assert wgmma["scale_blocks"] == {"q_rows": 128, "k_keys": 128}
+    short = run("inspect", "-f", "i8-f8", "-d", "64", "--arch", "sm_90a", "--tile", "64x64", "--warps", "4",
+                "--stages", "2")
+    assert short.exit_code == 0, short.output
+    assert "64 keys per K scale and softmax step" in " ".join(short.output.split())
+    sync = json.loads(run("inspect", "-f", "i8-i8", "-d", "64", "--arch", "sm_80", "--json").stdout)
+    assert sync["scale_blocks"] == {"q_rows": 128, "k_keys": 64}
+    assert "scale_blocks" not in json.loads(run("inspect", "-f", "f16", "-d", "64", "--arch", "sm_80", "--json").stdout)
+
+
 @needs_clang
 def test_inspect_hip():
     report = json.loads(run("inspect", "--backend", "hip", "--arch", "gfx942", "-d", "64", "--json").stdout)

@@ -82,5 +82,11 @@ def inspect_spec(spec: KernelSpec) -> dict:
     if text is None and spec.backend == "cuda":
         text, listing = binary.ptx, "ptx"
     counts = count_instructions(text, listing) if listing else {"matrix": {}, "convert": {}}
-    return {"name": spec.name, "spec": spec.as_dict(), "resources": resources,
-            "instructions": dict(counts, listing=listing)}
+    report = {"name": spec.name, "spec": spec.as_dict(), "resources": resources,
+              "instructions": dict(counts, listing=listing)}
+    if family.launcher == "prefill_i8":  # the format's blocks: what the emulator needs to match the kernel
+        from .int8 import scale_blocks
+
+        q_rows, keys = scale_blocks(spec)
+        report["scale_blocks"] = {"q_rows": q_rows, "k_keys": keys}
+    return report
