@@ -36,20 +36,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..codegen.recipes import recipe
-from . import quant
 from .arrays import as_device_array, like_input
+from .int8_launch import (COLSTATS_CHUNK, QUANT_THREADS, QuantPlan, attention_launch, cached_plan,
+                          contiguous_strides, scale_blocks)
+from .int8_launch import SUFFIX as _SUFFIX
+from .int8_launch import tile_keys as _tile_keys
+from .packed import Pointer
+from . import quant
 from .reference import check_shapes
 
-# Keys per partial column sum of the K-mean / V-absmax kernels (one fp64 partial per chunk;
-# STATS_CHUNK in quantize_i8.cuh.j2).
-COLSTATS_CHUNK = 256
-# Threads of the quantization kernels (QT in quantize_i8.cuh.j2).
-QUANT_THREADS = 256
 # Rows per block of the HIP kernel that rounds bf16 V to fp16 rows (v_to_half_body).
 V_ROWS = 64
-# Channels per block of the CUDA kernel that finishes the column statistics.
-FINISH_CHANNELS = 32
-_SUFFIX = {"float16": "f16", "bfloat16": "bf16"}
 
 
 def module_entries(fmt: str, backend: str | None = None) -> list[str]:
@@ -150,13 +147,6 @@ def untile_vt(vt, tile_keys: int):
 
 # ---- helpers ---------------------------------------------------------------------------------
 
-def scale_blocks(spec) -> tuple[int, int]:
-    """(query rows per Q scale, keys per K scale and softmax step) of a kernel: its tile's block_m x
-    block_n, unless its family fixes one (the wgmma kernels' Q scales cover 128 rows whatever the tile)."""
-    values = spec.family.values
-    return values.get("q_scale_rows", spec.tile.block_m), spec.tile.block_n
-
-
 def _default_kernel(fmt: str, head_dim: int, causal: bool = False):
     from .api import default_spec
     from .kernel import build_kernel
@@ -179,11 +169,6 @@ def _check_kernel(kernel, qkv: QuantizedQKV) -> None:
     if _tile_keys(spec) != qkv.tile_keys or _v_layout(spec) != _v_layout_of(qkv):
         raise ValueError(f"kernel: {spec.name} reads K8 and V in another layout than the operands have "
                          f"(quantize them with this kernel)")
-
-
-def _tile_keys(spec) -> int:
-    """Keys per K8 / V^T tile where the kernel reads them as wgmma tiles, else 0."""
-    return spec.tile.block_n if spec.family.values["mma_unit"] == "wgmma" else 0
 
 
 def _v_layout(spec) -> str:
@@ -223,9 +208,18 @@ def _null():
     return np.uintp(0)
 
 
-@contextlib.contextmanager
 def _on(x, stream):
-    """Run on x's device, with CuPy's own work on stream (when given)."""
+    """A context running on x's device, with CuPy's own work on stream (when given); nothing to
+    switch in the common case (x on the current device, no stream given)."""
+    from cupy.cuda import runtime
+
+    if stream is None and x.data.device_id == runtime.getDevice():
+        return contextlib.nullcontext()
+    return _switched(x, stream)
+
+
+@contextlib.contextmanager
+def _switched(x, stream):
     with x.device:
         if stream is None:
             yield
@@ -237,69 +231,6 @@ def _on(x, stream):
 def _grid_check(b: int, h: int) -> None:
     if b > 65535 or h > 65535:
         raise ValueError(f"q: batch and heads must be <= 65535 (grid limits), got batch {b}, heads {h}")
-
-
-# ---- the quantization steps, CUDA: three launches ---------------------------------------------
-
-def _ptr(x, byte_offset: int = 0):
-    return np.uintp(x.data.ptr + byte_offset)
-
-
-def _quantize_fused(kernel, q, k, v, scale, with_shift, smooth_k, stream):
-    """Q8, K8 and the V operand in three launches: the column statistics of K (fp64 sums) and V
-    (absmax) per chunk of keys, their finish (K̄, s_V, in a fixed order), and one grid of Q, K and
-    V blocks. Returns (q8, q_scale, shift, k8, k_scale, k_mean, v_op, v_scale, v_out_scale)."""
-    import cupy
-
-    spec = kernel.spec
-    b, hq, lq, d = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
-    bn = spec.tile.block_n
-    q_rows, k_keys = scale_blocks(spec)
-    sfx = _SUFFIX[q.dtype.name]
-    v_stats = recipe(spec.recipe).ctype["pv"] != "f16"  # 8-bit PV: per-channel s_V
-    v_job = v_stats or v.dtype.name != "float16"  # fp16 V for the fp16 PV passes through
-    # K̄, s_V and s_V / P_SCALE in one allocation
-    small = (cupy.empty if smooth_k or v_stats else cupy.zeros)((3 if v_stats else 1, b, hkv, d), dtype=cupy.float32)
-    k_mean = small[0]
-    v_scale, v_out_scale = (small[1], small[2]) if v_stats else (None, None)
-    if smooth_k or v_stats:
-        nchunks = -(-lk // COLSTATS_CHUNK)
-        n_part = b * hkv * nchunks * d
-        work = cupy.empty(n_part * ((8 if smooth_k else 0) + (4 if v_stats else 0)), dtype=cupy.uint8)
-        part_sum = _ptr(work) if smooth_k else _null()
-        part_max = _ptr(work, 8 * n_part if smooth_k else 0) if v_stats else _null()
-        kernel.function("_stats_" + sfx)(
-            (nchunks, hkv, b), (QUANT_THREADS,),
-            (k if smooth_k else _null(), *_strides(k), v if v_stats else _null(), *_strides(v), np.int32(lk),
-             part_sum, part_max), stream=stream)
-        kernel.function("_stats_finish")(
-            (-(-d // FINISH_CHANNELS), hkv, b), (QUANT_THREADS,),
-            (part_sum, part_max, np.int32(nchunks), np.int32(lk), k_mean, v_scale if v_stats else _null(),
-             v_out_scale if v_stats else _null()), stream=stream)
-    q8 = cupy.empty((b, hq, lq, d), dtype=cupy.int8)
-    q_scale = cupy.empty((b, hq, -(-lq // q_rows)), dtype=cupy.float32)
-    shift = cupy.empty((b, hq, lq), dtype=cupy.float32) if with_shift else None
-    nbk = -(-lk // bn)
-    lk_pad = nbk * bn
-    k_tiles = spec.family.values["mma_unit"] == "wgmma"  # K8 as block tiles of wgmma's layout
-    k8 = cupy.empty((b, hkv, lk_pad if k_tiles else lk, d), dtype=cupy.int8)
-    k_scale = cupy.empty((b, hkv, -(-lk // k_keys)), dtype=cupy.float32)
-    if not v_job:
-        v_op = v
-    elif spec.family.values["pv_operand"] == "f16":  # fp16 rows (of V, or of its e4m3 codes' values)
-        v_op = cupy.empty((b, hkv, lk, d), dtype=cupy.float16)
-    else:
-        v_op = cupy.empty((b, hkv, d, lk_pad), dtype=cupy.uint8)
-    blocks = -(-lq // q_rows) * hq * b + nbk * hkv * b * (2 if v_job else 1)
-    mul = np.float32(scale * quant.LOG2E)  # as quant.fold_softmax_scale
-    kernel.function("_quant_qkv_" + sfx)(
-        (blocks,), (QUANT_THREADS,),
-        (q, *_strides(q), np.int32(lq), np.int32(hq), np.int32(hq // hkv), mul, q8, q_scale,
-         shift if with_shift else _null(), k, *_strides(k), v, *_strides(v), np.int32(lk), np.int32(hkv),
-         np.int32(lk_pad), np.int32(b), k_mean, v_scale if v_stats else _null(), k8, k_scale,
-         v_op if v_job else _null()), stream=stream)
-    return q8, q_scale, shift, k8, k_scale, k_mean, v_op, v_scale, v_out_scale
 
 
 # ---- the quantization steps, HIP: one kernel a step, CuPy finishing the statistics ---------------
@@ -388,21 +319,9 @@ def _check_smooth_k(smooth_k) -> bool:
     return bool(smooth_k)
 
 
-def quantize(q, k, v, *, format: str | None = None, scale: float | None = None, with_shift: bool = False,
-             kernel=None, stream=None, smooth_k: bool = True) -> QuantizedQKV:
-    """Quantize fp16 or bf16 q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D] (any batch/head/sequence
-    strides, channels contiguous) for an int8-QK kernel. Give format (its default kernel for the
-    head dim is built) or kernel (its tile sets the scale blocks). with_shift keeps q̃·K̄, which
-    attention_quantized needs to return the LSE. smooth_k=False skips K smoothing (K̄ = 0): K is
-    quantized as given, as emulate's smooth_k=False does (to measure what smoothing buys)."""
-    smooth_k = _check_smooth_k(smooth_k)
-    if kernel is None:
-        if format is None:
-            raise ValueError("format: give format (e.g. 'i8-f8') or kernel")
-        q_dev = as_device_array(q, "q")
-        if q_dev.ndim != 4:
-            raise ValueError(f"q: expected 4 dimensions [batch, heads, seq, head_dim], got shape {q_dev.shape}")
-        kernel = _default_kernel(format, int(q_dev.shape[-1]))
+def _checked_inputs(kernel, q, k, v, format: str | None = None):
+    """q, k, v as CuPy arrays checked against an int8-QK kernel; returns them and their dims
+    (B, Hq, Hkv, Lq, Lk, D)."""
     spec = kernel.spec
     if spec.family.launcher != "prefill_i8":
         raise ValueError(f"kernel: {spec.name} is not an int8-QK kernel")
@@ -417,28 +336,88 @@ def quantize(q, k, v, *, format: str | None = None, scale: float | None = None, 
     for x, n in ((k, "k"), (v, "v")):
         if x.device.id != q.device.id:
             raise ValueError(f"{n}: on device {x.device.id}, but q is on device {q.device.id}")
-    b, hq, hkv, lq, lk, d = check_shapes(q.shape, k.shape, v.shape)
-    if d != spec.head_dim:
-        raise ValueError(f"q: head_dim {d} does not match the kernel's {spec.head_dim} ({spec.name})")
-    _grid_check(b, hq)
-    scale = _check_scale(scale, d)
+    dims = check_shapes(q.shape, k.shape, v.shape)
+    if dims[5] != spec.head_dim:
+        raise ValueError(f"q: head_dim {dims[5]} does not match the kernel's {spec.head_dim} ({spec.name})")
+    _grid_check(dims[0], dims[1])
+    return q, k, v, dims
+
+
+def _quant_plan(kernel, q, k, v, dims, scale: float, with_shift: bool, smooth_k: bool) -> QuantPlan:
+    key = ("quant", dims, q.dtype.name, q.strides, k.strides, v.strides, scale, with_shift, smooth_k)
+    return cached_plan(kernel, key, lambda: QuantPlan(kernel, dims, q.dtype.name, (q.strides, k.strides, v.strides),
+                                                      scale, with_shift, smooth_k))
+
+
+def _stream_ptr(stream) -> int:
+    import cupy
+
+    return (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
+
+
+def quantize(q, k, v, *, format: str | None = None, scale: float | None = None, with_shift: bool = False,
+             kernel=None, stream=None, smooth_k: bool = True) -> QuantizedQKV:
+    """Quantize fp16 or bf16 q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D] (any batch/head/sequence
+    strides, channels contiguous) for an int8-QK kernel. Give format (its default kernel for the
+    head dim is built) or kernel (its tile sets the scale blocks). with_shift keeps q̃·K̄, which
+    attention_quantized needs to return the LSE. smooth_k=False skips K smoothing (K̄ = 0): K is
+    quantized as given, as emulate's smooth_k=False does (to measure what smoothing buys).
+    On CUDA the operands are views of one allocation."""
+    import cupy
+
+    smooth_k = _check_smooth_k(smooth_k)
+    if kernel is None:
+        if format is None:
+            raise ValueError("format: give format (e.g. 'i8-f8') or kernel")
+        q_dev = as_device_array(q, "q")
+        if q_dev.ndim != 4:
+            raise ValueError(f"q: expected 4 dimensions [batch, heads, seq, head_dim], got shape {q_dev.shape}")
+        kernel = _default_kernel(format, int(q_dev.shape[-1]))
+    q, k, v, dims = _checked_inputs(kernel, q, k, v, format)
+    spec = kernel.spec
+    scale = _check_scale(scale, dims[5])
     with _on(q, stream):
         if spec.backend == "cuda":
-            q8, q_scale, shift, k8, k_scale, k_mean, v_op, v_scale, v_out_scale = _quantize_fused(
-                kernel, q, k, v, scale, with_shift, smooth_k, stream)
+            plan = _quant_plan(kernel, q, k, v, dims, scale, with_shift, smooth_k)
+            memory = cupy.cuda.alloc(plan.nbytes)
+            plan.launch({"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "ws": memory.ptr}, _stream_ptr(stream))
+            ops = plan.arrays(memory)
+            small = ops["small"]
+            q8, q_scale, shift, k8, k_scale = ops["q8"], ops["q_scale"], ops.get("shift"), ops["k8"], ops["k_scale"]
+            k_mean, v_op = small[0], ops.get("v_op", v)
+            v_scale, v_out_scale = (small[1], small[2]) if plan.v_stats else (None, None)
         else:
             k8, k_scale, k_mean = _quantize_k(kernel, k, stream, smooth_k)
-            q8, q_scale, shift = _quantize_q(kernel, q, k_mean, scale, hkv, with_shift, stream)
+            q8, q_scale, shift = _quantize_q(kernel, q, k_mean, scale, dims[2], with_shift, stream)
             v_op, v_scale, v_out_scale = _quantize_v(kernel, v, stream)
     q_rows, k_keys = scale_blocks(spec)
-    return QuantizedQKV(format=spec.recipe, dtype=q.dtype.name, dims=(b, hq, hkv, lq, lk, d),
-                        block_m=q_rows, block_n=k_keys, scale=scale, q8=q8, q_scale=q_scale,
-                        k8=k8, k_scale=k_scale, k_mean=k_mean, shift=shift, v=v_op, v_scale=v_scale,
-                        v_out_scale=v_out_scale, smooth_k=smooth_k,
+    return QuantizedQKV(format=spec.recipe, dtype=q.dtype.name, dims=dims, block_m=q_rows, block_n=k_keys,
+                        scale=scale, q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale, k_mean=k_mean, shift=shift,
+                        v=v_op, v_scale=v_scale, v_out_scale=v_out_scale, smooth_k=smooth_k,
                         tile_keys=_tile_keys(spec))
 
 
 # ---- attention on quantized operands ---------------------------------------------------------
+
+_OPERANDS = {name: Pointer(name) for name in ("q8", "k8", "v", "q_scale", "k_scale", "v_out_scale", "shift")}
+
+
+def _checked_out(out, dims, dtype):
+    """out (an array to write, or None: allocate) as a CuPy array of shape [B, Hq, Lq, D] in dtype."""
+    import cupy
+
+    b, hq, _, lq, _, d = dims
+    if out is None:
+        return cupy.empty((b, hq, lq, d), dtype=dtype)
+    from .launch import _check_view
+
+    out_arr = as_device_array(out, "out")
+    if out_arr.shape != (b, hq, lq, d) or out_arr.dtype != dtype:
+        raise ValueError(f"out: expected shape {(b, hq, lq, d)} and dtype {np.dtype(dtype).name}, "
+                         f"got {out_arr.shape} {out_arr.dtype.name}")
+    _check_view(out_arr, "out", out_arr.itemsize, 16)
+    return out_arr
+
 
 def attention_quantized(kernel, qkv: QuantizedQKV, *, causal: bool | None = None, return_lse: bool = False,
                         out=None, stream=None):
@@ -455,30 +434,18 @@ def attention_quantized(kernel, qkv: QuantizedQKV, *, causal: bool | None = None
         raise ValueError(f"causal: {causal} does not match the kernel {spec.name} (causal={spec.causal})")
     if return_lse and qkv.shift is None:
         raise ValueError("return_lse: the LSE needs q̃·K̄; quantize with with_shift=True")
-    b, hq, hkv, lq, lk, d = qkv.dims
-    _grid_check(b, hq)
-    q8 = qkv.q8
-    out_dtype = _out_dtype(qkv.dtype)
-    if out is None:
-        out_arr = cupy.empty((b, hq, lq, d), dtype=out_dtype)
-    else:
-        from .launch import _check_view
-
-        out_arr = as_device_array(out, "out")
-        if out_arr.shape != (b, hq, lq, d) or out_arr.dtype != out_dtype:
-            raise ValueError(f"out: expected shape {(b, hq, lq, d)} and dtype {np.dtype(out_dtype).name}, "
-                             f"got {out_arr.shape} {out_arr.dtype.name}")
-        _check_view(out_arr, "out", out_arr.itemsize, 16)
-    lse = cupy.empty((b, hq, lq), dtype=cupy.float32) if return_lse else None
-    v = qkv.v
-    v_bytes = [np.int64(s) for s in v.strides[:3]]
-    args = (q8, qkv.k8, v, qkv.q_scale, qkv.k_scale, qkv.v_out_scale if qkv.v_out_scale is not None else _null(),
-            out_arr, lse if return_lse else _null(), qkv.shift if (return_lse and qkv.shift is not None) else _null(),
-            *v_bytes, *_strides(out_arr), np.int32(hq), np.int32(hq // hkv), np.int32(lq), np.int32(lk))
-    grid = (-(-lq // spec.tile.block_m), hq, b)
-    with _on(q8, stream):
-        kernel.function("_" + _SUFFIX[qkv.dtype])(grid, (kernel.threads,), args, shared_mem=kernel.shared_bytes,
-                                                   stream=stream)
+    dims = qkv.dims
+    _grid_check(dims[0], dims[1])
+    with _on(qkv.q8, stream):
+        out_arr = _checked_out(out, dims, _out_dtype(qkv.dtype))
+        lse = cupy.empty((dims[0], dims[1], dims[3]), dtype=cupy.float32) if return_lse else None
+        key = ("attention", dims, qkv.dtype, qkv.v.strides, out_arr.strides, return_lse)
+        launch = cached_plan(kernel, key, lambda: attention_launch(
+            kernel, dims, qkv.dtype, _OPERANDS, qkv.v.strides, _strides(out_arr), return_lse))
+        pointers = {name: (getattr(qkv, name).data.ptr if getattr(qkv, name) is not None else 0)
+                    for name in _OPERANDS}
+        pointers.update(out=out_arr.data.ptr, lse=lse.data.ptr if return_lse else 0)
+        launch(pointers, _stream_ptr(stream))
     if return_lse:
         return out_arr, lse
     return out_arr
@@ -490,15 +457,72 @@ def _out_dtype(name: str):
     return numpy_dtype(name)
 
 
+class _CallPlan:
+    """A whole int8-QK call on CUDA for one signature: the quantization launches and the attention
+    launch on the operands they leave in the workspace."""
+
+    def __init__(self, kernel, q, k, v, dims, scale, return_lse, smooth_k, out_arr):
+        self.quant = _quant_plan(kernel, q, k, v, dims, scale, return_lse, smooth_k)
+        operands = self.quant.operands()
+        v_buffer = self.quant.buffers.get("v_op")
+        v_strides = contiguous_strides(v_buffer) if v_buffer is not None else v.strides
+        self.attention = attention_launch(kernel, dims, q.dtype.name, operands, v_strides, _strides(out_arr),
+                                          return_lse)
+        self.out_shape, self.out_dtype, self.lse_shape = out_arr.shape, out_arr.dtype, (dims[0], dims[1], dims[3])
+
+
+def _call_key(q, k, v, scale, return_lse, smooth_k, out):
+    out_sig = None if out is None else (out.shape, out.strides, out.dtype)
+    return ("call", q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
+            q.data.device_id, k.data.device_id, v.data.device_id, scale, bool(return_lse), smooth_k, out_sig)
+
+
 def prefill_i8(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, stream=None,
                smooth_k: bool = True):
     """The launcher of the int8-QK families (launch.LAUNCHERS["prefill_i8"]): quantize, then attend.
-    smooth_k=False quantizes K without subtracting its mean (see quantize)."""
+    smooth_k=False quantizes K without subtracting its mean (see quantize). On CUDA a call's launches
+    are planned once per signature (shapes, strides, dtypes, options): a repeated call checks only
+    its pointers' alignment and launches."""
     example = q
-    qkv = quantize(q, k, v, scale=scale, with_shift=return_lse, kernel=kernel, stream=stream, smooth_k=smooth_k)
-    result = attention_quantized(kernel, qkv, return_lse=return_lse, out=out, stream=stream)
+    if kernel.spec.backend != "cuda":
+        qkv = quantize(q, k, v, scale=scale, with_shift=return_lse, kernel=kernel, stream=stream, smooth_k=smooth_k)
+        result = attention_quantized(kernel, qkv, return_lse=return_lse, out=out, stream=stream)
+    else:
+        result = _whole_call(kernel, q, k, v, scale, return_lse, out, stream, smooth_k)
     if out is not None:
         return (out, like_input(result[1], example)) if return_lse else out
     if return_lse:
         return like_input(result[0], example), like_input(result[1], example)
     return like_input(result, example)
+
+
+def _whole_call(kernel, q, k, v, scale, return_lse, out, stream, smooth_k):
+    import cupy
+
+    q, k, v = (as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    out_given = None if out is None else as_device_array(out, "out")
+    scale = None if scale is None else _check_scale(scale, 0)
+    smooth_k = _check_smooth_k(smooth_k)
+
+    def build():  # the full checks, once per signature
+        q_, k_, v_, dims = _checked_inputs(kernel, q, k, v)
+        with _on(q_, stream):
+            out_checked = _checked_out(out_given, dims, _out_dtype(q_.dtype.name))
+        return _CallPlan(kernel, q_, k_, v_, dims, _check_scale(scale, dims[5]), return_lse, smooth_k, out_checked)
+
+    plan = cached_plan(kernel, _call_key(q, k, v, scale, return_lse, smooth_k, out_given), build)
+    pointers = {"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr}
+    if out_given is not None:
+        pointers["out"] = out_given.data.ptr
+    if any(p % 16 for p in pointers.values()):  # the plan fixed all else: name the misaligned one
+        _checked_out(out_given, _checked_inputs(kernel, q, k, v)[3], q.dtype)
+    with _on(q, stream):
+        memory = cupy.cuda.alloc(plan.quant.nbytes)
+        pointers["ws"] = memory.ptr
+        stream_ptr = _stream_ptr(stream)
+        plan.quant.launch(pointers, stream_ptr)  # first: the GPU starts while the outputs are allocated
+        out_arr = out_given if out_given is not None else cupy.empty(plan.out_shape, dtype=plan.out_dtype)
+        lse = cupy.empty(plan.lse_shape, dtype=cupy.float32) if return_lse else None
+        pointers.update(out=out_arr.data.ptr, lse=lse.data.ptr if return_lse else 0)
+        plan.attention(pointers, stream_ptr)
+    return (out_arr, lse) if return_lse else out_arr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -26,6 +27,8 @@ class Kernel:
     meta: dict = field(default_factory=dict)
     _functions: dict = field(default_factory=dict, repr=False)  # entry suffix -> loaded function
     _module: object = field(default=None, repr=False)
+    # launch plans by call signature (int8_launch.cached_plan), least recently used first
+    plans: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
     @property
     def name(self) -> str:

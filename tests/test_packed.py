@@ -1,0 +1,66 @@
+"""PackedLaunch lays out kernel parameters as the CUDA ABI wants them and patches only the pointers
+(CPU: the driver call is intercepted and the parameter buffer read back)."""
+import ctypes
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from qattn.runtime.packed import NULL, PackedLaunch, Pointer
+
+cupy = pytest.importorskip("cupy")
+
+
+def read_params(params_ptr: int, kinds):
+    """The values the driver would copy: params_ptr is a void*[], one entry per parameter."""
+    addresses = (ctypes.c_uint64 * len(kinds)).from_address(params_ptr)
+    return [ctypes.cast(addresses[i], ctypes.POINTER(kind)).contents.value for i, kind in enumerate(kinds)]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    seen = []
+
+    def fake_launch(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        seen.append(dict(f=f, grid=(gx, gy, gz), block=(bx, by, bz), smem=smem, stream=stream, params=params))
+
+    monkeypatch.setattr(cupy.cuda.driver, "launchKernel", fake_launch)
+    return seen
+
+
+def test_parameters_are_aligned_and_pointers_patched_per_call(launches):
+    rng = np.random.default_rng()
+    n32, n64, f32 = int(rng.integers(-2**31, 2**31)), int(rng.integers(-2**62, 2**62)), float(rng.standard_normal())
+    base_a, base_b, skip = int(rng.integers(1, 2**40)) * 256, int(rng.integers(1, 2**40)) * 256, 4096 + 16
+    launch = PackedLaunch(SimpleNamespace(ptr=0xABC), (7, 3, 2), 256, 1024,
+                          (np.int32(n32), Pointer("a"), np.int32(5), np.int64(n64), np.float32(f32), NULL,
+                           Pointer("b", skip), np.int32(-1)))
+    kinds = (ctypes.c_int32, ctypes.c_uint64, ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_uint64,
+             ctypes.c_uint64, ctypes.c_int32)
+    for call in range(2):  # the second call must see the new pointers, nothing else changed
+        a, b = base_a + call * 512, base_b - call * 256
+        launch({"a": a, "b": b}, stream_ptr=77 + call)
+        got = launches[-1]
+        assert got["f"] == 0xABC and got["grid"] == (7, 3, 2) and got["block"] == (256, 1, 1)
+        assert got["smem"] == 1024 and got["stream"] == 77 + call
+        values = read_params(got["params"], kinds)
+        assert values[:3] == [n32, a, 5] and values[3] == n64 and values[5:] == [0, b + skip, -1]
+        assert values[4] == pytest.approx(np.float32(f32), rel=0, abs=0)
+        addresses = (ctypes.c_uint64 * len(kinds)).from_address(got["params"])
+        offsets = [addresses[i] - addresses[0] for i in range(len(kinds))]
+        assert offsets == [0, 8, 16, 24, 32, 40, 48, 56]  # 8-byte values on 8-byte boundaries
+
+
+def test_bad_launch_shapes_are_refused():
+    fn = SimpleNamespace(ptr=1)
+    with pytest.raises(ValueError, match="grid"):
+        PackedLaunch(fn, (1, 1), 32, 0, ())
+    with pytest.raises(ValueError, match="every dimension"):
+        PackedLaunch(fn, (0, 1, 1), 32, 0, ())
+
+
+def test_a_missing_pointer_name_fails_before_the_launch(launches):
+    launch = PackedLaunch(SimpleNamespace(ptr=1), (1, 1, 1), 32, 0, (Pointer("q"),))
+    with pytest.raises(KeyError):
+        launch({}, 0)
+    assert launches == []
