@@ -20,3 +20,14 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+def check_spills(entry: str, res: dict, *, attention: bool, allowed: int = 0) -> None:
+    """ptxas's spills for one entry point: an attention entry spills at most `allowed` bytes each
+    way; a quantization entry never reloads a spill (at four blocks per SM ptxas may keep 8 bytes
+    on the stack)."""
+    assert res, f"no ptxas report for {entry}"
+    if attention:
+        assert res["spill_stores"] <= allowed and res["spill_loads"] <= allowed, (entry, res)
+    else:
+        assert res["spill_stores"] <= 8 and res["spill_loads"] == 0, (entry, res)

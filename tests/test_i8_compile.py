@@ -9,6 +9,7 @@ import re
 
 import numpy as np
 import pytest
+from conftest import check_spills
 
 from qattn.codegen.fragments import pv_key_slot, pv_slot_key
 from qattn.codegen.recipes import RECIPES, SMEM_LIMIT
@@ -128,16 +129,14 @@ def test_compile_i8(spec):
     ptx = binary.ptx
     assert re.search(rf"\.target\s+{spec.arch}\b", ptx)
     # Defaults stay in registers but where the family lists a measured-faster tile that spills a
-    # little (Family.measured_spills); the quantization kernels never spill.
+    # little (Family.measured_spills); see check_spills for the quantization kernels.
     measured = ((spec.head_dim, spec.causal, spec.arch) in spec.family.measured_spills
                 and spec.tile == spec.family.default_tile(spec.head_dim, spec.causal, spec.arch))
     for e in _entries(spec):
         res = entry_resources(binary.log, e)
-        assert res, f"no ptxas report for {e}"
+        check_spills(e, res, attention=e in (entry_name(spec) + "_f16", entry_name(spec) + "_bf16"),
+                     allowed=64 if measured else 0)
         assert 0 < res["registers"] <= 255, (e, res)
-        attention = e in (entry_name(spec) + "_f16", entry_name(spec) + "_bf16")
-        allowed = 64 if measured and attention else 0
-        assert res["spill_stores"] <= allowed and res["spill_loads"] <= allowed, (e, res)
     attn = _entry_ptx(ptx, entry_name(spec) + "_f16")
     assert "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" in attn
     assert "cp.async" in attn and "ldmatrix" in attn

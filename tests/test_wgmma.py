@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+from conftest import check_spills
 
 from qattn.codegen.render import environment
 from qattn.runtime.compile import compile_cuda
@@ -178,8 +179,8 @@ def test_attention_kernel_compiles_on_wgmma(spec):
 
     binary = compile_cuda(render(spec), spec.arch, spec.name)
     for suffix in int8.module_entries(spec.recipe, spec.backend):
-        res = entry_resources(binary.log, entry_name(spec) + suffix)
-        assert res and res["spill_stores"] == 0 and res["spill_loads"] == 0, (suffix, res)
+        check_spills(suffix, entry_resources(binary.log, entry_name(spec) + suffix),
+                     attention=suffix in ("_f16", "_bf16"))
     # ptxas serializes every wgmma of a kernel when it cannot prove their registers untouched while
     # in flight (advisory C7514): the kernel still runs, at a fraction of its speed
     serialized = [line for line in binary.log.splitlines() if "C7514" in line or "serialized" in line]
