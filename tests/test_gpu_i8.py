@@ -290,6 +290,36 @@ def test_output_deterministic(fmt):
     assert bytes(a.get().data) == bytes(b.get().data)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_repeated_calls_follow_their_inputs(fmt):
+    """A call's launches are planned once per signature: a repeated call computes its own new
+    inputs, other strides and another scale get plans of their own, and a misaligned view with a
+    planned shape and strides is still refused by name."""
+    import cupy
+
+    _skip_unsupported(fmt)
+    rng = np.random.default_rng(21)
+    kernel = qattn.build("prefill", format=fmt, head_dim=64, causal=True)
+    host_a, (qa, ka, va) = _inputs(rng, "float16", 1, 4, 2, 130, 300, 64)
+    host_b, (qb, kb, vb) = _inputs(rng, "float16", 1, 4, 2, 130, 300, 64)
+    out_a = kernel(qa, ka, va)
+    plans = len(kernel.plans)
+    out_b = kernel(qb, kb, vb)
+    assert len(kernel.plans) == plans
+    _check(fmt, out_a, host_a, causal=True)
+    _check(fmt, out_b, host_b, causal=True)
+    q_bshd = cupy.ascontiguousarray(qb.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # same values, BSHD storage
+    assert q_bshd.strides != qb.strides
+    assert bytes(kernel(q_bshd, kb, vb).get().data) == bytes(out_b.get().data)
+    assert len(kernel.plans) > plans
+    _check(fmt, kernel(qb, kb, vb, scale=0.1), host_b, causal=True, scale=0.1)
+    buffer = cupy.empty(qb.size + 8, dtype=cupy.float16)
+    shifted = buffer[1:1 + qb.size].reshape(qb.shape)  # 2 bytes off, the planned strides
+    shifted[...] = qb
+    with pytest.raises(ValueError, match="q: data pointer must be 16-byte aligned"):
+        kernel(shifted, kb, vb)
+
+
 @pytest.mark.parametrize("fmt", ["i8-i8", "i8-f8"])
 def test_offsets_past_2_to_31(fmt):
     """B·H·L·D past 2^31 elements: the kernels' int64 offsets (checked on the last heads); i8-f8

@@ -1,0 +1,77 @@
+"""The int8-QK call's launch plans on the CPU: the per-kernel cache, and where a QuantPlan puts
+each operand (the functions are stand-ins; nothing launches)."""
+from collections import OrderedDict
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from qattn.codegen.spec import KernelSpec
+from qattn.runtime import int8_launch
+from qattn.runtime.packed import NULL, Pointer
+
+
+def test_plans_are_cached_per_key_and_bounded():
+    kernel = SimpleNamespace(plans=OrderedDict())
+    built = []
+
+    def build(key):
+        built.append(key)
+        return ("plan", key)
+
+    limit = int8_launch.PLANS_PER_KERNEL
+    for key in range(limit + 1):
+        assert int8_launch.cached_plan(kernel, key, lambda key=key: build(key)) == ("plan", key)
+    assert len(kernel.plans) == limit and 0 not in kernel.plans  # the least recently used went
+    assert int8_launch.cached_plan(kernel, 1, lambda: build("again")) == ("plan", 1)
+    assert built[-1] == limit and next(reversed(kernel.plans)) == 1  # a hit builds nothing, moves last
+
+
+def test_a_failed_build_caches_nothing():
+    kernel = SimpleNamespace(plans=OrderedDict())
+
+    def bad():
+        raise ValueError("q: bad")
+
+    with pytest.raises(ValueError, match="q: bad"):
+        int8_launch.cached_plan(kernel, "key", bad)
+    assert not kernel.plans
+
+
+def _stand_in(recipe, head_dim):
+    spec = KernelSpec(kind="prefill", recipe=recipe, head_dim=head_dim, arch="sm_90a")
+    return SimpleNamespace(spec=spec, function=lambda suffix: SimpleNamespace(ptr=1), threads=256, shared_bytes=0)
+
+
+def _contiguous(shape, itemsize=2):
+    return tuple(int(np.prod(shape[i + 1:])) * itemsize for i in range(len(shape)))
+
+
+@pytest.mark.parametrize("recipe,dtype,smooth_k", [("i8-f8", "float16", True), ("i8-f8", "bfloat16", False),
+                                                   ("i8-f16", "float16", True), ("i8-f16", "float16", False),
+                                                   ("i8-i8", "bfloat16", True)])
+def test_quant_plan_places_every_operand_apart(recipe, dtype, smooth_k):
+    b, hq, hkv, lq, lk, d = 2, 8, 2, 300, 1029, 128
+    kernel = _stand_in(recipe, d)
+    q_shape, kv_shape = (b, hq, lq, d), (b, hkv, lk, d)
+    plan = int8_launch.QuantPlan(kernel, (b, hq, hkv, lq, lk, d), dtype,
+                                 (_contiguous(q_shape), _contiguous(kv_shape), _contiguous(kv_shape)),
+                                 0.125, True, smooth_k)
+    spans = sorted((buf.offset, buf.offset + int(np.prod(buf.shape)) * np.dtype(buf.dtype).itemsize, name)
+                   for name, buf in plan.buffers.items())
+    for (start, end, name), (next_start, _, next_name) in zip(spans, spans[1:]):
+        assert start % 256 == 0 and end <= next_start, (name, next_name)
+    assert spans[-1][1] <= plan.nbytes
+    bn = kernel.spec.tile.block_n
+    lk_pad = -(-lk // bn) * bn
+    tiled = kernel.spec.family.values["mma_unit"] == "wgmma"
+    assert plan.buffers["k8"].shape == (b, hkv, lk_pad if tiled else lk, d)
+    assert plan.buffers["q8"].shape == q_shape and plan.buffers["shift"].shape == (b, hq, lq)
+    operands = plan.operands()
+    passes_v = recipe == "i8-f16" and dtype == "float16"  # fp16 V for the fp16 PV: read as given
+    assert ("v_op" in plan.buffers) != passes_v
+    assert operands["v"] == (Pointer("v") if passes_v else Pointer("ws", plan.buffers["v_op"].offset))
+    assert (operands["v_out_scale"] == NULL) == (recipe == "i8-f16")
+    # K̄ is zero-filled only where no statistics compute it
+    assert (plan.zero_fill is not None) == (not smooth_k and recipe == "i8-f16")
+    assert ("part_sum" in plan.buffers) == smooth_k
