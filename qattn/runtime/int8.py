@@ -14,7 +14,7 @@ with ``(rows, keys) = scale_blocks(kernel.spec)`` (block_m query rows per Q scal
 K scale and per softmax step): 128 x 64 for the default kernels, the emulator's defaults, except
 i8-f8 on sm_90a, whose default wgmma tiles take 128 x 128:
 
-- K̄ = mean of K over keys (fp64 partial sums per chunk of keys, finished here, rounded to fp32);
+- K̄ = mean of K over keys (fp64 partial sums per chunk of keys, combined in a fixed order, rounded to fp32);
   K̃ = K − K̄; s_K = max|K̃| / 127 per block of block_n keys; K8 = rint(K̃ / s_K). With
   ``smooth_k=False`` (emulate's option of the same name) K̄ is a buffer of zeros: K is quantized as
   given, and the shift (q̃·K̄) is 0.
