@@ -171,6 +171,31 @@ def test_strided_bshd_views(fmt, dtype):
     _check(fmt, out, [q.get(), k.get(), v.get()], causal=True)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False), (128, True)])
+def test_output_independent_of_lse_and_steps(fmt, dtype, head_dim, causal):
+    """The whole call, the whole call with LSE (which also has the quantization compute q·K̄) and
+    quantize + attention_quantized give the same output bits: strided Q, GQA, a query tail whose
+    128-row Q scale block ends past Lq."""
+    import cupy
+    from qattn.runtime import int8
+
+    _skip_unsupported(fmt)
+    rng = np.random.default_rng(21)
+    b, hq, hkv, lq, lk = 2, 4, 2, 300, 1029
+    host, (_, k, v) = _inputs(rng, dtype, b, hq, hkv, lq, lk, head_dim)
+    q = cupy.asarray(host[0]).transpose(0, 2, 1, 3).copy().transpose(0, 2, 1, 3)  # BSHD storage
+    assert not q.flags.c_contiguous
+    kernel = qattn.build("prefill", format=fmt, head_dim=head_dim, causal=causal)
+    whole = qattn.attention(q, k, v, format=fmt, causal=causal, out=_poisoned(q))
+    steps = int8.attention_quantized(kernel, int8.quantize(q, k, v, kernel=kernel))
+    with_lse, _ = qattn.attention(q, k, v, format=fmt, causal=causal, return_lse=True)
+    bits = [x.get().view(np.uint16) for x in (whole, steps, with_lse)]
+    assert np.array_equal(bits[0], bits[1]) and np.array_equal(bits[0], bits[2])
+    _check(fmt, whole, host, causal=causal)
+
+
 def _stored_column(keys):
     """Column of V^T (the kernel's key order inside each 16-key group) that holds each key."""
     return keys - keys % 16 + pv_key_slot(keys)

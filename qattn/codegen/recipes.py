@@ -45,8 +45,9 @@ class Family:
     # head_dim -> tiles to fall back on, in order, on archs with too little shared memory per block
     # for the default (unmeasured: chosen to fit, and to keep the default's shape where they can).
     smaller_tiles: dict = field(default_factory=dict)
-    # (head_dim, causal, arch) whose default tile ptxas spills a little (<= 64 B) but which measured
-    # faster than every spill-free tile (BENCHMARKS.md); everywhere else defaults must not spill.
+    # (head_dim, causal, arch) whose default tile ptxas spills a little (<= 64 B; <= 96 B for the
+    # wgmma kernels' 160-register consumers) but which measured faster than every spill-free tile
+    # (BENCHMARKS.md); everywhere else defaults must not spill.
     measured_spills: frozenset = frozenset()
     producer_warps: int = 0  # warps beside tile.warps that only load (warp-specialized kernels)
     launcher: str = "prefill"  # key of runtime.launch.LAUNCHERS that runs this family's kernels
@@ -342,9 +343,12 @@ def _wgmma_smem(tile: Tile, d: int) -> int:
 
 def _wgmma_problem(tile: Tile, d: int) -> str | None:
     def shape():
-        if tile.block_m not in (64, 128) or tile.block_m != 16 * tile.warps:
-            return ("block_m must be 64 or 128, 64 rows per consumer warpgroup of 4 warps (warps = block_m / 16), "
-                    f"got {tile.block_m}/{tile.warps}")
+        if tile.block_m not in (64, 128, 192) or tile.block_m != 16 * tile.warps:
+            return ("block_m must be 64, 128 or 192, 64 rows per consumer warpgroup of 4 warps "
+                    f"(warps = block_m / 16), got {tile.block_m}/{tile.warps}")
+        if tile.block_m == 192 and d != 64:
+            return (f"block_m 192 (three consumer warpgroups, 160 registers a thread) fits head_dim 64 only, "
+                    f"got {d}")
         if tile.block_n not in (64, 128):
             return f"block_n must be 64 or 128 (the s8 wgmma's n), got {tile.block_n}"
         return None
@@ -357,13 +361,13 @@ CUDA_I8_F8_WGMMA = Family(
     head_dims=(64, 128),
     # Whatever the tile, 128 query rows per Q scale (values); the key tile is the format's key block
     # (keys per K scale and per softmax step), as in the mma.sync kernels. Measured on the H200
-    # (BENCHMARKS.md): one consumer warpgroup of 64 rows, two blocks per SM (each hides the other's
-    # prologue and epilogue) beat two warpgroups of 128 rows by 7-15%; 128-key blocks beat 64-key
-    # ones by 16-20% at d128 and 5-9% at d64 (where 64 keys fit three blocks per SM).
-    default_tiles={64: Tile(64, 128, 4, 2), 128: Tile(64, 128, 4, 2)},
-    # d64 causal: a third ring slot, 2-3.5% over two in same-run A/Bs (level non-causal; at d128
-    # three slots leave room for one block per SM only)
-    tuned={(64, True, "sm_90a"): Tile(64, 128, 4, 3)},
+    # (BENCHMARKS.md): at d128 one consumer warpgroup of 64 rows, two blocks per SM (each hides the
+    # other's prologue and epilogue) beat two warpgroups of 128 rows by 7-15%; 128-key blocks beat
+    # 64-key ones by 16-20% at d128 and 5-9% at d64. At d64 three consumer warpgroups of one 192-row
+    # block (three warps per scheduler where two blocks give two) beat two 64-row blocks by 15%
+    # (causal 11%), though ptxas spills a few bytes at their 160 registers.
+    default_tiles={64: Tile(192, 128, 12, 2), 128: Tile(64, 128, 4, 2)},
+    measured_spills=frozenset({(64, False, "sm_90a"), (64, True, "sm_90a")}),
     tile_problem=_wgmma_problem,
     smem_bytes=_wgmma_smem,
     archs=("sm_90a",),
