@@ -118,14 +118,18 @@ def test_inspect_table():
 
 def test_inspect_shows_the_register_hand_over():
     """The warp-specialized wgmma kernel: registers at launch, then what setmaxnreg leaves the
-    producer and gives the consumers (the launch's pool, shared out: 128*24 + 128*232 = 256*128)."""
-    report = json.loads(run("inspect", "-f", "i8-f8", "-d", "128", "--arch", "sm_90a", "--json").stdout)
-    res = report["resources"]
-    assert (res["registers"], res["threads"], res["blocks_per_sm"]) == (128, 256, 2)
-    assert (res["registers_released"], res["registers_claimed"]) == (24, 232)
-    assert 128 * res["registers_released"] + 128 * res["registers_claimed"] <= res["threads"] * res["registers"]
-    table = run("inspect", "-f", "i8-f8", "-d", "128", "--arch", "sm_90a").output
-    assert "registers after setmaxnreg: producer / consumers" in " ".join(table.split()) and "24 / 232" in table
+    producer and gives the consumers (the launch's pool, shared out: 128*24 + 384*160 = 512*128 for
+    the default's three consumer warpgroups, 128*24 + 128*232 = 256*128 for two 64-row blocks per SM)."""
+    for tile, shape, claimed in ((["--tile", "192x128", "--warps", "12"], (128, 512, 1), 160),
+                                 (["--tile", "64x128", "--warps", "4"], (128, 256, 2), 232)):
+        args = ["inspect", "-f", "i8-f8", "-d", "128", "--arch", "sm_90a", "--stages", "2", *tile]
+        res = json.loads(run(*args, "--json").stdout)["resources"]
+        assert (res["registers"], res["threads"], res["blocks_per_sm"]) == shape
+        assert (res["registers_released"], res["registers_claimed"]) == (24, claimed)
+        consumers = res["threads"] - 128
+        assert 128 * res["registers_released"] + consumers * res["registers_claimed"] <= res["threads"] * res["registers"]
+        table = run(*args).output
+        assert "registers after setmaxnreg: producer / consumers" in " ".join(table.split()) and f"24 / {claimed}" in table
 
 
 def test_inspect_shows_the_format_blocks():

@@ -1,7 +1,7 @@
 """i8-f8 on Hopper warpgroup MMAs (mma="wgmma", sm_90a): against its CPU emulator (rel_l2 <= 1e-3)
 and FP64 on the shapes of the mma.sync kernels' tests (tails, GQA, causal Lq != Lk), with bf16
-inputs, LSE, strided output, and other tiles (64 or 128 keys; one or two warpgroups). Skipped off
-sm_90a."""
+inputs, LSE, strided output, and other tiles (64 or 128 keys; one, two or three warpgroups, whose
+output bits must not depend on the rows per block). Skipped off sm_90a."""
 from __future__ import annotations
 
 import numpy as np
@@ -63,7 +63,7 @@ def test_bf16_lse_and_strided_output(causal):
 
 
 @pytest.mark.parametrize("head_dim,tile,causal", [(64, (128, 128, 8, 2), False), (64, (64, 64, 4, 3), True),
-                                                   (64, (64, 128, 4, 2), True),
+                                                   (64, (64, 128, 4, 2), True), (128, (64, 128, 4, 2), False),
                                                    (128, (128, 64, 8, 2), True), (128, (64, 64, 4, 3), False),
                                                    (128, (128, 64, 8, 4), False)])
 def test_other_tiles(head_dim, tile, causal):
@@ -77,6 +77,29 @@ def test_other_tiles(head_dim, tile, causal):
     out = _poisoned(q)
     kernel(q, k, v, out=out)
     _check("i8-f8", out, host, causal=causal, block_n=_key_block(kernel))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lq,lk", [(1, 300), (65, 65), (700, 1100), (1000, 1000), (1100, 700), (4096, 4096)])
+def test_block_rows_do_not_change_the_output_bits(head_dim, causal, lq, lk):
+    """One 192-row block of three warpgroups (the default at both head dims; at these lengths the
+    last block holds rows past Lq, whole warpgroups of them at all but 1100) gives the bits of
+    64-row blocks: each warpgroup takes the Q scale of its own rows and every row visits the same
+    key tiles in the same order, the masked ones adding nothing."""
+    from qattn.codegen.tile import Tile
+
+    rng = np.random.default_rng(hash(("rows", head_dim, causal, lq, lk)) % 2**32)
+    host, (q, k, v) = _inputs(rng, "float16", 1, 8, 2, lq, lk, head_dim)
+    outs = []
+    for tile in (Tile(64, 128, 4, 2), Tile(192, 128, 12, 2)):
+        out = _poisoned(q)
+        _kernel(head_dim, causal, tile)(q, k, v, out=out)
+        outs.append(out.get())
+    assert not np.isnan(outs[1]).any(), "out has NaNs: not every row was written"
+    assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
+    if lq <= 1100:
+        _check("i8-f8", outs[1], host, causal=causal, block_n=128)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -172,7 +172,8 @@ def test_mma_unit_choice():
     for tile in (Tile(128, 64, 4, 2), Tile(256, 64, 16, 2)):
         with pytest.raises(ValueError, match="block_m must be 64, 128 or 192"):
             KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma", tile=tile)
-    assert KernelSpec(recipe="i8-f8", head_dim=64, arch="sm_90a", mma="wgmma").tile == Tile(192, 128, 12, 2)
+    for d in (64, 128):
+        assert KernelSpec(recipe="i8-f8", head_dim=d, arch="sm_90a", mma="wgmma").tile == Tile(192, 128, 12, 2)
 
 
 @pytest.mark.parametrize("spec", _wgmma_specs(), ids=lambda s: s.name)

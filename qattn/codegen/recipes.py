@@ -360,12 +360,10 @@ CUDA_I8_F8_WGMMA = Family(
     # (keys per K scale and per softmax step), as in the mma.sync kernels. Measured on the H200
     # (BENCHMARKS.md): 128-key blocks beat 64-key ones by 16-20% at d128 and 5-9% at d64; three
     # consumer warpgroups of one 192-row block (three warps per scheduler where two 64-row blocks
-    # per SM give two) beat two 64-row blocks by 15% at d64 (causal 11%), though ptxas spills a
-    # few bytes at their 160 registers. At d128 they measured 13% faster too (causal 2%, S issued
-    # after the PV partial), with the same output bits at two shapes; m64n128w4s2 stays the d128
-    # default until the GPU test suite has run on them.
-    default_tiles={64: Tile(192, 128, 12, 2), 128: Tile(64, 128, 4, 2)},
-    measured_spills=frozenset({(64, False, "sm_90a"), (64, True, "sm_90a")}),
+    # per SM give two) beat two 64-row blocks by 15% at d64 (causal 11%) and 13% at d128 (S issued
+    # after the PV partial there), though ptxas spills a few bytes at their 160 registers.
+    default_tiles={64: Tile(192, 128, 12, 2), 128: Tile(192, 128, 12, 2)},
+    measured_spills=frozenset((d, causal, "sm_90a") for d in (64, 128) for causal in (False, True)),
     tile_problem=_wgmma_problem,
     smem_bytes=_wgmma_smem,
     archs=("sm_90a",),
