@@ -169,3 +169,23 @@ def test_output_written_everywhere_and_deterministic():
     assert not bool(cupy.isnan(a).any())
     assert bytes(a.get().data) == bytes(b.get().data)
     assert math.isfinite(float(a.astype(cupy.float32).sum()))
+
+
+def test_attention_looks_its_kernel_up_and_still_checks_its_arguments():
+    import cupy
+
+    from qattn.runtime import api
+
+    rng = np.random.default_rng()
+    q = cupy.asarray(rng.standard_normal((1, 2, 77, 64)).astype(np.float16))
+    first = qattn.attention(q, q, q, format="f16", causal=True)
+    known = dict(api._CALL_KERNELS)
+    again = qattn.attention(q, q, q, format="f16", causal=True)
+    assert api._CALL_KERNELS == known  # the second call built nothing
+    assert cupy.array_equal(first.view(cupy.uint16), again.view(cupy.uint16))
+    with pytest.raises(ValueError, match="causal"):
+        qattn.attention(q, q, q, format="f16", causal=1)
+    with pytest.raises(ValueError, match="tile"):
+        qattn.attention(q, q, q, format="f16", tile=(64, 64, 4, 2))
+    with pytest.raises(ValueError, match="head_dim"):
+        qattn.attention(q[..., :48], q[..., :48], q[..., :48], format="f16")

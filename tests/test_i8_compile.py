@@ -15,7 +15,7 @@ from qattn.codegen.fragments import pv_key_slot, pv_slot_key
 from qattn.codegen.recipes import RECIPES, SMEM_LIMIT
 from qattn.codegen.render import entry_name, main_entry_name, render
 from qattn.codegen.spec import KernelSpec
-from qattn.runtime import int8
+from qattn.runtime import int8, int8_launch
 from qattn.runtime.compile import compile_cuda, entry_resources, parse_ptxas
 
 I8_FORMATS = ("i8-f16", "i8-i8", "i8-f8")
@@ -137,6 +137,16 @@ def test_compile_i8(spec):
         check_spills(e, res, attention=e in (entry_name(spec) + "_f16", entry_name(spec) + "_bf16"),
                      allowed=64 if measured else 0)
         assert 0 < res["registers"] <= 255, (e, res)
+    # From sm_90 the call's launches are programmatic (int8_launch.programmatic): each entry waits
+    # for the kernel ahead of it before its first memory access; before sm_90 no such instruction.
+    for e in _entries(spec):
+        body = _entry_ptx(ptx, e)
+        if int8_launch.programmatic(spec):
+            first_access = min(body.find(op) for op in ("ld.global", "st.global", "cp.async", "red.global", "atom.global")
+                               if op in body)
+            assert 0 <= body.find("griddepcontrol.wait") < first_access, e
+        else:
+            assert "griddepcontrol" not in body, e
     attn = _entry_ptx(ptx, entry_name(spec) + "_f16")
     assert "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" in attn
     assert "cp.async" in attn and "ldmatrix" in attn

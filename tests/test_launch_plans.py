@@ -75,3 +75,18 @@ def test_quant_plan_places_every_operand_apart(recipe, dtype, smooth_k):
     # K̄ is zero-filled only where no statistics compute it
     assert (plan.zero_fill is not None) == (not smooth_k and recipe == "i8-f16")
     assert ("part_sum" in plan.buffers) == smooth_k
+
+
+@pytest.mark.parametrize("recipe,arch,expected", [("i8-f8", "sm_90a", True), ("i8-f8", "sm_120", True),
+                                                  ("i8-f8", "sm_89", False), ("i8-f16", "sm_80", False)])
+def test_launches_are_programmatic_from_sm90(monkeypatch, recipe, arch, expected):
+    from qattn.runtime import packed
+
+    monkeypatch.setattr(packed, "_launch_kernel_ex", lambda: lambda *args: 0)
+    spec = KernelSpec(kind="prefill", recipe=recipe, head_dim=64, arch=arch)
+    kernel = SimpleNamespace(spec=spec, function=lambda suffix: SimpleNamespace(ptr=1), threads=256, shared_bytes=0)
+    dims, shape = (1, 2, 2, 100, 100, 64), (1, 2, 100, 64)
+    plan = int8_launch.QuantPlan(kernel, dims, "float16", (_contiguous(shape),) * 3, 0.125, False, True)
+    attention = int8_launch.attention_launch(kernel, dims, "float16", plan.operands(), _contiguous(shape),
+                                             _contiguous(shape), False)
+    assert [launch.programmatic for launch in plan.launches + [attention]] == [expected] * 4

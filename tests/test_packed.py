@@ -64,3 +64,51 @@ def test_a_missing_pointer_name_fails_before_the_launch(launches):
     with pytest.raises(KeyError):
         launch({}, 0)
     assert launches == []
+
+
+def test_a_programmatic_launch_passes_the_attribute_and_the_same_parameters(monkeypatch, launches):
+    from qattn.runtime import packed
+
+    seen = []
+
+    def fake_ex(config_ref, function, params, extra):
+        config = config_ref._obj
+        attr = config.attrs[0]
+        seen.append(dict(grid=tuple(config.grid), block=tuple(config.block), smem=config.shared_mem,
+                         stream=config.stream, attrs=config.num_attrs, attr=(attr.id, attr.value), f=function,
+                         params=params, extra=extra))
+        return 0
+
+    monkeypatch.setattr(packed, "_launch_kernel_ex", lambda: fake_ex)
+    rng = np.random.default_rng()
+    n32, base = int(rng.integers(-2**31, 2**31)), int(rng.integers(1, 2**40)) * 256
+    launch = PackedLaunch(SimpleNamespace(ptr=0x5EED), (9, 4, 3), 384, 2048, (Pointer("a", 16), np.int32(n32)),
+                          programmatic=True)
+    assert launch.programmatic
+    for call in range(2):
+        launch({"a": base + 256 * call}, stream_ptr=1234 + call)
+        got = seen[-1]
+        assert got["grid"] == (9, 4, 3) and got["block"] == (384, 1, 1) and got["smem"] == 2048
+        assert got["stream"] == 1234 + call and got["f"] == 0x5EED and got["extra"] is None
+        assert got["attrs"] == 1 and got["attr"] == (packed._PROGRAMMATIC_STREAM_SERIALIZATION, 1)
+        assert read_params(got["params"], (ctypes.c_uint64, ctypes.c_int32)) == [base + 256 * call + 16, n32]
+    assert launches == []  # never the plain launch
+
+
+def test_a_programmatic_launch_without_the_driver_entry_is_a_plain_one(monkeypatch, launches):
+    from qattn.runtime import packed
+
+    monkeypatch.setattr(packed, "_launch_kernel_ex", lambda: None)
+    launch = PackedLaunch(SimpleNamespace(ptr=7), (1, 1, 1), 32, 0, (Pointer("a"),), programmatic=True)
+    assert not launch.programmatic
+    launch({"a": 4096}, 5)
+    assert len(launches) == 1 and launches[0]["stream"] == 5
+
+
+def test_a_failed_programmatic_launch_raises(monkeypatch):
+    from qattn.runtime import packed
+
+    monkeypatch.setattr(packed, "_launch_kernel_ex", lambda: lambda *args: 1)  # CUDA_ERROR_INVALID_VALUE
+    launch = PackedLaunch(SimpleNamespace(ptr=7), (1, 1, 1), 32, 0, (), programmatic=True)
+    with pytest.raises(packed.LaunchError, match="CUresult 1"):
+        launch({}, 0)

@@ -8,6 +8,10 @@ from ..codegen.tile import Tile
 from .arrays import as_device_array
 from .kernel import Kernel, build_kernel
 
+# attention()'s kernels by (format, head_dim, causal, tile, device): a repeated call looks its kernel
+# up instead of building and validating a KernelSpec (microseconds of host time before the GPU starts).
+_CALL_KERNELS: dict[tuple, Kernel] = {}
+
 
 def _spec_from(kind: str, fields: dict) -> KernelSpec:
     fields = dict(fields)
@@ -73,7 +77,19 @@ def attention(q, k, v=None, *, format: str | None = None, causal: bool = False, 
     q_dev = as_device_array(q, "q")
     if q_dev.ndim != 4:
         raise ValueError(f"q: expected 4 dimensions [batch, heads, seq, head_dim], got shape {q_dev.shape}")
-    spec = default_spec(format, int(q_dev.shape[-1]), causal=causal)
-    if tile is not None:
-        spec = spec.with_(tile=tile)
-    return build_kernel(spec)(q, k, v, scale=scale, return_lse=return_lse, out=out, **options)
+    return _call_kernel(format, q_dev, causal, tile)(q, k, v, scale=scale, return_lse=return_lse, out=out, **options)
+
+
+def _call_kernel(format: str, q, causal, tile) -> Kernel:
+    key = (format, q.shape[-1], causal, type(causal), tile, q.data.device_id)  # causal=1 is refused, not True
+    try:
+        kernel = _CALL_KERNELS.get(key)
+    except TypeError:  # an unhashable argument: the spec's validation names it
+        kernel, key = None, None
+    if kernel is None:
+        with q.device:
+            spec = default_spec(format, int(q.shape[-1]), causal=causal)
+            kernel = build_kernel(spec if tile is None else spec.with_(tile=tile))
+        if key is not None:
+            _CALL_KERNELS[key] = kernel
+    return kernel

@@ -50,6 +50,12 @@ def tile_keys(spec) -> int:
     return spec.tile.block_n if spec.family.values["mma_unit"] == "wgmma" else 0
 
 
+def programmatic(spec) -> bool:
+    """Whether the call's dependent launches may start before their predecessor drains (sm_90+;
+    every entry of prefill_i8.cu.j2 passes grid_dependency_wait first)."""
+    return spec.backend == "cuda" and int(spec.arch[3:].rstrip("a")) >= 90
+
+
 def element_strides(strides, itemsize: int) -> list:
     return [np.int64(s // itemsize) for s in strides[:3]]
 
@@ -120,22 +126,23 @@ class QuantPlan:
         k_mean, v_scale = ws("small"), ws("small", plane) if v_stats else NULL
         self.zero_fill = None if smooth_k or v_stats else (self.buffers["small"].offset, plane)
         self.launches = []
+        pdl = programmatic(spec)
         if smooth_k or v_stats:
             self.launches.append(PackedLaunch(
                 kernel.function("_stats_" + sfx), (nchunks, hkv, b), QUANT_THREADS, 0,
                 (Pointer("k") if smooth_k else NULL, *k_st, Pointer("v") if v_stats else NULL, *v_st, np.int32(lk),
-                 ws("part_sum"), ws("part_max"))))
+                 ws("part_sum"), ws("part_max")), pdl))
             self.launches.append(PackedLaunch(
                 kernel.function("_stats_finish"), (-(-d // FINISH_CHANNELS), hkv, b), QUANT_THREADS, 0,
                 (ws("part_sum"), ws("part_max"), np.int32(nchunks), np.int32(lk), k_mean, v_scale,
-                 ws("small", 2 * plane) if v_stats else NULL)))
+                 ws("small", 2 * plane) if v_stats else NULL), pdl))
         blocks = -(-lq // q_rows) * hq * b + nbk * hkv * b * (2 if v_job else 1)
         mul = np.float32(scale * quant.LOG2E)  # as quant.fold_softmax_scale
         self.launches.append(PackedLaunch(
             kernel.function("_quant_qkv_" + sfx), (blocks, 1, 1), QUANT_THREADS, 0,
             (Pointer("q"), *q_st, np.int32(lq), np.int32(hq), np.int32(hq // hkv), mul, ws("q8"), ws("q_scale"),
              ws("shift"), Pointer("k"), *k_st, Pointer("v"), *v_st, np.int32(lk), np.int32(hkv), np.int32(lk_pad),
-             np.int32(b), k_mean, v_scale, ws("k8"), ws("k_scale"), ws("v_op"))))
+             np.int32(b), k_mean, v_scale, ws("k8"), ws("k_scale"), ws("v_op")), pdl))
 
     def launch(self, pointers: dict, stream_ptr: int) -> None:
         if self.zero_fill is not None:
@@ -177,7 +184,7 @@ def attention_launch(kernel, dims, dtype: str, operands: dict, v_strides, out_st
             operands["shift"] if with_lse else NULL, *(np.int64(s) for s in v_strides[:3]),
             *(np.int64(s) for s in out_strides[:3]), np.int32(hq), np.int32(hq // hkv), np.int32(lq), np.int32(lk))
     return PackedLaunch(kernel.function("_" + SUFFIX[dtype]), (-(-lq // spec.tile.block_m), hq, b), kernel.threads,
-                        kernel.shared_bytes, args)
+                        kernel.shared_bytes, args, programmatic(spec))
 
 
 def contiguous_strides(buffer: Buffer) -> tuple:

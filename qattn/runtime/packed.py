@@ -5,9 +5,17 @@ launches of 7 to 30 arguments that host time exceeds what the short quantization
 the GPU, and the GPU waits for it. A PackedLaunch lays its parameters out once (the values that do
 not change between calls written in place) and each call writes only its device pointers before
 one cuLaunchKernel, which copies the parameters before it returns (so one buffer serves every call).
+
+A programmatic launch (sm_90 and newer) goes through cuLaunchKernelEx with programmatic stream
+serialization: the GPU may start the kernel while the one ahead of it in the stream is still
+draining, which hides the launch gap between the dependent kernels of one call. Such a kernel must
+wait for its predecessor on the device before it touches memory (grid_dependency_wait in
+common.cuh.j2); where the driver lacks cuLaunchKernelEx the launch is an ordinary one.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -24,12 +32,40 @@ class Pointer:
 
 NULL = Pointer(None)
 
+# cuda.h: CUlaunchAttributeID CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION.
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class LaunchError(RuntimeError):
+    """A programmatic launch the driver refused (the CUresult is in the message)."""
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+@functools.lru_cache(maxsize=1)
+def _launch_kernel_ex():
+    """The driver's cuLaunchKernelEx (CUDA 12+), or None."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    return fn
+
 
 class PackedLaunch:
     """One kernel launch with its grid, block, shared memory and parameters fixed: args are numpy
     scalars (np.int32, np.int64, np.float32, np.uintp: written once) or Pointers (written per call)."""
 
-    def __init__(self, function, grid, block: int, shared_mem: int, args):
+    def __init__(self, function, grid, block: int, shared_mem: int, args, programmatic: bool = False):
         if len(grid) != 3:
             raise ValueError(f"grid: expected 3 dimensions, got {tuple(grid)}")
         self._function = function  # held: its module must outlive the launches
@@ -57,13 +93,32 @@ class PackedLaunch:
         self._params = np.array([base + at for at in offsets], dtype=np.uint64)  # void*[]: each parameter's address
         self._params_ptr = self._params.__array_interface__["data"][0]
         self._lock = threading.Lock()  # one caller at a time patches the words
+        from cupy.cuda import driver
+
+        self._launch = driver.launchKernel
+        self._ex = _launch_kernel_ex() if programmatic else None
+        if self._ex is not None:
+            self._attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+            self._config = _LaunchConfig((ctypes.c_uint * 3)(*self._dims[:3]), (ctypes.c_uint * 3)(*self._dims[3:6]),
+                                         self._dims[6], None, ctypes.pointer(self._attr), 1)
+            self._config_ref = ctypes.byref(self._config)
+
+    @property
+    def programmatic(self) -> bool:
+        """Whether the launch lets the GPU start the kernel before its predecessor has drained."""
+        return self._ex is not None
 
     def __call__(self, pointers: dict, stream_ptr: int) -> None:
         """Launch with each Pointer's pointers[name] + offset (the launch copies the parameters)."""
-        from cupy.cuda import driver
-
         with self._lock:
             words = self._words
             for index, name, offset in self._slots:
                 words[index] = pointers[name] + offset
-            driver.launchKernel(self._function_ptr, *self._dims, stream_ptr, self._params_ptr, 0)
+            if self._ex is None:
+                self._launch(self._function_ptr, *self._dims, stream_ptr, self._params_ptr, 0)
+                return
+            self._config.stream = stream_ptr
+            status = self._ex(self._config_ref, self._function_ptr, self._params_ptr, None)
+        if status:
+            raise LaunchError(f"cuLaunchKernelEx returned CUresult {status} for grid {self._dims[:3]}, "
+                              f"{self._dims[3]} threads, {self._dims[6]} B of shared memory")
