@@ -123,7 +123,9 @@ def test_render(spec):
 
 # ---- NVRTC compile ----------------------------------------------------------------------------
 
-def _check_compiled(spec: KernelSpec) -> None:
+def _check_compiled(spec: KernelSpec, spills_allowed: int = 0) -> None:
+    """spills_allowed: bytes the main entry may spill each way (a tile measured faster than every
+    spill-free one); the statistics and merge entries never spill."""
     binary = _compiled(spec)
     assert binary.data[:4] == b"\x7fELF"
     ptx = binary.ptx
@@ -132,7 +134,8 @@ def _check_compiled(spec: KernelSpec) -> None:
         assert f".entry {entry}(" in ptx
         res = _entry_resources(binary.log, entry)
         assert 0 < res["registers"] <= 255, (entry, res)
-        assert res["spill_stores"] == 0 and res["spill_loads"] == 0, (entry, res)
+        allowed = spills_allowed if entry == entry_name(spec) else 0
+        assert res["spill_stores"] <= allowed and res["spill_loads"] <= allowed, (entry, res)
     # the Kernel reports the attention kernel's figures (main_entry_name, whatever order ptxas uses)
     main = _entry_resources(binary.log, entry_name(spec))
     assert all(binary.resources[k] == main[k] for k in ("registers", "spill_stores", "spill_loads"))
@@ -160,6 +163,29 @@ def test_compile(spec):
 @pytest.mark.parametrize("spec", SAMPLED, ids=_ids(SAMPLED))
 def test_compile_other_archs(spec):
     _check_compiled(spec)
+
+
+LONG_QUERY_SPECS = [KernelSpec(recipe=f, head_dim=d, causal=c, arch=a, tile=t)
+                    for (d, a), t in kv8_families.LONG_QUERY_TILES.items() for f in kv8_families.MMA_FORMATS
+                    for c in (False, True)]
+
+
+@pytest.mark.parametrize("spec", LONG_QUERY_SPECS, ids=_ids(LONG_QUERY_SPECS))
+def test_long_query_tiles_compile(spec):
+    # kv8-imma's 128-row tile spills on sm_90a (48 B stored, 104 B reloaded, outside the MMAs' operands)
+    # and still measured 7-9% faster than the spill-free default at long query counts (BENCHMARKS.md)
+    _check_compiled(spec, spills_allowed=112 if spec.recipe == "kv8-imma" else 0)
+
+
+def test_long_query_tile_choice():
+    long_tile = kv8_families.LONG_QUERY_TILES[(128, "sm_90a")]
+    assert long_tile.block_m == 128
+    for fmt in kv8_families.MMA_FORMATS:
+        assert kv8_families.launch_tile(fmt, 128, "sm_90a", kv8_families.LONG_QUERIES) == long_tile
+        assert kv8_families.launch_tile(fmt, 128, "sm_90a", kv8_families.LONG_QUERIES - 1) is None
+        assert kv8_families.launch_tile(fmt, 64, "sm_90a", 4096) is None  # slower at d64
+        assert kv8_families.launch_tile(fmt, 128, "sm_80", 4096) is None  # measured on the H200 only
+    assert kv8_families.launch_tile("kv8-f32", 128, "sm_90a", 4096) is None
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])

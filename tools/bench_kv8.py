@@ -64,7 +64,7 @@ def main() -> int:
             queued = {"flash": time_queued(sdpa_flash)}
         row["sdpa_flash_fp16_ms"] = flash
         for fmt in FORMATS:
-            kernel = build_kernel(default_spec(fmt, d, causal=args.causal))
+            kernel = build_kernel(kv8.call_spec(fmt, d, args.causal, queries, default_spec(fmt, d).arch))
             out = cupy.empty_like(q)
             splits = args.splits if fmt in SPLIT_FORMATS else 1
             row[f"{fmt}_splits"] = splits or kv8.choose_splits(kernel, 1, args.heads, queries, ctx, q.device.id)

@@ -26,6 +26,22 @@ HEAD_DIMS = (64, 128)  # multiples of kv8-imma's 64-channel Q scale group
 MMA_FORMATS = ("kv8-split", "kv8-imma")
 
 
+# Where a call has at least LONG_QUERIES query rows, attention_kv8 runs the tensor-core formats on
+# LONG_QUERY_TILES[(head_dim, arch)] instead of the family default: 128 rows a block measured 7-15%
+# faster on the H200 at d128 (one block's K/V tiles and V transpose serve eight warps), and slower
+# with fewer queries (half the block idle, half the splits a wave holds) and at d64 (BENCHMARKS.md).
+LONG_QUERIES = 256
+LONG_QUERY_TILES = {(128, "sm_90a"): Tile(128, 64, 8, 2)}
+
+
+def launch_tile(fmt: str, head_dim: int, arch: str, queries: int) -> Tile | None:
+    """The tile a kv8 call that names none runs: LONG_QUERY_TILES's where it applies, else None (the
+    family's default)."""
+    if fmt in MMA_FORMATS and queries >= LONG_QUERIES:
+        return LONG_QUERY_TILES.get((head_dim, arch))
+    return None
+
+
 # Bytes of Q operand per query element kept in shared memory: kv8-imma's three byte parts, or
 # kv8-split's fp16 hi and lo.
 Q_BYTES = {"kv8-imma": 3, "kv8-split": 4}

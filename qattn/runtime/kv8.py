@@ -8,6 +8,10 @@ which are written into a temporary cache first, as parity runs do) lands in ``at
   else the arch's default (``kv8-imma`` on sm_80 and later: every arch with a kv8 kernel);
 - ``format="kv8-imma"`` etc.: that format, whatever the variable says.
 
+With no ``tile=``, a call of at least ``kv8_families.LONG_QUERIES`` query rows runs the tensor-core
+formats on the arch's long-query tile where one was measured faster (``launch_tile``; 128 rows a
+block at d128 on sm_90a), else on the family's default tile. The tile changes no arithmetic.
+
 q is float32 [B, Hq, Lq, D] (D = 64 or 128), out float32, LSE float32 natural-log. The launches are
 deterministic (no atomics): the same inputs give the same bytes on every run.
 
@@ -37,7 +41,7 @@ import os
 
 import numpy as np
 
-from ..codegen.kv8_families import MERGE_ENTRY, MMA_FORMATS, STAT_ENTRY
+from ..codegen.kv8_families import MERGE_ENTRY, MMA_FORMATS, STAT_ENTRY, launch_tile
 from .arrays import as_device_array, like_input
 from .kvcache import CODE_ALIGN, KVCacheInt8
 from .reference import check_shapes
@@ -259,7 +263,7 @@ def attention_kv8(q, k, v=None, *, format: str | None = None, causal: bool = Fal
                   return_lse: bool = False, out=None, tile=None, splits: int | None = None):
     """qattn.attention for an int8 KV cache (see the module docstring for how the format is chosen and
     for splits)."""
-    from ..codegen.spec import KernelSpec, device_arch
+    from ..codegen.spec import device_arch
     from ..codegen.tile import Tile
     from .kernel import build_kernel
 
@@ -271,6 +275,15 @@ def attention_kv8(q, k, v=None, *, format: str | None = None, causal: bool = Fal
     fmt = resolve_format(format, arch)
     if isinstance(tile, (tuple, list)):
         tile = Tile(*tile)
-    spec = KernelSpec(kind="prefill", recipe=fmt, head_dim=int(q_dev.shape[-1]), causal=causal, arch=arch,
-                      **({"tile": tile} if tile is not None else {}))
+    spec = call_spec(fmt, int(q_dev.shape[-1]), causal, int(q_dev.shape[2]), arch, tile)
     return build_kernel(spec)(q, k, v, scale=scale, return_lse=return_lse, out=out, splits=splits)
+
+
+def call_spec(fmt: str, head_dim: int, causal: bool, queries: int, arch: str, tile=None):
+    """The kernel a kv8 call of `queries` query rows runs: the given tile, else the arch's long-query
+    tile where it applies (kv8_families.launch_tile), else the family's default."""
+    from ..codegen.spec import KernelSpec
+
+    tile = tile if tile is not None else launch_tile(fmt, head_dim, arch, queries)
+    return KernelSpec(kind="prefill", recipe=fmt, head_dim=head_dim, causal=causal, arch=arch,
+                      **({"tile": tile} if tile is not None else {}))
