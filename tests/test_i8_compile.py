@@ -15,7 +15,7 @@ from qattn.codegen.fragments import pv_key_slot, pv_slot_key
 from qattn.codegen.recipes import RECIPES, SMEM_LIMIT
 from qattn.codegen.render import entry_name, main_entry_name, render
 from qattn.codegen.spec import KernelSpec
-from qattn.runtime import int8, int8_launch
+from qattn.runtime import int8, packed
 from qattn.runtime.compile import compile_cuda, entry_resources, parse_ptxas
 
 I8_FORMATS = ("i8-f16", "i8-i8", "i8-f8")
@@ -141,7 +141,7 @@ def test_compile_i8(spec):
     # for the kernel ahead of it before its first memory access; before sm_90 no such instruction.
     for e in _entries(spec):
         body = _entry_ptx(ptx, e)
-        if int8_launch.programmatic(spec):
+        if packed.programmatic(spec):
             first_access = min(body.find(op) for op in ("ld.global", "st.global", "cp.async", "red.global", "atom.global")
                                if op in body)
             assert 0 <= body.find("griddepcontrol.wait") < first_access, e

@@ -19,7 +19,7 @@ from qattn.codegen.recipes import RECIPES, SMEM_LIMIT
 from qattn.codegen.render import entry_name, main_entry_name, render
 from qattn.codegen.spec import KernelSpec
 from qattn.codegen.tile import Tile
-from qattn.runtime import quant
+from qattn.runtime import packed, quant
 from qattn.runtime.compile import compile_cuda, entry_resources
 from qattn.runtime.emulate import IMMA_GROUP
 
@@ -112,10 +112,10 @@ def test_render(spec):
     assert f"constexpr bool CAUSAL = {'true' if spec.causal else 'false'};" in src
     assert render(spec) == src
     if spec.recipe in kv8_families.MMA_FORMATS:
-        from qattn.runtime import kv8
+        from qattn.runtime import kv8_launch
 
         assert entry_name(spec) + "_stat(" in src and entry_name(spec) + kv8_families.MERGE_ENTRY + "(" in src
-        assert f"constexpr int MERGE_THREADS = {kv8.MERGE_THREADS};" in src  # the launcher's merge block
+        assert f"constexpr int MERGE_THREADS = {kv8_launch.MERGE_THREADS};" in src  # the launcher's merge block
         assert src.count("QATTN_DEVICE void store_partial(") == 1  # one merge include, both formats
         assert ("mma_split3" in src) == (spec.recipe == "kv8-imma")
         assert ("split_f16x2" in src) == (spec.recipe == "kv8-split")
@@ -136,6 +136,14 @@ def _check_compiled(spec: KernelSpec, spills_allowed: int = 0) -> None:
         assert 0 < res["registers"] <= 255, (entry, res)
         allowed = spills_allowed if entry == entry_name(spec) else 0
         assert res["spill_stores"] <= allowed and res["spill_loads"] <= allowed, (entry, res)
+        # programmatic launches from sm_90 (kv8_launch): each entry waits for the kernel ahead of it
+        body = ptx[ptx.index(f".entry {entry}("):]
+        body = body[:body.find(".entry ", 1) if ".entry " in body[1:] else len(body)]
+        if packed.programmatic(spec):
+            first_access = min(body.find(op) for op in ("ld.global", "st.global", "cp.async") if op in body)
+            assert 0 <= body.find("griddepcontrol.wait") < first_access, entry
+        else:
+            assert "griddepcontrol" not in body, entry
     # the Kernel reports the attention kernel's figures (main_entry_name, whatever order ptxas uses)
     main = _entry_resources(binary.log, entry_name(spec))
     assert all(binary.resources[k] == main[k] for k in ("registers", "spill_stores", "spill_loads"))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from qattn.codegen.spec import KernelSpec
-from qattn.runtime import int8_launch
+from qattn.runtime import int8_launch, packed
 from qattn.runtime.packed import NULL, Pointer
 
 
@@ -19,11 +19,11 @@ def test_plans_are_cached_per_key_and_bounded():
         built.append(key)
         return ("plan", key)
 
-    limit = int8_launch.PLANS_PER_KERNEL
+    limit = packed.PLANS_PER_KERNEL
     for key in range(limit + 1):
-        assert int8_launch.cached_plan(kernel, key, lambda key=key: build(key)) == ("plan", key)
+        assert packed.cached_plan(kernel, key, lambda key=key: build(key)) == ("plan", key)
     assert len(kernel.plans) == limit and 0 not in kernel.plans  # the least recently used went
-    assert int8_launch.cached_plan(kernel, 1, lambda: build("again")) == ("plan", 1)
+    assert packed.cached_plan(kernel, 1, lambda: build("again")) == ("plan", 1)
     assert built[-1] == limit and next(reversed(kernel.plans)) == 1  # a hit builds nothing, moves last
 
 
@@ -34,7 +34,7 @@ def test_a_failed_build_caches_nothing():
         raise ValueError("q: bad")
 
     with pytest.raises(ValueError, match="q: bad"):
-        int8_launch.cached_plan(kernel, "key", bad)
+        packed.cached_plan(kernel, "key", bad)
     assert not kernel.plans
 
 
@@ -80,8 +80,6 @@ def test_quant_plan_places_every_operand_apart(recipe, dtype, smooth_k):
 @pytest.mark.parametrize("recipe,arch,expected", [("i8-f8", "sm_90a", True), ("i8-f8", "sm_120", True),
                                                   ("i8-f8", "sm_89", False), ("i8-f16", "sm_80", False)])
 def test_launches_are_programmatic_from_sm90(monkeypatch, recipe, arch, expected):
-    from qattn.runtime import packed
-
     monkeypatch.setattr(packed, "_launch_kernel_ex", lambda: lambda *args: 0)
     spec = KernelSpec(kind="prefill", recipe=recipe, head_dim=64, arch=arch)
     kernel = SimpleNamespace(spec=spec, function=lambda suffix: SimpleNamespace(ptr=1), threads=256, shared_bytes=0)
@@ -90,3 +88,32 @@ def test_launches_are_programmatic_from_sm90(monkeypatch, recipe, arch, expected
     attention = int8_launch.attention_launch(kernel, dims, "float16", plan.operands(), _contiguous(shape),
                                              _contiguous(shape), False)
     assert [launch.programmatic for launch in plan.launches + [attention]] == [expected] * 4
+
+
+@pytest.mark.parametrize("fmt,splits", [("kv8-imma", 1), ("kv8-imma", 5), ("kv8-split", 3), ("kv8-f32", 1)])
+def test_kv8_plan_launches_and_workspace(monkeypatch, fmt, splits):
+    from qattn.runtime import kv8_launch
+
+    monkeypatch.setattr(packed, "_launch_kernel_ex", lambda: lambda *args: 0)
+    b, hq, hkv, lq, lk, d = 2, 8, 2, 300, 1029, 128
+    spec = KernelSpec(kind="prefill", recipe=fmt, head_dim=d, arch="sm_90a")
+    entries = []
+
+    def function(suffix=""):
+        entries.append(suffix)
+        return SimpleNamespace(ptr=1)
+
+    kernel = SimpleNamespace(spec=spec, function=function, threads=128, shared_bytes=0)
+    q_st = kv8_launch.element_strides(_contiguous((b, hq, lq, d), 4), 4)
+    codes = kv8_launch.element_strides(_contiguous((b, hkv, 4096, d), 1), 1)
+    scales = kv8_launch.element_strides(_contiguous((b, hkv, 4096), 4), 4)
+    plan = kv8_launch.Kv8Plan(kernel, (b, hq, hkv, lq, lk, d), (q_st, codes, scales, codes, scales, q_st), True,
+                              0.125, splits)
+    mma = fmt != "kv8-f32"
+    want = (["_stat"] if mma else []) + [""] + (["_merge"] if splits > 1 else [])
+    assert entries == want and len(plan.launches) == len(want)
+    assert all(launch.programmatic for launch in plan.launches)
+    floats = (b * hq * (d // 64 + 1) if mma else 0, splits * b * hq * lq * d if splits > 1 else 0,
+              splits * b * hq * lq * 2 if splits > 1 else 0)
+    assert plan.nbytes == sum(-(-4 * n // 256) * 256 for n in floats)
+    assert plan.lse_shape == (b, hq, lq)

@@ -2,6 +2,8 @@
 (torch tensors), and hand results back in the caller's array type."""
 from __future__ import annotations
 
+import contextlib
+
 
 def as_device_array(x, name: str):
     """A CuPy view of x on the GPU, or TypeError naming the argument."""
@@ -43,3 +45,23 @@ def numpy_dtype(name: str):
 
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
+
+
+def on_device(x, stream):
+    """A context running on x's device, with CuPy's own work on stream (when given); nothing to
+    switch in the common case (x on the current device, no stream given)."""
+    from cupy.cuda import runtime
+
+    if stream is None and x.data.device_id == runtime.getDevice():
+        return contextlib.nullcontext()
+    return _switched(x, stream)
+
+
+@contextlib.contextmanager
+def _switched(x, stream):
+    with x.device:
+        if stream is None:
+            yield
+        else:
+            with stream:
+                yield

@@ -28,7 +28,6 @@ i8-f8 on sm_90a, whose default wgmma tiles take 128 x 128:
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -36,10 +35,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..codegen.recipes import recipe
-from .arrays import as_device_array, like_input
-from .int8_launch import (COLSTATS_CHUNK, QUANT_THREADS, QuantPlan, attention_launch, cached_plan,
-                          contiguous_strides, scale_blocks)
+from .arrays import as_device_array, like_input, on_device
+from .int8_launch import COLSTATS_CHUNK, QUANT_THREADS, QuantPlan, attention_launch, contiguous_strides, scale_blocks
 from .int8_launch import SUFFIX as _SUFFIX
+from .packed import cached_plan
 from .int8_launch import tile_keys as _tile_keys
 from .packed import Pointer
 from . import quant
@@ -122,7 +121,7 @@ class QuantizedQKV:
         check_shapes(q.shape, self.k8.shape, self.k8.shape)
         with_shift = self.shift is not None if with_shift is None else with_shift
         scale = self.scale if scale is None else _check_scale(scale, d)
-        with _on(q, stream):
+        with on_device(q, stream):
             q8, q_scale, shift = _quantize_q(kernel, q, self.k_mean, scale, self.dims[2], with_shift, stream)
         return dataclasses.replace(self, dims=(b, hq, self.dims[2], lq, self.dims[4], d), scale=scale,
                                    q8=q8, q_scale=q_scale, shift=shift)
@@ -206,26 +205,6 @@ def _strides(x) -> list:
 
 def _null():
     return np.uintp(0)
-
-
-def _on(x, stream):
-    """A context running on x's device, with CuPy's own work on stream (when given); nothing to
-    switch in the common case (x on the current device, no stream given)."""
-    from cupy.cuda import runtime
-
-    if stream is None and x.data.device_id == runtime.getDevice():
-        return contextlib.nullcontext()
-    return _switched(x, stream)
-
-
-@contextlib.contextmanager
-def _switched(x, stream):
-    with x.device:
-        if stream is None:
-            yield
-        else:
-            with stream:
-                yield
 
 
 def _grid_check(b: int, h: int) -> None:
@@ -376,7 +355,7 @@ def quantize(q, k, v, *, format: str | None = None, scale: float | None = None, 
     q, k, v, dims = _checked_inputs(kernel, q, k, v, format)
     spec = kernel.spec
     scale = _check_scale(scale, dims[5])
-    with _on(q, stream):
+    with on_device(q, stream):
         if spec.backend == "cuda":
             plan = _quant_plan(kernel, q, k, v, dims, scale, with_shift, smooth_k)
             memory = cupy.cuda.alloc(plan.nbytes)
@@ -436,7 +415,7 @@ def attention_quantized(kernel, qkv: QuantizedQKV, *, causal: bool | None = None
         raise ValueError("return_lse: the LSE needs q̃·K̄; quantize with with_shift=True")
     dims = qkv.dims
     _grid_check(dims[0], dims[1])
-    with _on(qkv.q8, stream):
+    with on_device(qkv.q8, stream):
         out_arr = _checked_out(out, dims, _out_dtype(qkv.dtype))
         lse = cupy.empty((dims[0], dims[1], dims[3]), dtype=cupy.float32) if return_lse else None
         key = ("attention", dims, qkv.dtype, qkv.v.strides, out_arr.strides, return_lse)
@@ -506,7 +485,7 @@ def _whole_call(kernel, q, k, v, scale, return_lse, out, stream, smooth_k):
 
     def build():  # the full checks, once per signature
         q_, k_, v_, dims = _checked_inputs(kernel, q, k, v)
-        with _on(q_, stream):
+        with on_device(q_, stream):
             out_checked = _checked_out(out_given, dims, _out_dtype(q_.dtype.name))
         return _CallPlan(kernel, q_, k_, v_, dims, _check_scale(scale, dims[5]), return_lse, smooth_k, out_checked)
 
@@ -516,7 +495,7 @@ def _whole_call(kernel, q, k, v, scale, return_lse, out, stream, smooth_k):
         pointers["out"] = out_given.data.ptr
     if any(p % 16 for p in pointers.values()):  # the plan fixed all else: name the misaligned one
         _checked_out(out_given, _checked_inputs(kernel, q, k, v)[3], q.dtype)
-    with _on(q, stream):
+    with on_device(q, stream):
         memory = cupy.cuda.alloc(plan.quant.nbytes)
         pointers["ws"] = memory.ptr
         stream_ptr = _stream_ptr(stream)

@@ -9,14 +9,13 @@ spends its host time on the launches alone (int8.py checks the arguments before 
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..codegen.recipes import recipe
 from . import quant
-from .packed import NULL, PackedLaunch, Pointer
+from .packed import NULL, PackedLaunch, Pointer, programmatic
 
 # Keys per partial column sum of the K-mean / V-absmax kernels (one fp64 partial per chunk;
 # STATS_CHUNK in quantize_i8.cuh.j2).
@@ -25,10 +24,7 @@ COLSTATS_CHUNK = 256
 QUANT_THREADS = 256
 # Channels per block of the kernel that finishes the column statistics.
 FINISH_CHANNELS = 32
-# Plans kept per kernel (least recently used dropped first).
-PLANS_PER_KERNEL = 64
 SUFFIX = {"float16": "f16", "bfloat16": "bf16"}
-_PLANS_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -50,30 +46,8 @@ def tile_keys(spec) -> int:
     return spec.tile.block_n if spec.family.values["mma_unit"] == "wgmma" else 0
 
 
-def programmatic(spec) -> bool:
-    """Whether the call's dependent launches may start before their predecessor drains (sm_90+;
-    every entry of prefill_i8.cu.j2 passes grid_dependency_wait first)."""
-    return spec.backend == "cuda" and int(spec.arch[3:].rstrip("a")) >= 90
-
-
 def element_strides(strides, itemsize: int) -> list:
     return [np.int64(s // itemsize) for s in strides[:3]]
-
-
-def cached_plan(kernel, key, build):
-    """The plan for key on kernel, built by build() on a miss (a build that raises caches nothing)."""
-    plans = kernel.plans
-    with _PLANS_LOCK:
-        plan = plans.get(key)
-        if plan is not None:
-            plans.move_to_end(key)
-            return plan
-    plan = build()
-    with _PLANS_LOCK:
-        plans[key] = plan
-        if len(plans) > PLANS_PER_KERNEL:
-            plans.popitem(last=False)
-    return plan
 
 
 class QuantPlan:

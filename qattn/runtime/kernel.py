@@ -27,7 +27,7 @@ class Kernel:
     meta: dict = field(default_factory=dict)
     _functions: dict = field(default_factory=dict, repr=False)  # entry suffix -> loaded function
     _module: object = field(default=None, repr=False)
-    # launch plans by call signature (int8_launch.cached_plan), least recently used first
+    # launch plans by call signature (packed.cached_plan), least recently used first
     plans: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
     @property

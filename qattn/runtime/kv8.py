@@ -41,16 +41,16 @@ import os
 
 import numpy as np
 
-from ..codegen.kv8_families import MERGE_ENTRY, MMA_FORMATS, STAT_ENTRY, launch_tile
-from .arrays import as_device_array, like_input
+from ..codegen.kv8_families import MMA_FORMATS, launch_tile
+from .arrays import as_device_array, like_input, on_device
+from .kv8_launch import Kv8Plan, element_strides
 from .kvcache import CODE_ALIGN, KVCacheInt8
+from .packed import cached_plan
 from .reference import check_shapes
 
 KV8_FORMATS = ("kv8-f32", "kv8-split", "kv8-imma")
 ENV_VAR = "QATTN_PREFILL_KV8"
 ENV_CHOICES = {"imma": "kv8-imma", "split": "kv8-split", "f32": "kv8-f32"}
-STAT_THREADS = 256  # threads of the statistics kernel (stat_body)
-MERGE_THREADS = 256  # threads of the merge kernel (kv8_merge.cuh.j2's MERGE_THREADS)
 MAX_SPLITS = 256  # bounds a forced choice's workspace (splits x B·Hq·Lq·D floats); auto stays in one wave
 # Each split pays a fixed cost (its Q operand, the pipeline fill, its partial store and the merge's
 # read of it), about a key block or two of work: four key blocks per split keep that small.
@@ -114,10 +114,6 @@ def as_cache(k, v=None) -> KVCacheInt8:
     return KVCacheInt8.from_kv(k, v)
 
 
-def _elem_strides(x) -> list:
-    return [np.int64(s // x.itemsize) for s in x.strides[:3]]
-
-
 def check_splits(splits, fmt: str) -> int | None:
     """splits as given to the launcher: None (the launcher picks) or an integer 1..MAX_SPLITS; the
     fp32 baseline kv8-f32 takes only 1."""
@@ -171,16 +167,50 @@ def prefill_kv8(kernel, q, k, v=None, *, scale: float | None = None, return_lse:
                 stream=None, splits: int | None = None):
     """out = softmax(q kᵀ·scale) v over an int8 KV cache with one kv8 kernel; returns out or
     (out, lse). k: a KVCacheInt8 (v None), (codes, scales) pairs, or float K and V (quantized into
-    a temporary cache). splits: blocks per query block over the key range (None: auto_splits)."""
+    a temporary cache). splits: blocks per query block over the key range (None: auto_splits).
+    The launches are planned once per signature (kv8_launch.Kv8Plan): a repeated call checks only
+    its code arrays' alignment, allocates and launches."""
+    import cupy
+
+    splits = check_splits(splits, kernel.spec.recipe)
+    example = q
+    q = as_device_array(q, "q")
+    cache = as_cache(k, v)
+    out_given = None if out is None else as_device_array(out, "out")
+    scale = None if scale is None else float(scale)
+    # The whole code and scale arrays (their first Lk tokens are the cache's views, same pointers and
+    # strides): slicing views on every call costs more host time than the small kernels take.
+    arrays = kc, ks, vc, vs = cache.k_codes, cache.k_scales, cache.v_codes, cache.v_scales
+    key = ("kv8", _signature(q), cache.length, *map(_signature, arrays),
+           None if out_given is None else _signature(out_given), scale, bool(return_lse), splits)
+    plan = cached_plan(kernel, key, lambda: _plan(kernel, q, cache, out_given, scale, return_lse, splits))
+    if kc.data.ptr % CODE_ALIGN or vc.data.ptr % CODE_ALIGN:
+        raise ValueError(f"k: cache code arrays must be {CODE_ALIGN}-byte aligned")
+    with on_device(q, stream):
+        out_arr = out_given if out_given is not None else cupy.empty(q.shape, dtype=cupy.float32)
+        lse = cupy.empty(plan.lse_shape, dtype=cupy.float32) if return_lse else None
+        memory = cupy.cuda.alloc(plan.nbytes) if plan.nbytes else None
+        pointers = {"q": q.data.ptr, "kc": kc.data.ptr, "ks": ks.data.ptr, "vc": vc.data.ptr, "vs": vs.data.ptr,
+                    "out": out_arr.data.ptr, "lse": lse.data.ptr if lse is not None else 0,
+                    "ws": memory.ptr if memory is not None else 0}
+        plan.launch(pointers, (stream if stream is not None else cupy.cuda.get_current_stream()).ptr)
+    out_arr = like_input(out_arr, example) if out is None else out
+    if return_lse:
+        return out_arr, like_input(lse, example)
+    return out_arr
+
+
+def _signature(x) -> tuple:
+    return x.shape, x.strides, x.dtype, x.data.device_id
+
+
+def _plan(kernel, q, cache, out, scale, return_lse, splits) -> Kv8Plan:
+    """The full checks of a call signature, then its launches."""
     import cupy
 
     spec = kernel.spec
-    splits = check_splits(splits, spec.recipe)
-    example = q
-    q = as_device_array(q, "q")
     if q.dtype != cupy.float32:
         raise TypeError(f"q: format {spec.recipe!r} takes float32 queries, got {q.dtype.name}")
-    cache = as_cache(k, v)
     if cache.length < 1:
         raise ValueError("k: the cache holds no tokens (length 0); append K and V first")
     b, hq, hkv, lq, lk, d = check_shapes(q.shape, cache.shape, cache.shape)
@@ -192,71 +222,24 @@ def prefill_kv8(kernel, q, k, v=None, *, scale: float | None = None, return_lse:
         raise ValueError(f"q: on device {q.device.id}, but the cache is on device {cache.device.id}")
     if q.strides[-1] != 4:
         raise ValueError(f"q: the head_dim axis must be contiguous (stride 4 bytes), got strides {q.strides}")
-    # The whole code and scale arrays (their first Lk tokens are the cache's views, same pointers and
-    # strides): slicing views on every call costs more host time than the small kernels take.
-    kc, ks, vc, vs = cache.k_codes, cache.k_scales, cache.v_codes, cache.v_scales
-    if any(x.data.ptr % CODE_ALIGN for x in (kc, vc)):
-        raise ValueError(f"k: cache code arrays must be {CODE_ALIGN}-byte aligned")
     if out is None:
-        out_arr = cupy.empty(q.shape, dtype=cupy.float32)
+        out_strides = tuple(int(np.prod(q.shape[i + 1:])) * 4 for i in range(4))  # a new C-order array
     else:
-        out_arr = as_device_array(out, "out")
-        if out_arr.shape != q.shape or out_arr.dtype != cupy.float32:
-            raise ValueError(f"out: expected shape {q.shape} and dtype float32, got {out_arr.shape} {out_arr.dtype.name}")
-        if out_arr.strides[-1] != 4:
-            raise ValueError(f"out: the head_dim axis must be contiguous, got strides {out_arr.strides}")
-        if out_arr.device.id != q.device.id:
-            raise ValueError(f"out: on device {out_arr.device.id}, but q is on device {q.device.id}")
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        if out.shape != q.shape or out.dtype != cupy.float32:
+            raise ValueError(f"out: expected shape {q.shape} and dtype float32, got {out.shape} {out.dtype.name}")
+        if out.strides[-1] != 4:
+            raise ValueError(f"out: the head_dim axis must be contiguous, got strides {out.strides}")
+        if out.device.id != q.device.id:
+            raise ValueError(f"out: on device {out.device.id}, but q is on device {q.device.id}")
+        out_strides = out.strides
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale: expected a positive finite number, got {scale}")
-    scale_log2 = np.float32(scale * math.log2(math.e))
-    group = hq // hkv
-
-    with q.device:
-        lse = cupy.empty((b, hq, lq), dtype=cupy.float32) if return_lse else None
-        stat = cupy.empty((b, hq, d // 64 + 1), dtype=cupy.float32)  # the statistics pass writes all of it
-        vs_st = _elem_strides(vs)[:2]
-        if spec.recipe in MMA_FORMATS:
-            kernel.function(STAT_ENTRY)((hq, b), (STAT_THREADS,),
-                                        (q, *_elem_strides(q), vs, *vs_st, stat, np.int32(hq), np.int32(group),
-                                         np.int32(lq), np.int32(lk), scale_log2), stream=stream)
-        args = (q, *_elem_strides(q), kc, *_elem_strides(kc), ks, *_elem_strides(ks)[:2],
-                vc, *_elem_strides(vc), vs, *vs_st, out_arr, *_elem_strides(out_arr),
-                lse if lse is not None else np.uintp(0), np.int64(lq), stat,
-                np.int32(hq), np.int32(group), np.int32(lq), np.int32(lk), scale_log2)
-        qblocks = math.ceil(lq / spec.tile.block_m)
-        n = splits if splits is not None else choose_splits(kernel, b, hq, lq, lk, q.device.id)
-        if spec.recipe not in MMA_FORMATS:
-            kernel.function()((qblocks, hq, b), (kernel.threads,), args, shared_mem=kernel.shared_bytes,
-                              stream=stream)
-        elif n == 1:
-            kernel.function()((qblocks, hq, b), (kernel.threads,), (*args, np.int32(1), np.uintp(0), np.uintp(0)),
-                              shared_mem=kernel.shared_bytes, stream=stream)
-        else:
-            _launch_split(kernel, args, n, qblocks, b, hq, lq, d, out_arr, lse, stream)
-    out_arr = like_input(out_arr, example) if out is None else out
-    if return_lse:
-        return out_arr, like_input(lse, example)
-    return out_arr
-
-
-def _launch_split(kernel, args, splits: int, qblocks: int, b: int, hq: int, lq: int, d: int, out_arr, lse,
-                  stream) -> None:
-    """The main kernel over splits x qblocks blocks per (head, batch), each storing its partial into
-    a fresh workspace, then the merge, which writes out (and lse)."""
-    import cupy
-
-    part_o = cupy.empty((splits, b * hq, lq, d), dtype=cupy.float32)
-    part_ml = cupy.empty((splits, b * hq, lq, 2), dtype=cupy.float32)  # (row max, row sum) pairs
-    kernel.function()((qblocks * splits, hq, b), (kernel.threads,), (*args, np.int32(splits), part_o, part_ml),
-                      shared_mem=kernel.shared_bytes, stream=stream)
-    bh_rows = b * hq * lq
-    grid = math.ceil(bh_rows * (d // 4) / MERGE_THREADS)  # one thread per (row, 4 channels)
-    kernel.function(MERGE_ENTRY)((grid,), (MERGE_THREADS,),
-                                 (part_o, part_ml, np.int32(splits), np.int64(bh_rows), np.int32(hq), np.int32(lq),
-                                  out_arr, *_elem_strides(out_arr), lse if lse is not None else np.uintp(0),
-                                  np.int64(lq)), stream=stream)
+    n = splits if splits is not None else choose_splits(kernel, b, hq, lq, lk, q.device.id)
+    strides = (element_strides(q.strides, 4), element_strides(cache.k_codes.strides, 1),
+               element_strides(cache.k_scales.strides, 4), element_strides(cache.v_codes.strides, 1),
+               element_strides(cache.v_scales.strides, 4), element_strides(out_strides, 4))
+    return Kv8Plan(kernel, (b, hq, hkv, lq, lk, d), strides, return_lse, scale * math.log2(math.e), n)
 
 
 def attention_kv8(q, k, v=None, *, format: str | None = None, causal: bool = False, scale: float | None = None,

@@ -32,6 +32,32 @@ class Pointer:
 
 NULL = Pointer(None)
 
+# Plans kept per kernel (least recently used dropped first).
+PLANS_PER_KERNEL = 64
+_PLANS_LOCK = threading.Lock()
+
+
+def cached_plan(kernel, key, build):
+    """The plan for key on kernel, built by build() on a miss (a build that raises caches nothing)."""
+    plans = kernel.plans
+    with _PLANS_LOCK:
+        plan = plans.get(key)
+        if plan is not None:
+            plans.move_to_end(key)
+            return plan
+    plan = build()
+    with _PLANS_LOCK:
+        plans[key] = plan
+        if len(plans) > PLANS_PER_KERNEL:
+            plans.popitem(last=False)
+    return plan
+
+
+def programmatic(spec) -> bool:
+    """Whether a kernel's launches may be programmatic (CUDA, sm_90 and newer). The int8-QK and kv8
+    templates' entries all pass grid_dependency_wait (common.cuh.j2) before touching memory."""
+    return spec.backend == "cuda" and int(spec.arch[3:].rstrip("a")) >= 90
+
 # cuda.h: CUlaunchAttributeID CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION.
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
