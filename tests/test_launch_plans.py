@@ -104,9 +104,9 @@ def test_kv8_plan_launches_and_workspace(monkeypatch, fmt, splits):
         return SimpleNamespace(ptr=1)
 
     kernel = SimpleNamespace(spec=spec, function=function, threads=128, shared_bytes=0)
-    q_st = kv8_launch.element_strides(_contiguous((b, hq, lq, d), 4), 4)
-    codes = kv8_launch.element_strides(_contiguous((b, hkv, 4096, d), 1), 1)
-    scales = kv8_launch.element_strides(_contiguous((b, hkv, 4096), 4), 4)
+    q_st = packed.element_strides(_contiguous((b, hq, lq, d), 4), 4)
+    codes = packed.element_strides(_contiguous((b, hkv, 4096, d), 1), 1)
+    scales = packed.element_strides(_contiguous((b, hkv, 4096), 4), 4)
     plan = kv8_launch.Kv8Plan(kernel, (b, hq, hkv, lq, lk, d), (q_st, codes, scales, codes, scales, q_st), True,
                               0.125, splits)
     mma = fmt != "kv8-f32"

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..codegen.recipes import recipe
 from . import quant
-from .packed import NULL, PackedLaunch, Pointer, programmatic
+from .packed import NULL, PackedLaunch, Pointer, element_strides, programmatic
 
 # Keys per partial column sum of the K-mean / V-absmax kernels (one fp64 partial per chunk;
 # STATS_CHUNK in quantize_i8.cuh.j2).
@@ -44,10 +44,6 @@ def scale_blocks(spec) -> tuple[int, int]:
 def tile_keys(spec) -> int:
     """Keys per K8 / V^T tile where the kernel reads them as wgmma tiles, else 0."""
     return spec.tile.block_n if spec.family.values["mma_unit"] == "wgmma" else 0
-
-
-def element_strides(strides, itemsize: int) -> list:
-    return [np.int64(s // itemsize) for s in strides[:3]]
 
 
 class QuantPlan:

@@ -43,9 +43,9 @@ import numpy as np
 
 from ..codegen.kv8_families import MMA_FORMATS, launch_tile
 from .arrays import as_device_array, like_input, on_device
-from .kv8_launch import Kv8Plan, element_strides
+from .kv8_launch import Kv8Plan
 from .kvcache import CODE_ALIGN, KVCacheInt8
-from .packed import cached_plan
+from .packed import cached_plan, element_strides
 from .reference import check_shapes
 
 KV8_FORMATS = ("kv8-f32", "kv8-split", "kv8-imma")

@@ -19,10 +19,6 @@ STAT_THREADS = 256  # threads of the statistics kernel (stat_body)
 MERGE_THREADS = 256  # threads of the merge kernel (kv8_merge.cuh.j2's MERGE_THREADS)
 
 
-def element_strides(strides, itemsize: int, axes: int = 3) -> tuple:
-    return tuple(np.int64(s // itemsize) for s in strides[:axes])
-
-
 class Kv8Plan:
     """The launches of one kv8 call: q [B, Hq, Lq, D] fp32 against a cache of Lk tokens, the output
     (and LSE, with_lse) fp32. strides: element strides of q, the K codes, K scales, V codes, V scales

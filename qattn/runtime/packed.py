@@ -53,6 +53,11 @@ def cached_plan(kernel, key, build):
     return plan
 
 
+def element_strides(strides, itemsize: int) -> tuple:
+    """The first three byte strides (batch, head, sequence) as the int64 element strides kernels take."""
+    return tuple(np.int64(s // itemsize) for s in strides[:3])
+
+
 def programmatic(spec) -> bool:
     """Whether a kernel's launches may be programmatic (CUDA, sm_90 and newer). The int8-QK and kv8
     templates' entries all pass grid_dependency_wait (common.cuh.j2) before touching memory."""
