@@ -31,3 +31,22 @@ def check_spills(entry: str, res: dict, *, attention: bool, allowed: int = 0) ->
         assert res["spill_stores"] <= allowed and res["spill_loads"] <= allowed, (entry, res)
     else:
         assert res["spill_stores"] <= 8 and res["spill_loads"] == 0, (entry, res)
+
+
+def entry_ptx(ptx: str, entry: str) -> str:
+    """The PTX text of one .entry (up to the next one)."""
+    start = ptx.index(f".entry {entry}(")
+    nxt = ptx.find(".entry ", start + 1)
+    return ptx[start:nxt if nxt >= 0 else len(ptx)]
+
+
+def check_grid_dependency(ptx: str, entry: str, programmatic: bool) -> None:
+    """An entry launched programmatically (packed.programmatic: sm_90+) waits for the kernel ahead of
+    it (griddepcontrol.wait) before its first global access; before sm_90 it has no such instruction."""
+    body = entry_ptx(ptx, entry)
+    if programmatic:
+        first_access = min(body.find(op) for op in ("ld.global", "st.global", "cp.async", "red.global", "atom.global")
+                           if op in body)
+        assert 0 <= body.find("griddepcontrol.wait") < first_access, entry
+    else:
+        assert "griddepcontrol" not in body, entry

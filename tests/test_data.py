@@ -70,8 +70,9 @@ def test_rope_scores_depend_on_relative_position(seed):
     near = float((at(x, 100) * at(y, 90)).sum())
     assert abs(near - float((at(x, 100 + shift) * at(y, 90 + shift)).sum())) < 1e-3 * max(1, abs(near))
     assert np.allclose(np.linalg.norm(at(x, shift)), np.linalg.norm(x), rtol=1e-5)
-    # the preset's shared Q/K mean sits mostly on the slowly rotating pairs (last in each half)
-    d = data.rope(ctx=4000, queries=16, head_dim=64, seed=seed)
+    # the preset's shared Q/K mean sits mostly on the slowly rotating pairs (last in each half);
+    # eight heads, eight draws of it, so one small draw cannot sink the average (300 seeds: >= 1.9x)
+    d = data.rope(ctx=4000, queries=16, heads=8, head_dim=64, seed=seed)
     pair_norm = np.hypot(d["k"][..., :32], d["k"][..., 32:]).mean(axis=(0, 1, 2))
     assert pair_norm[-8:].mean() > 1.5 * pair_norm[:8].mean()
 

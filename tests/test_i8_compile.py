@@ -9,7 +9,7 @@ import re
 
 import numpy as np
 import pytest
-from conftest import check_spills
+from conftest import check_grid_dependency, check_spills, entry_ptx
 
 from qattn.codegen.fragments import pv_key_slot, pv_slot_key
 from qattn.codegen.recipes import RECIPES, SMEM_LIMIT
@@ -33,13 +33,6 @@ def _entries(spec: KernelSpec) -> list[str]:
 @functools.lru_cache(maxsize=None)
 def _compiled(spec: KernelSpec):
     return compile_cuda(render(spec), spec.arch, spec.name)
-
-
-def _entry_ptx(ptx: str, entry: str) -> str:
-    """The PTX text of one .entry (up to the next one)."""
-    start = ptx.index(f".entry {entry}(")
-    nxt = ptx.find(".entry ", start + 1)
-    return ptx[start:nxt if nxt >= 0 else len(ptx)]
 
 
 # ---- families and specs -----------------------------------------------------------------------
@@ -140,14 +133,8 @@ def test_compile_i8(spec):
     # From sm_90 the call's launches are programmatic (int8_launch.programmatic): each entry waits
     # for the kernel ahead of it before its first memory access; before sm_90 no such instruction.
     for e in _entries(spec):
-        body = _entry_ptx(ptx, e)
-        if packed.programmatic(spec):
-            first_access = min(body.find(op) for op in ("ld.global", "st.global", "cp.async", "red.global", "atom.global")
-                               if op in body)
-            assert 0 <= body.find("griddepcontrol.wait") < first_access, e
-        else:
-            assert "griddepcontrol" not in body, e
-    attn = _entry_ptx(ptx, entry_name(spec) + "_f16")
+        check_grid_dependency(ptx, e, packed.programmatic(spec))
+    attn = entry_ptx(ptx, entry_name(spec) + "_f16")
     assert "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" in attn
     assert "cp.async" in attn and "ldmatrix" in attn
     pv = RECIPES[spec.recipe].ctype["pv"]
@@ -157,7 +144,7 @@ def test_compile_i8(spec):
         assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in attn
         assert "cvt.rn.satfinite.e4m3x2.f32" in attn and "cvt.rn.f16x2.e4m3x2" in attn
         assert "e4m3.e4m3" not in attn
-        quant_v = _entry_ptx(ptx, entry_name(spec) + "_quant_qkv_f16")
+        quant_v = entry_ptx(ptx, entry_name(spec) + "_quant_qkv_f16")
         assert "cvt.rn.satfinite.e4m3x2.f32" in quant_v and "cvt.rn.f16x2.e4m3x2" in quant_v
     elif pv == "f16":
         assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in attn
@@ -169,10 +156,10 @@ def test_compile_i8(spec):
     else:
         assert "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32" in attn
         assert "cvt.rn.satfinite.e4m3x2.f32" in attn
-        assert "cvt.rn.satfinite.e4m3x2.f32" in _entry_ptx(ptx, entry_name(spec) + "_quant_qkv_f16")
+        assert "cvt.rn.satfinite.e4m3x2.f32" in entry_ptx(ptx, entry_name(spec) + "_quant_qkv_f16")
         assert "m16n8k16" not in attn
     # the bf16-output entry differs only in its output conversion
-    assert "cvt.rn.bf16x2.f32" in _entry_ptx(ptx, entry_name(spec) + "_bf16")
+    assert "cvt.rn.bf16x2.f32" in entry_ptx(ptx, entry_name(spec) + "_bf16")
     assert "cvt.rn.bf16x2.f32" not in attn
 
 

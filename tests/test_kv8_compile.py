@@ -12,6 +12,7 @@ import re
 
 import numpy as np
 import pytest
+from conftest import check_grid_dependency
 
 from qattn.codegen import kv8_families
 from qattn.codegen.fragments import pv_slot_key
@@ -136,14 +137,7 @@ def _check_compiled(spec: KernelSpec, spills_allowed: int = 0) -> None:
         assert 0 < res["registers"] <= 255, (entry, res)
         allowed = spills_allowed if entry == entry_name(spec) else 0
         assert res["spill_stores"] <= allowed and res["spill_loads"] <= allowed, (entry, res)
-        # programmatic launches from sm_90 (kv8_launch): each entry waits for the kernel ahead of it
-        body = ptx[ptx.index(f".entry {entry}("):]
-        body = body[:body.find(".entry ", 1) if ".entry " in body[1:] else len(body)]
-        if packed.programmatic(spec):
-            first_access = min(body.find(op) for op in ("ld.global", "st.global", "cp.async") if op in body)
-            assert 0 <= body.find("griddepcontrol.wait") < first_access, entry
-        else:
-            assert "griddepcontrol" not in body, entry
+        check_grid_dependency(ptx, entry, packed.programmatic(spec))  # programmatic launches (kv8_launch)
     # the Kernel reports the attention kernel's figures (main_entry_name, whatever order ptxas uses)
     main = _entry_resources(binary.log, entry_name(spec))
     assert all(binary.resources[k] == main[k] for k in ("registers", "spill_stores", "spill_loads"))

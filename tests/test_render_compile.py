@@ -12,12 +12,14 @@ import re
 
 import jinja2
 import pytest
+from conftest import check_grid_dependency
 
 from qattn.codegen import render as render_module
 from qattn.codegen.recipes import RECIPES
 from qattn.codegen.render import entry_name, environment, render
 from qattn.codegen.spec import KernelSpec
 from qattn.runtime import compile as compiler
+from qattn.runtime import packed
 from qattn.runtime.compile import CompileError, compile_cuda, cuda_options, numbered_excerpt, parse_ptxas
 
 
@@ -127,6 +129,7 @@ def _check_compiled(spec: KernelSpec) -> None:
                 and spec.tile == family.default_tile(spec.head_dim, spec.causal, spec.arch))
     allowed = 64 if spec.recipe == "f32" or measured else 0
     assert res["spill_stores"] <= allowed and res["spill_loads"] <= allowed, res
+    check_grid_dependency(ptx, entry_name(spec), packed.programmatic(spec))  # launch.prefill's plans
 
 
 # The int8-QK modules (several entry points each) are compiled and checked in test_i8_compile.py.

@@ -2,7 +2,7 @@
 turns a spec description into a Kernel."""
 from __future__ import annotations
 
-from ..codegen.recipes import recipe
+from ..codegen.recipes import RECIPES, recipe
 from ..codegen.spec import KernelSpec, device_arch
 from ..codegen.tile import Tile
 from .arrays import as_device_array
@@ -81,8 +81,9 @@ def attention(q, k, v=None, *, format: str | None = None, causal: bool = False, 
 
 
 def _call_kernel(format: str, q, causal, tile) -> Kernel:
-    key = (format, q.shape[-1], causal, type(causal), tile, q.data.device_id)  # causal=1 is refused, not True
     try:
+        # causal=1 is refused, not taken for True; a recipe re-registered under the name is looked up anew
+        key = (format, id(RECIPES.get(format)), q.shape[-1], causal, type(causal), tile, q.data.device_id)
         kernel = _CALL_KERNELS.get(key)
     except TypeError:  # an unhashable argument: the spec's validation names it
         kernel, key = None, None

@@ -42,7 +42,7 @@ import os
 import numpy as np
 
 from ..codegen.kv8_families import MMA_FORMATS, launch_tile
-from .arrays import as_device_array, like_input, on_device
+from .arrays import as_device_array, like_input, on_device, signature
 from .kv8_launch import Kv8Plan
 from .kvcache import CODE_ALIGN, KVCacheInt8
 from .packed import cached_plan, element_strides
@@ -181,8 +181,8 @@ def prefill_kv8(kernel, q, k, v=None, *, scale: float | None = None, return_lse:
     # The whole code and scale arrays (their first Lk tokens are the cache's views, same pointers and
     # strides): slicing views on every call costs more host time than the small kernels take.
     arrays = kc, ks, vc, vs = cache.k_codes, cache.k_scales, cache.v_codes, cache.v_scales
-    key = ("kv8", _signature(q), cache.length, *map(_signature, arrays),
-           None if out_given is None else _signature(out_given), scale, bool(return_lse), splits)
+    key = ("kv8", signature(q), cache.length, *map(signature, arrays),
+           None if out_given is None else signature(out_given), scale, bool(return_lse), splits)
     plan = cached_plan(kernel, key, lambda: _plan(kernel, q, cache, out_given, scale, return_lse, splits))
     if kc.data.ptr % CODE_ALIGN or vc.data.ptr % CODE_ALIGN:
         raise ValueError(f"k: cache code arrays must be {CODE_ALIGN}-byte aligned")
@@ -198,10 +198,6 @@ def prefill_kv8(kernel, q, k, v=None, *, scale: float | None = None, return_lse:
     if return_lse:
         return out_arr, like_input(lse, example)
     return out_arr
-
-
-def _signature(x) -> tuple:
-    return x.shape, x.strides, x.dtype, x.data.device_id
 
 
 def _plan(kernel, q, cache, out, scale, return_lse, splits) -> Kv8Plan:

@@ -3,32 +3,66 @@ outputs and launch. Errors name the argument and what was expected."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..codegen.recipes import recipe
-from .arrays import as_device_array, like_input
+from .arrays import as_device_array, like_input, on_device, signature
+from .packed import NULL, PackedLaunch, Pointer, cached_plan, element_strides, programmatic
 from .reference import check_shapes
 
 
-def _check_view(x, name: str, itemsize: int, align: int) -> None:
+def _check_view(x, name: str, itemsize: int, align: int, *, pointer: bool = True) -> None:
+    """x's layout (and, with pointer, its data pointer's alignment, which a plan checks per call)."""
     if x.ndim == 4 and x.strides[-1] != itemsize:
         raise ValueError(f"{name}: the head_dim axis must be contiguous (stride {itemsize} bytes), "
                          f"got strides {x.strides}")
-    if x.data.ptr % align:
+    if pointer and x.data.ptr % align:
         raise ValueError(f"{name}: data pointer must be {align}-byte aligned")
     for axis, stride in enumerate(x.strides[:3]):
         if stride % align and x.shape[axis] > 1:
             raise ValueError(f"{name}: stride of axis {axis} ({stride} bytes) must be a multiple of {align} bytes")
 
 
+@dataclass(frozen=True)
+class _PrefillPlan:
+    launch: PackedLaunch
+    lse_shape: tuple
+
+
 def prefill(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, stream=None):
-    """out = softmax(q kᵀ·scale) v for one prefill kernel; returns out or (out, lse)."""
+    """out = softmax(q kᵀ·scale) v for one prefill kernel; returns out or (out, lse). The launch is
+    planned once per signature (shapes, strides, dtypes, options; packed.cached_plan): a repeated
+    call checks its pointers' alignment, allocates and launches."""
     import cupy
 
-    spec = kernel.spec
     example = q
     q, k, v = (as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    out_given = None if out is None else as_device_array(out, "out")
+    scale = None if scale is None else float(scale)
+    key = ("prefill", signature(q), signature(k), signature(v),
+           None if out_given is None else signature(out_given), scale, bool(return_lse))
+    plan = cached_plan(kernel, key, lambda: _plan(kernel, q, k, v, out_given, scale, return_lse))
+    align = kernel.spec.family.align_bytes
+    for x, n in ((q, "q"), (k, "k"), (v, "v"), (out_given, "out")):
+        if x is not None and x.data.ptr % align:
+            raise ValueError(f"{n}: data pointer must be {align}-byte aligned")
+    with on_device(q, stream):
+        out_arr = out_given if out_given is not None else cupy.empty(q.shape, dtype=q.dtype)
+        lse = cupy.empty(plan.lse_shape, dtype=cupy.float32) if return_lse else None
+        plan.launch({"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "out": out_arr.data.ptr,
+                     "lse": lse.data.ptr if lse is not None else 0},
+                    (stream if stream is not None else cupy.cuda.get_current_stream()).ptr)
+    out_arr = like_input(out_arr, example) if out is None else out
+    if return_lse:
+        return out_arr, like_input(lse, example)
+    return out_arr
+
+
+def _plan(kernel, q, k, v, out, scale, return_lse) -> _PrefillPlan:
+    """The full checks of a call signature, then its launch."""
+    spec = kernel.spec
     allowed = recipe(spec.recipe).input_dtypes
     for x, n in ((q, "q"), (k, "k"), (v, "v")):
         if x.dtype.name not in allowed:
@@ -44,33 +78,27 @@ def prefill(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = F
         raise ValueError(f"q: batch and heads must be <= 65535 (grid limits), got batch {b}, heads {hq}")
     align = spec.family.align_bytes
     for x, n in ((q, "q"), (k, "k"), (v, "v")):
-        _check_view(x, n, q.itemsize, align)
+        _check_view(x, n, q.itemsize, align, pointer=False)
     if out is None:
-        out_arr = cupy.empty(q.shape, dtype=q.dtype)
+        out_strides = tuple(int(np.prod(q.shape[i + 1:])) * q.itemsize for i in range(4))  # a new C-order array
     else:
-        out_arr = as_device_array(out, "out")
-        if out_arr.shape != q.shape or out_arr.dtype != q.dtype:
+        if out.shape != q.shape or out.dtype != q.dtype:
             raise ValueError(f"out: expected shape {q.shape} and dtype {q.dtype.name}, "
-                             f"got {out_arr.shape} {out_arr.dtype.name}")
-        _check_view(out_arr, "out", q.itemsize, align)
-    lse = cupy.empty((b, hq, lq), dtype=cupy.float32) if return_lse else None
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+                             f"got {out.shape} {out.dtype.name}")
+        if out.device.id != q.device.id:
+            raise ValueError(f"out: on device {out.device.id}, but q is on device {q.device.id}")
+        _check_view(out, "out", q.itemsize, align, pointer=False)
+        out_strides = out.strides
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale: expected a positive finite number, got {scale}")
-
-    def strides(x):
-        return [np.int64(s // x.itemsize) for s in x.strides[:3]]
-
-    args = (q, k, v, out_arr, lse if lse is not None else np.uintp(0),
-            *strides(q), *strides(k), *strides(v), *strides(out_arr), np.int64(lq),
+    args = (Pointer("q"), Pointer("k"), Pointer("v"), Pointer("out"), Pointer("lse") if return_lse else NULL,
+            *element_strides(q.strides, q.itemsize), *element_strides(k.strides, q.itemsize),
+            *element_strides(v.strides, q.itemsize), *element_strides(out_strides, q.itemsize), np.int64(lq),
             np.int32(hq), np.int32(hq // hkv), np.int32(lq), np.int32(lk), np.float32(scale * math.log2(math.e)))
     grid = (math.ceil(lq / spec.tile.block_m), hq, b)
-    with q.device:
-        kernel.function()(grid, (kernel.threads,), args, shared_mem=kernel.shared_bytes, stream=stream)
-    out_arr = like_input(out_arr, example) if out is None else out
-    if return_lse:
-        return out_arr, like_input(lse, example)
-    return out_arr
+    launch = PackedLaunch(kernel.function(), grid, kernel.threads, kernel.shared_bytes, args, programmatic(spec))
+    return _PrefillPlan(launch, (b, hq, lq))
 
 
 def _prefill_i8(kernel, *args, **kwargs):
