@@ -11,6 +11,10 @@ serialization: the GPU may start the kernel while the one ahead of it in the str
 draining, which hides the launch gap between the dependent kernels of one call. Such a kernel must
 wait for its predecessor on the device before it touches memory (grid_dependency_wait in
 common.cuh.j2); where the driver lacks cuLaunchKernelEx the launch is an ordinary one.
+
+Every launcher (launch.prefill, the int8-QK and kv8 calls) keeps its launches in plans cached on
+the kernel per call signature (cached_plan): the full argument checks run when a plan is built,
+and a repeated call only checks its pointers, allocates and launches.
 """
 from __future__ import annotations
 
