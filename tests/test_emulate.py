@@ -103,16 +103,18 @@ def test_kv8_imma_scores_are_exact_integer_sums(rng):
     kc = quant.quantize_kv_cache(k)
     got = emulate.scores("kv8-imma", q, kc, kc, block_n=64)
     q2 = quant.fold_softmax_scale(q, 1 / math.sqrt(128))
-    total = np.zeros(got.shape, np.float32)
     for g in range(2):
         qg = q2[..., 64 * g:64 * (g + 1)]
         s_q = (np.abs(qg).max(axis=(-2, -1), keepdims=True) / np.float32(127)).astype(np.float32)
         codes = kc.codes[..., 64 * g:64 * (g + 1)].astype(np.int64)
         h, l, m = (np.einsum("bhqd,bhkd->bhqk", part.astype(np.int64), np.repeat(codes, 2, axis=1))
                    for part in quant.split3(qg / s_q))
-        h, l, m = (x.astype(np.float32) for x in (h, l, m))
-        combined = h * np.float32(65536) + l * np.float32(256) + m
-        total = total + combined * (s_q / np.float32(65536))
+        bias = 1.5 * 2 ** 23  # the kernel's start value of each part sum
+        combined = (h * 65536.0 + l * 256.0 - bias).astype(np.float32) + (m + bias).astype(np.float32)
+        unit = s_q / np.float32(65536)
+        # the second group joins the first by one rounding (an FMA; float64 then float32 rounds the same
+        # unless the sum falls within a hair of a float32 midpoint)
+        total = combined * unit if g == 0 else (combined.astype(np.float64) * unit + total).astype(np.float32)
     expected = total * np.repeat(kc.scales, 2, axis=1)[:, :, None, :]
     assert np.array_equal(got, expected)
 

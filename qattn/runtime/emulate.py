@@ -72,6 +72,9 @@ class _Tiles:
     pv: Callable[[np.ndarray, int, int], np.ndarray]
     out_dtype: type = F32
     lse_shift: np.ndarray | None = None  # log2-domain row constant the scores left out (K smoothing)
+    # (acc, p, j0, j1) -> acc with the tile's product added, for a recipe whose kernel fuses the
+    # addition into its last rounding; None: acc + pv(p, j0, j1).
+    add_pv: Callable[[np.ndarray, np.ndarray, int, int], np.ndarray] | None = None
 
 
 def _flash_loop(tiles: _Tiles, lead: tuple, lq: int, lk: int, d: int, causal: bool, block_n: int):
@@ -90,7 +93,8 @@ def _flash_loop(tiles: _Tiles, lead: tuple, lq: int, lk: int, d: int, causal: bo
         alpha = np.exp2(m - base)
         p = np.exp2(s - base[..., None])
         l = l * alpha + p.sum(axis=-1, dtype=F32)
-        acc = acc * alpha[..., None] + tiles.pv(p, j0, j1)
+        acc = acc * alpha[..., None]
+        acc = tiles.add_pv(acc, p, j0, j1) if tiles.add_pv is not None else acc + tiles.pv(p, j0, j1)
         m = m_new
     live = l > 0
     out = np.where(live[..., None], acc / np.where(live, l, F32(1))[..., None], F32(0))
@@ -226,10 +230,32 @@ def _kv8_split_tiles(lay, q, k, v, scale, block_n, *, fp16_shift=True):
     return _Tiles(scores, pv)
 
 
+# The kernel starts each int32 part sum at this value, so that its bits are those of the float
+# bias + sum (imma.cuh.j2); the combination below rounds h·65536 + l·256 less it.
+_IMMA_BIAS = 1.5 * 2 ** 23
+
+
 def _combine3(sums: np.ndarray) -> np.ndarray:
-    """Σh·65536 + Σl·256 + Σm in float32 from the three exact part sums stacked on axis 0."""
-    h, l, m = (_to_f32_acc(s) for s in sums)
-    return h * F32(quant.SPLIT_ONE) + l * F32(256) + m
+    """Σh·65536 + Σl·256 + Σm in float32 from the three exact part sums stacked on axis 0, in the
+    kernel's order: h·65536 + l·256 - bias rounded once (its two FMAs), plus bias + m (exact) rounded
+    once more."""
+    h, l, m = sums
+    high = (h * F32(quant.SPLIT_ONE) + l * 256.0 - _IMMA_BIAS).astype(F32)  # exact in float64
+    return high + (m + _IMMA_BIAS).astype(F32)
+
+
+def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """a·b + c for float32 operands with one rounding, as the GPU's fused multiply-add. The product
+    is exact in float64; the sum is rounded to odd there (TwoSum gives its error), which makes the
+    final rounding to float32 the correctly rounded one."""
+    p = np.asarray(a, np.float64) * np.asarray(b, np.float64)
+    c = np.asarray(c, np.float64)
+    s = p + c
+    t = s - p
+    err = (p - (s - t)) + (c - t)
+    even = (s.view(np.int64) & 1) == 0
+    s = np.where((err != 0) & even, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(F32)
 
 
 def _split3_stack(x: np.ndarray) -> np.ndarray:
@@ -261,18 +287,24 @@ def _kv8_imma_tiles(lay, q, k, v, scale, block_n):
     ks = lay.kv(k.scales)
     vc, vs = _exact(lay.kv(v.codes)), lay.kv(v.scales)
 
-    def scores(j0, j1):  # per group: three exact int8 products, combined in fp32, times the group scale
-        part_sums = q_parts @ kc[..., j0:j1, :].swapaxes(-1, -2)
-        per_group = _combine3(part_sums) * q_unit
-        return per_group.sum(axis=-3, dtype=F32) * ks[..., None, j0:j1]
+    def scores(j0, j1):  # per group: three exact int8 products combined in fp32; groups joined by FMAs
+        per_group = _combine3(q_parts @ kc[..., j0:j1, :].swapaxes(-1, -2))  # [B, Hkv, g, G, Lq, keys]
+        s = per_group[..., 0, :, :] * q_unit[..., 0, :, :]
+        for g in range(1, groups):
+            s = _fma32(per_group[..., g, :, :], q_unit[..., g, :, :], s)
+        return s * ks[..., None, j0:j1]
 
-    def pv(p, j0, j1):  # w scaled per (row, chunk of keys) to 127, split, three exact products
+    def add_pv(acc, p, j0, j1):  # w scaled per (row, chunk of keys) to 127, split, three exact products
         w = p * vs[..., None, j0:j1]
         w_scale = (w.max(axis=-1, keepdims=True) / F32(quant.INT8_MAX)).astype(F32)
-        part_sums = _split3_stack(w / _safe(w_scale)) @ vc[..., j0:j1, :]
-        return _combine3(part_sums) * (w_scale / F32(quant.SPLIT_ONE))
+        to_split = (F32(1) / _safe(w_scale)) * F32(quant.SPLIT_ONE)  # w to X = x·65536
+        part_sums = _split3_stack((w * to_split).astype(np.float64) / quant.SPLIT_ONE) @ vc[..., j0:j1, :]
+        return _fma32(_combine3(part_sums), w_scale / F32(quant.SPLIT_ONE), acc)
 
-    return _Tiles(scores, pv)
+    def pv(p, j0, j1):
+        return add_pv(np.zeros(p.shape[:-1] + (vc.shape[-1],), F32), p, j0, j1)
+
+    return _Tiles(scores, pv, add_pv=add_pv)
 
 
 _BUILDERS = {
