@@ -448,21 +448,22 @@ def test_bad_inputs_raise_clear_errors():
         qattn.KVCacheInt8.from_codes(k, cache.k_scales, cache.v_codes, cache.v_scales)
 
 
-def test_long_query_calls_give_the_default_tiles_bits():
-    """A call with enough queries may run another tile (kv8_families.launch_tile); the arithmetic per
-    row is the same, so with the key range unsplit its output bits are the default tile's."""
+def test_listed_tiles_give_the_default_tiles_bits():
+    """A call may run a listed tile (kv8_families.launch_tile: more rows a block, or three slots with
+    V transposed a block ahead); the arithmetic per row is the same, so with the key range unsplit
+    its output bits are the default tile's, short and long calls, causal or not."""
     import cupy
 
     from qattn.codegen import kv8_families
     from qattn.runtime import kv8
 
     rng = np.random.default_rng(11)
-    lq = kv8_families.LONG_QUERIES + 45
-    q, k, v = _data(rng, 1, 4, 2, lq, 700, 128)
-    qd = cupy.asarray(q)
-    cache = _cache(k, v)
-    for fmt in kv8_families.MMA_FORMATS:
-        for causal in (False, True):
-            got = kv8.attention_kv8(qd, cache, format=fmt, causal=causal, splits=1).get()
-            want = qattn.build("prefill", format=fmt, head_dim=128, causal=causal)(qd, cache, splits=1).get()
-            assert got.tobytes() == want.tobytes(), (fmt, causal)
+    for lq in (45, kv8_families.LONG_QUERIES + 45):
+        q, k, v = _data(rng, 1, 4, 2, lq, 700, 128)
+        qd = cupy.asarray(q)
+        cache = _cache(k, v)
+        for fmt in kv8_families.MMA_FORMATS:
+            for causal in (False, True):
+                got = kv8.attention_kv8(qd, cache, format=fmt, causal=causal, splits=1).get()
+                want = qattn.build("prefill", format=fmt, head_dim=128, causal=causal)(qd, cache, splits=1).get()
+                assert got.tobytes() == want.tobytes(), (fmt, causal, lq)

@@ -16,7 +16,7 @@ from conftest import check_grid_dependency
 
 from qattn.codegen import kv8_families
 from qattn.codegen.fragments import pv_slot_key
-from qattn.codegen.recipes import RECIPES, SMEM_LIMIT
+from qattn.codegen.recipes import RECIPES, SMEM_LIMIT, tile_pitch
 from qattn.codegen.render import entry_name, main_entry_name, render
 from qattn.codegen.spec import KernelSpec
 from qattn.codegen.tile import Tile
@@ -167,27 +167,37 @@ def test_compile_other_archs(spec):
     _check_compiled(spec)
 
 
-LONG_QUERY_SPECS = [KernelSpec(recipe=f, head_dim=d, causal=c, arch=a, tile=t)
-                    for (d, a), t in kv8_families.LONG_QUERY_TILES.items() for f in kv8_families.MMA_FORMATS
-                    for c in (False, True)]
+LAUNCH_SPECS = [KernelSpec(recipe=f, head_dim=d, causal=c, arch=a, tile=t)
+                for (f, d, a), (_, t) in kv8_families.LAUNCH_TILES.items() for c in (False, True)]
 
 
-@pytest.mark.parametrize("spec", LONG_QUERY_SPECS, ids=_ids(LONG_QUERY_SPECS))
-def test_long_query_tiles_compile(spec):
-    # kv8-imma's 128-row tile spills on sm_90a (48 B stored, 104 B reloaded, outside the MMAs' operands)
-    # and still measured 7-9% faster than the spill-free default at long query counts (BENCHMARKS.md)
+@pytest.mark.parametrize("spec", LAUNCH_SPECS, ids=_ids(LAUNCH_SPECS))
+def test_launch_tiles_compile(spec):
+    # kv8-imma's three-slot tile spills on sm_90a (64 B stored, 104 B reloaded) and still measured
+    # 3-10% faster than the spill-free default (BENCHMARKS.md)
     _check_compiled(spec, spills_allowed=112 if spec.recipe == "kv8-imma" else 0)
 
 
-def test_long_query_tile_choice():
-    long_tile = kv8_families.LONG_QUERY_TILES[(128, "sm_90a")]
-    assert long_tile.block_m == 128
+def test_launch_tile_choice():
+    imma = kv8_families.LAUNCH_TILES[("kv8-imma", 128, "sm_90a")][1]
+    split = kv8_families.LAUNCH_TILES[("kv8-split", 128, "sm_90a")][1]
+    assert (imma.block_m, imma.stages, split.block_m, split.stages) == (64, 3, 128, 3)
+    for queries in (1, 64, 4096):
+        assert kv8_families.launch_tile("kv8-imma", 128, "sm_90a", queries) == imma
+    assert kv8_families.launch_tile("kv8-split", 128, "sm_90a", kv8_families.LONG_QUERIES) == split
+    assert kv8_families.launch_tile("kv8-split", 128, "sm_90a", kv8_families.LONG_QUERIES - 1) is None
     for fmt in kv8_families.MMA_FORMATS:
-        assert kv8_families.launch_tile(fmt, 128, "sm_90a", kv8_families.LONG_QUERIES) == long_tile
-        assert kv8_families.launch_tile(fmt, 128, "sm_90a", kv8_families.LONG_QUERIES - 1) is None
-        assert kv8_families.launch_tile(fmt, 64, "sm_90a", 4096) is None  # slower at d64
+        assert kv8_families.launch_tile(fmt, 64, "sm_90a", 4096) is None  # no faster tile measured at d64
         assert kv8_families.launch_tile(fmt, 128, "sm_80", 4096) is None  # measured on the H200 only
     assert kv8_families.launch_tile("kv8-f32", 128, "sm_90a", 4096) is None
+
+
+def test_three_slots_need_the_second_vt_tile():
+    """Three slots add a second transposed V tile to the shared memory the family reports."""
+    fam = RECIPES["kv8-imma"].family("cuda")
+    two, three = Tile(64, 64, 4, 2), Tile(64, 64, 4, 3)
+    slot = 2 * 64 * tile_pitch(128) + 2 * 64 * 4
+    assert fam.smem_bytes(three, 128) - fam.smem_bytes(two, 128) == slot + 128 * (64 + 16)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])

@@ -26,20 +26,25 @@ HEAD_DIMS = (64, 128)  # multiples of kv8-imma's 64-channel Q scale group
 MMA_FORMATS = ("kv8-split", "kv8-imma")
 
 
-# Where a call has at least LONG_QUERIES query rows, attention_kv8 runs the tensor-core formats on
-# LONG_QUERY_TILES[(head_dim, arch)] instead of the family default: 128 rows a block measured 7-15%
-# faster on the H200 at d128 (one block's K/V tiles and V transpose serve eight warps), and slower
-# with fewer queries (half the block idle, half the splits a wave holds) and at d64 (BENCHMARKS.md).
+# The tiles a call that names none runs instead of the family default, measured on the H200
+# (BENCHMARKS.md): LAUNCH_TILES[(format, head_dim, arch)] = (least query rows, tile). kv8-imma at d128
+# runs three slots, which transpose V a block ahead and wait at one barrier a block instead of two
+# (3-10% faster at every seed shape; 108 KB of shared memory, two blocks per SM). kv8-split, whose
+# fp16 Q operand takes a third more shared memory, would hold one 64-row block per SM that way; it
+# runs 128-row blocks of three slots from LONG_QUERIES rows (one block's K/V tiles and V transpose
+# serve eight warps; with fewer rows half the block idles).
 LONG_QUERIES = 256
-LONG_QUERY_TILES = {(128, "sm_90a"): Tile(128, 64, 8, 2)}
+LAUNCH_TILES: dict[tuple[str, int, str], tuple[int, Tile]] = {
+    ("kv8-imma", 128, "sm_90a"): (1, Tile(64, 64, 4, 3)),
+    ("kv8-split", 128, "sm_90a"): (LONG_QUERIES, Tile(128, 64, 8, 3)),
+}
 
 
 def launch_tile(fmt: str, head_dim: int, arch: str, queries: int) -> Tile | None:
-    """The tile a kv8 call that names none runs: LONG_QUERY_TILES's where it applies, else None (the
-    family's default)."""
-    if fmt in MMA_FORMATS and queries >= LONG_QUERIES:
-        return LONG_QUERY_TILES.get((head_dim, arch))
-    return None
+    """The tile a kv8 call of `queries` query rows that names none runs: LAUNCH_TILES's where it
+    applies, else None (the family's default)."""
+    least, tile = LAUNCH_TILES.get((fmt, head_dim, arch), (None, None))
+    return tile if least is not None and queries >= least else None
 
 
 # Bytes of Q operand per query element kept in shared memory: kv8-imma's three byte parts, or
@@ -48,11 +53,13 @@ Q_BYTES = {"kv8-imma": 3, "kv8-split": 4}
 
 
 def kv8_mma_smem(fmt: str) -> Callable[[Tile, int], int]:
-    """Bytes of dynamic shared memory: the transposed V tile, STAGES slots of codes and scales, and
-    the Q operand fragments of the block's rows."""
+    """Bytes of dynamic shared memory: the transposed V tile (two from three stages: the next block's
+    is built beside the current one's), STAGES slots of codes and scales, and the Q operand
+    fragments of the block's rows."""
     def smem(tile: Tile, d: int) -> int:
         slot = 2 * tile.block_n * tile_pitch(d) + 2 * tile.block_n * 4
-        return d * (tile.block_n + 16) + tile.stages * slot + Q_BYTES[fmt] * tile.block_m * d
+        vt_tiles = 2 if tile.stages >= 3 else 1
+        return vt_tiles * d * (tile.block_n + 16) + tile.stages * slot + Q_BYTES[fmt] * tile.block_m * d
 
     return smem
 

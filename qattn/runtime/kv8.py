@@ -8,9 +8,10 @@ which are written into a temporary cache first, as parity runs do) lands in ``at
   else the arch's default (``kv8-imma`` on sm_80 and later: every arch with a kv8 kernel);
 - ``format="kv8-imma"`` etc.: that format, whatever the variable says.
 
-With no ``tile=``, a call of at least ``kv8_families.LONG_QUERIES`` query rows runs the tensor-core
-formats on the arch's long-query tile where one was measured faster (``launch_tile``; 128 rows a
-block at d128 on sm_90a), else on the family's default tile. The tile changes no arithmetic.
+With no ``tile=``, a call runs the tile measured fastest for its format, head dim, arch and query
+count where one is listed (``kv8_families.launch_tile``: at d128 on sm_90a, kv8-imma on three
+slots and kv8-split on 128-row blocks from 256 queries), else the family's default tile. The tile
+changes no arithmetic.
 
 q is float32 [B, Hq, Lq, D] (D = 64 or 128), out float32, LSE float32 natural-log. The launches are
 deterministic (no atomics): the same inputs give the same bytes on every run.
@@ -259,8 +260,8 @@ def attention_kv8(q, k, v=None, *, format: str | None = None, causal: bool = Fal
 
 
 def call_spec(fmt: str, head_dim: int, causal: bool, queries: int, arch: str, tile=None):
-    """The kernel a kv8 call of `queries` query rows runs: the given tile, else the arch's long-query
-    tile where it applies (kv8_families.launch_tile), else the family's default."""
+    """The kernel a kv8 call of `queries` query rows runs: the given tile, else the listed one where it
+    applies (kv8_families.launch_tile), else the family's default."""
     from ..codegen.spec import KernelSpec
 
     tile = tile if tile is not None else launch_tile(fmt, head_dim, arch, queries)
