@@ -19,6 +19,7 @@ from pathlib import Path
 import click
 
 from . import __version__
+from .codegen import kv8_families
 from .codegen.recipes import BACKENDS, KINDS, RECIPES, recipe
 from .codegen.spec import KernelSpec, device_arch
 from .codegen.tile import Tile
@@ -306,6 +307,10 @@ def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, arch
     instructions."""
     spec = make_spec(kind, fmt, head_dim, tile, warps, stages, bool(causal), backend, arch or _default_arch(backend), mma)
     report = inspect_spec(spec)
+    named_tile = tile is not None or warps is not None or stages is not None
+    listed = None if named_tile or backend != "cuda" else kv8_families.LAUNCH_TILES.get((fmt, spec.head_dim, spec.arch))
+    if listed is not None:  # what qattn.attention runs instead of the family default shown here
+        report["launch_tile"] = {"tile": listed[1].name, "least_queries": listed[0]}
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -314,6 +319,11 @@ def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, arch
     for label, value in _resource_rows(spec.backend, report["resources"]):
         table.add_row(label, "-" if value is None else str(value))
     console.print(table)
+    if listed is not None:
+        least, t = listed
+        calls = "calls" if least <= 1 else f"calls of at least {least} query rows"
+        console.print(f"note: on {spec.arch}, qattn.attention {calls} run {t.name} instead "
+                      f"(inspect it with --tile {t.block_m}x{t.block_n} --warps {t.warps} --stages {t.stages})")
     if "scale_blocks" in report:
         rows, keys = report["scale_blocks"]["q_rows"], report["scale_blocks"]["k_keys"]
         console.print(f"format blocks: {rows} query rows per Q scale, {keys} keys per K scale and softmax step "
