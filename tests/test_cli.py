@@ -133,17 +133,20 @@ def test_inspect_shows_the_register_hand_over():
 
 
 def test_inspect_names_the_tile_kv8_calls_run():
-    """Where qattn.attention runs a listed tile instead of the family default (kv8_families.LAUNCH_TILES),
-    inspect without a tile says so; naming a tile, or an arch without one, drops the note."""
-    plain = run("inspect", "-f", "kv8-imma", "-d", "128", "--arch", "sm_90a")
+    """Where qattn.attention runs a listed tile for long calls (kv8_families.LAUNCH_TILES), inspect
+    without a tile says so; naming a tile, or an arch or format without one, drops the note."""
+    plain = run("inspect", "-f", "kv8-split", "-d", "128", "--arch", "sm_90a")
     assert plain.exit_code == 0, plain.output
     text = " ".join(plain.output.split())
-    assert "qattn.attention calls run m64n64w4s3 instead" in text and "--tile 64x64 --warps 4 --stages 3" in text
+    assert "qattn.attention calls of at least 256 query rows run m128n64w8s3 instead" in text
+    assert "--tile 128x64 --warps 8 --stages 3" in text
     split = json.loads(run("inspect", "-f", "kv8-split", "-d", "128", "--arch", "sm_90a", "--json").stdout)
     assert split["launch_tile"] == {"tile": "m128n64w8s3", "least_queries": 256}
-    named = run("inspect", "-f", "kv8-imma", "-d", "128", "--arch", "sm_90a", "--tile", "64x64", "--stages", "3")
+    named = run("inspect", "-f", "kv8-split", "-d", "128", "--arch", "sm_90a", "--tile", "64x64", "--stages", "2")
     assert named.exit_code == 0 and "instead" not in named.output
-    assert "launch_tile" not in json.loads(run("inspect", "-f", "kv8-imma", "-d", "128", "--arch", "sm_80", "--json").stdout)
+    assert "launch_tile" not in json.loads(run("inspect", "-f", "kv8-split", "-d", "128", "--arch", "sm_80", "--json").stdout)
+    imma = json.loads(run("inspect", "-f", "kv8-imma", "-d", "128", "--arch", "sm_90a", "--json").stdout)
+    assert "launch_tile" not in imma and imma["spec"]["tile"]["stages"] == 3  # its tuned default is what calls run
 
 
 def test_inspect_shows_the_format_blocks():

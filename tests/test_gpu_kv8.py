@@ -448,10 +448,11 @@ def test_bad_inputs_raise_clear_errors():
         qattn.KVCacheInt8.from_codes(k, cache.k_scales, cache.v_codes, cache.v_scales)
 
 
-def test_listed_tiles_give_the_default_tiles_bits():
-    """A call may run a listed tile (kv8_families.launch_tile: more rows a block, or three slots with
-    V transposed a block ahead); the arithmetic per row is the same, so with the key range unsplit
-    its output bits are the default tile's, short and long calls, causal or not."""
+def test_tuned_and_listed_tiles_give_the_default_tiles_bits():
+    """A call may run a tuned or listed tile (three slots with V transposed a block ahead; more rows
+    a block from kv8_families.launch_tile); the arithmetic per row is the same, so with the key range
+    unsplit its output bits are the family's two-slot default tile's, short and long calls, causal
+    or not."""
     import cupy
 
     from qattn.codegen import kv8_families
@@ -465,5 +466,7 @@ def test_listed_tiles_give_the_default_tiles_bits():
         for fmt in kv8_families.MMA_FORMATS:
             for causal in (False, True):
                 got = kv8.attention_kv8(qd, cache, format=fmt, causal=causal, splits=1).get()
-                want = qattn.build("prefill", format=fmt, head_dim=128, causal=causal)(qd, cache, splits=1).get()
+                base = qattn.recipe(fmt).family("cuda").default_tiles[128]
+                want = qattn.build("prefill", format=fmt, head_dim=128, causal=causal,
+                                   tile=(base.block_m, base.block_n, base.warps, base.stages))(qd, cache, splits=1).get()
                 assert got.tobytes() == want.tobytes(), (fmt, causal, lq)

@@ -26,23 +26,27 @@ HEAD_DIMS = (64, 128)  # multiples of kv8-imma's 64-channel Q scale group
 MMA_FORMATS = ("kv8-split", "kv8-imma")
 
 
-# The tiles a call that names none runs instead of the family default, measured on the H200
-# (BENCHMARKS.md): LAUNCH_TILES[(format, head_dim, arch)] = (least query rows, tile). kv8-imma at d128
-# runs three slots, which transpose V a block ahead and wait at one barrier a block instead of two
-# (3-10% faster at every seed shape; 108 KB of shared memory, two blocks per SM). kv8-split, whose
-# fp16 Q operand takes a third more shared memory, would hold one 64-row block per SM that way; it
-# runs 128-row blocks of three slots from LONG_QUERIES rows (one block's K/V tiles and V transpose
-# serve eight warps; with fewer rows half the block idles).
+# kv8-imma at d128 on sm_90a runs three slots, which transpose V a block ahead and wait at one
+# barrier a block instead of two: 3-10% faster at every seed shape on the H200 (BENCHMARKS.md).
+# It takes 108 KB of shared memory (two blocks per SM; 99 KB archs cannot hold it) and ptxas parks
+# 64 B on the stack, which MEASURED_SPILLS admits.
+IMMA_TUNED = {(128, causal, "sm_90a"): Tile(64, 64, 4, 3) for causal in (False, True)}
+MEASURED_SPILLS = {"kv8-imma": frozenset(IMMA_TUNED), "kv8-split": frozenset()}
+
+# Tiles that depend on the call's query count, which a spec does not know: LAUNCH_TILES[(format,
+# head_dim, arch)] = (least query rows, tile), run by calls that name no tile (attention_kv8). kv8-split,
+# whose fp16 Q operand takes a third more shared memory than kv8-imma's bytes, would hold one
+# 64-row block per SM on three slots; from LONG_QUERIES rows it runs 128-row blocks of three slots
+# (one block's K/V tiles and V transpose serve eight warps; with fewer rows half the block idles).
 LONG_QUERIES = 256
 LAUNCH_TILES: dict[tuple[str, int, str], tuple[int, Tile]] = {
-    ("kv8-imma", 128, "sm_90a"): (1, Tile(64, 64, 4, 3)),
     ("kv8-split", 128, "sm_90a"): (LONG_QUERIES, Tile(128, 64, 8, 3)),
 }
 
 
 def launch_tile(fmt: str, head_dim: int, arch: str, queries: int) -> Tile | None:
     """The tile a kv8 call of `queries` query rows that names none runs: LAUNCH_TILES's where it
-    applies, else None (the family's default)."""
+    applies, else None (the family's default for the spec)."""
     least, tile = LAUNCH_TILES.get((fmt, head_dim, arch), (None, None))
     return tile if least is not None and queries >= least else None
 
@@ -92,6 +96,8 @@ def _mma_family(fmt: str) -> Family:
         template=MMA_TEMPLATE,
         head_dims=HEAD_DIMS,
         default_tiles={d: Tile(64, 64, 4, 2) for d in HEAD_DIMS},
+        tuned=dict(IMMA_TUNED) if fmt == "kv8-imma" else {},
+        measured_spills=MEASURED_SPILLS[fmt],
         tile_problem=kv8_mma_problem(fmt),
         smem_bytes=kv8_mma_smem(fmt),
         archs=CUDA_ARCHS,

@@ -8,10 +8,9 @@ which are written into a temporary cache first, as parity runs do) lands in ``at
   else the arch's default (``kv8-imma`` on sm_80 and later: every arch with a kv8 kernel);
 - ``format="kv8-imma"`` etc.: that format, whatever the variable says.
 
-With no ``tile=``, a call runs the tile measured fastest for its format, head dim, arch and query
-count where one is listed (``kv8_families.launch_tile``: at d128 on sm_90a, kv8-imma on three
-slots and kv8-split on 128-row blocks from 256 queries), else the family's default tile. The tile
-changes no arithmetic.
+With no ``tile=``, a call runs its spec's default tile (kv8-imma at d128 on sm_90a: three slots),
+or where one is listed for its query count, that one (``kv8_families.launch_tile``: kv8-split at
+d128 on sm_90a runs 128-row blocks from 256 queries). The tile changes no arithmetic.
 
 q is float32 [B, Hq, Lq, D] (D = 64 or 128), out float32, LSE float32 natural-log. The launches are
 deterministic (no atomics): the same inputs give the same bytes on every run.
