@@ -27,7 +27,7 @@ MMA_FORMATS = ("kv8-split", "kv8-imma")
 
 
 # kv8-imma at d128 on sm_90a runs three slots, which transpose V a block ahead and wait at one
-# barrier a block instead of two: 3-10% faster at every seed shape on the H200 (BENCHMARKS.md).
+# barrier a block instead of two: 2-10% faster at every seed shape on the H200 (BENCHMARKS.md).
 # It takes 108 KB of shared memory (two blocks per SM; 99 KB archs cannot hold it) and ptxas parks
 # 64 B on the stack, which MEASURED_SPILLS admits.
 IMMA_TUNED = {(128, causal, "sm_90a"): Tile(64, 64, 4, 3) for causal in (False, True)}
