@@ -325,9 +325,12 @@ def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, arch
         console.print(f"note: on {spec.arch}, qattn.attention {calls} run {t.name} instead "
                       f"(inspect it with --tile {t.block_m}x{t.block_n} --warps {t.warps} --stages {t.stages})")
     if "scale_blocks" in report:
-        rows, keys = report["scale_blocks"]["q_rows"], report["scale_blocks"]["k_keys"]
-        console.print(f"format blocks: {rows} query rows per Q scale, {keys} keys per K scale and softmax step "
-                      f"(the emulator's block_m={rows}, block_n={keys})")
+        blocks = report["scale_blocks"]
+        rows = "one Q scale per query row" if blocks["q_rows"] == 1 else f"{blocks['q_rows']} query rows per Q scale"
+        groups = "" if blocks["k_groups"] == 1 else f" in {blocks['k_groups']} K scale groups"
+        options = ", ".join(f"{k}={v!r}" for k, v in blocks["emulator"].items())
+        console.print(f"format blocks: {rows}, {blocks['k_keys']} keys per K scale block{groups} and softmax step "
+                      f"(the emulator's {options})")
     instr = report["instructions"]
     counts = _table(f"instructions, {_LISTING_NOTE[instr['listing']]}", "kind", "opcode", "count", right=("count",))
     for group in ("matrix", "convert"):
@@ -554,7 +557,8 @@ def _parse_bench_shapes(ctx, param, values):
 @click.option("--head-dim", "-d", type=click.IntRange(min=1), default=128, show_default=True, help="head dimension D")
 @click.option("--causal/--no-causal", default=False, show_default=True, help="bottom-right aligned causal mask")
 @click.option("--peer", "peers", multiple=True, type=click.Choice(PEERS),
-              help="peers to time beside qattn: torch SDPA flash or cuDNN, SageAttention's sageattn; repeatable "
+              help="peers to time beside qattn: torch SDPA flash or cuDNN, SageAttention's sageattn (1.0.6) or "
+                   "SageAttention2's (sageattn2: the package sageattention2, or sageattention when it is v2); repeatable "
                    "[default: all whose library is importable]")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, path_type=Path),
               callback=_json_path, help="also write the records as JSON to FILE")

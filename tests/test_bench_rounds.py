@@ -101,3 +101,58 @@ def test_bench_prefill_tool_refuses_a_zero_sustained():
     result = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_prefill.py"), "--sustained", "0"],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "--sustained" in result.stderr and "positive" in result.stderr
+
+
+def _fake_module(monkeypatch, name, **attrs):
+    module = types.ModuleType(name)
+    module.__dict__.update(attrs)
+    monkeypatch.setitem(sys.modules, name, module)
+    return module
+
+
+@pytest.fixture
+def fake_torch(monkeypatch):
+    """Just enough of torch for _peer to import (the peers are only resolved, never run)."""
+    torch = _fake_module(monkeypatch, "torch")
+    torch.nn = _fake_module(monkeypatch, "torch.nn")
+    torch.nn.attention = _fake_module(monkeypatch, "torch.nn.attention", SDPBackend=types.SimpleNamespace(),
+                                      sdpa_kernel=None)
+
+
+def _sage(monkeypatch, name, version):
+    calls = []
+
+    def sageattn(q, k, v, tensor_layout, is_causal):
+        calls.append((name, tensor_layout, is_causal))
+        return name
+
+    extra = {"sageattn_qk_int8_pv_fp8_cuda": object()} if version == 2 else {}
+    _fake_module(monkeypatch, name, sageattn=sageattn, **extra)
+    return calls
+
+
+def test_sageattention2_runs_beside_1_0_6_under_its_own_name(monkeypatch, fake_torch):
+    from qattn.runtime.bench import _peer
+
+    v1, v2 = _sage(monkeypatch, "sageattention", 1), _sage(monkeypatch, "sageattention2", 2)
+    assert _peer("sageattn")(1, 2, 3, True) == "sageattention"
+    assert _peer("sageattn2")(1, 2, 3, False) == "sageattention2"
+    assert v1 == [("sageattention", "HND", True)] and v2 == [("sageattention2", "HND", False)]
+
+
+def test_sageattention_of_version_2_is_one_peer_not_two(monkeypatch, fake_torch):
+    from qattn.runtime.bench import _peer
+
+    monkeypatch.setitem(sys.modules, "sageattention2", None)  # import fails
+    _sage(monkeypatch, "sageattention", 2)
+    assert _peer("sageattn")(1, 2, 3, True) == "sageattention"
+    assert _peer("sageattn2") is None  # the same package: timed once, as sageattn
+
+
+def test_only_sageattention_1_0_6_has_no_sageattn2(monkeypatch, fake_torch):
+    from qattn.runtime.bench import PEERS, _peer
+
+    monkeypatch.setitem(sys.modules, "sageattention2", None)
+    _sage(monkeypatch, "sageattention", 1)
+    assert "sageattn2" in PEERS
+    assert _peer("sageattn") is not None and _peer("sageattn2") is None

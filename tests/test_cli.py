@@ -150,16 +150,21 @@ def test_inspect_names_the_tile_kv8_calls_run():
 
 
 def test_inspect_shows_the_format_blocks():
-    """int8-QK kernels: the query rows per Q scale and keys per K scale the emulator must be given
-    to compute what the kernel computes (the wgmma tile's keys on sm_90a); none for other formats."""
+    """int8-QK kernels: the query rows per Q scale, keys per K scale block and K scale groups the
+    emulator must be given to compute what the kernel computes (on sm_90a the wgmma kernels' per-row
+    Q scales and four K groups per tile); none for other formats."""
     wgmma = json.loads(run("inspect", "-f", "i8-f8", "-d", "64", "--arch", "sm_90a", "--json").stdout)
-    assert wgmma["scale_blocks"] == {"q_rows": 128, "k_keys": 128}
+    assert wgmma["scale_blocks"] == {"q_rows": 1, "k_keys": 128, "k_groups": 4,
+                                     "emulator": {"block_m": 1, "block_n": 128, "k_granularity": "thread"}}
     short = run("inspect", "-f", "i8-f8", "-d", "64", "--arch", "sm_90a", "--tile", "64x64", "--warps", "4",
                 "--stages", "2")
     assert short.exit_code == 0, short.output
-    assert "64 keys per K scale and softmax step" in " ".join(short.output.split())
+    words = " ".join(short.output.split())
+    assert "one Q scale per query row, 64 keys per K scale block in 4 K scale groups and softmax step" in words
+    assert "block_m=1, block_n=64, k_granularity='thread'" in words
     sync = json.loads(run("inspect", "-f", "i8-i8", "-d", "64", "--arch", "sm_80", "--json").stdout)
-    assert sync["scale_blocks"] == {"q_rows": 128, "k_keys": 64}
+    assert sync["scale_blocks"] == {"q_rows": 128, "k_keys": 64, "k_groups": 1,
+                                    "emulator": {"block_m": 128, "block_n": 64, "k_granularity": "block"}}
     assert "scale_blocks" not in json.loads(run("inspect", "-f", "f16", "-d", "64", "--arch", "sm_80", "--json").stdout)
 
 

@@ -62,17 +62,17 @@ def _f32(x):
     return np.asarray(to_numpy(x)).astype(F32)
 
 
-def _check(fmt, out, host, *, causal, scale=None, lse=None, block_n=None):
-    """out against the emulator with block_n keys per K scale and softmax step (default: the default
-    kernel's; rounded to out's dtype, as the kernel rounds its fp32 result) and FP64."""
-    if block_n is None:
+def _check(fmt, out, host, *, causal, scale=None, lse=None, options=None):
+    """out against the emulator under the kernel's scale options (int8.emulator_options; default: the
+    default kernel's; rounded to out's dtype, as the kernel rounds its fp32 result) and FP64."""
+    if options is None:
         from qattn.runtime import int8
         from qattn.runtime.api import default_spec
 
-        block_n = int8.scale_blocks(default_spec(fmt, host[0].shape[-1], causal=causal))[1]
+        options = int8.emulator_options(default_spec(fmt, host[0].shape[-1], causal=causal))
     out32 = _f32(out)
     assert not np.isnan(out32).any(), "out has NaNs: not every element was written"
-    emu = emulate.emulate(fmt, *host, causal=causal, scale=scale, return_lse=lse is not None, block_n=block_n)
+    emu = emulate.emulate(fmt, *host, causal=causal, scale=scale, return_lse=lse is not None, **options)
     emu_out = emu[0] if lse is not None else emu
     emu_out = emu_out.astype(host[0].dtype).astype(F32)
     err = metrics.compare(out32, emu_out)
@@ -206,6 +206,31 @@ def _unpermute_vt(vt, lk):
     return np.swapaxes(vt[..., _stored_column(np.arange(lk))], -1, -2)
 
 
+def _quant_k(k_smooth, spec):
+    """quant's K codes for the kernel of spec, and its K scales as the kernel stores them:
+    [B, H, blocks·groups], each block's groups in order (a group absent from a short last block: 0)."""
+    from qattn.runtime import int8
+
+    opts = int8.emulator_options(spec)
+    bn, groups = opts["block_n"], int8.k_scale_groups(spec)
+    k8 = quant.quantize_int8(k_smooth, bn, granularity=opts["k_granularity"], operand="k")
+    lk = k_smooth.shape[-2]
+    pad = -(-lk // bn) * bn - lk  # zero keys leave every group's absmax alone
+    padded = quant.quantize_int8(np.pad(k_smooth, [(0, 0)] * (k_smooth.ndim - 2) + [(0, pad), (0, 0)]), bn,
+                                 granularity=opts["k_granularity"], operand="k")
+    first = np.arange(0, lk + pad, bn)[:, None] + 2 * np.arange(groups)[None, :]  # a key of each group
+    return k8, padded.scale[..., first.ravel(), 0]
+
+
+def _quant_q(q2, spec):
+    """quant's Q codes for the kernel of spec and its Q scales as stored [B, H, ceil(Lq / rows)]."""
+    from qattn.runtime import int8
+
+    rows = int8.scale_blocks(spec)[0]
+    q8 = quant.quantize_int8(q2, rows, operand="q")
+    return q8, q8.scale[..., ::rows, 0]
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_quantization_steps_match_quant(fmt, dtype):
@@ -219,21 +244,22 @@ def test_quantization_steps_match_quant(fmt, dtype):
     qkv = int8.quantize(q, k, v, format=fmt, with_shift=True)
     q32, k32, v32 = (np.asarray(x, F32) for x in host)
     scale = 1 / np.sqrt(d)
-    keys = int8.scale_blocks(_default_spec(fmt))[1]  # 64, or 128 on the sm_90a wgmma kernel
-    assert qkv.dims == (b, hq, hkv, lq, lk, d) and (qkv.block_m, qkv.block_n) == (128, keys)
-    # K mean and K codes (one scale per block of keys)
+    spec = _default_spec(fmt)
+    keys = int8.scale_blocks(spec)[1]  # 64, or 128 on the sm_90a wgmma kernel
+    assert qkv.dims == (b, hq, hkv, lq, lk, d) and qkv.emulator_options() == int8.emulator_options(spec)
+    # K mean and K codes (scales per block of keys, or per group of a block's keys)
     k_smooth, k_mean = quant.smooth_k(k32)
     np.testing.assert_allclose(qkv.k_mean.get(), k_mean[..., 0, :], rtol=1e-6, atol=1e-7)
-    k8 = quant.quantize_int8(k_smooth, keys, operand="k")
+    k8, k_scales = _quant_k(k_smooth, spec)
     got_k8 = qkv.k8_rows().get()
     mismatch = np.abs(got_k8.astype(int) - k8.codes.astype(int))
     assert mismatch.max() <= 1 and (mismatch > 0).mean() < 1e-4, "K codes"
-    np.testing.assert_allclose(qkv.k_scale.get(), k8.scale[..., ::keys, 0], rtol=1e-6)
+    np.testing.assert_allclose(qkv.k_scale.get(), k_scales, rtol=1e-6)
     # Q codes: exact (they depend on q and the scale only)
     q2 = quant.fold_softmax_scale(q32, scale)
-    q8 = quant.quantize_int8(q2, 128, operand="q")
+    q8, q_scales = _quant_q(q2, spec)
     np.testing.assert_array_equal(qkv.q8.get(), q8.codes)
-    np.testing.assert_array_equal(qkv.q_scale.get(), q8.scale[..., ::128, 0])
+    np.testing.assert_array_equal(qkv.q_scale.get(), q_scales)
     shift = np.einsum("bgqd,bgd->bgq", q2.reshape(b, hkv, hq // hkv * lq, d), k_mean[..., 0, :])
     np.testing.assert_allclose(qkv.shift.get(), shift.reshape(b, hq, lq), rtol=1e-4, atol=1e-5)
     # V operand
@@ -440,17 +466,16 @@ def _smoothing_host(preset, ctx):
 
 
 def _smoothing_case(preset, ctx, causal, attend):
-    """attend(fmt, host, causal, smooth_k) -> (out, lse, (block_m, block_n)) as float32 NumPy.
+    """attend(fmt, host, causal, smooth_k) -> (out, lse, emulator options) as float32 NumPy.
     Checks each run against its emulator and the formats' claims against FP64; returns the errors."""
     host = _smoothing_host(preset, ctx)
     ref = reference.attention(*host, causal=causal)
     errs = {}
     for fmt in FORMATS:
         for smooth in (True, False):
-            out, lse, (bm, bn) = attend(fmt, host, causal, smooth)
+            out, lse, options = attend(fmt, host, causal, smooth)
             assert not np.isnan(out).any(), "out has NaNs: not every element was written"
-            emu, emu_lse = emulate.emulate(fmt, *host, causal=causal, return_lse=True, smooth_k=smooth,
-                                           block_m=bm, block_n=bn)
+            emu, emu_lse = emulate.emulate(fmt, *host, causal=causal, return_lse=True, smooth_k=smooth, **options)
             vs_emu = metrics.compare(out, emu.astype(np.float16).astype(F32))
             assert vs_emu.nonfinite == 0 and vs_emu.rel_l2 <= emu_rel_l2(fmt), ("vs emulator", fmt, smooth, vs_emu)
             np.testing.assert_allclose(lse, emu_lse, rtol=1e-4, atol=1e-4)  # smooth_k=False: no q·K̄ added
@@ -477,7 +502,7 @@ def _gpu_attend(fmt, host, causal, smooth_k):
     out = _poisoned(q)
     res, lse = qattn.attention(q, k, v, format=fmt, causal=causal, return_lse=True, out=out, smooth_k=smooth_k)
     assert res is out
-    return _f32(out), _f32(lse), int8.scale_blocks(spec)
+    return _f32(out), _f32(lse), int8.emulator_options(spec)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -507,14 +532,13 @@ def test_quantize_without_smoothing(fmt):
     b, hq, hkv, lq, lk, d = 2, 4, 2, 300, 1029, 128
     host, (q, k, v) = _inputs(rng, "float16", b, hq, hkv, lq, lk, d)
     kernel = qattn.build("prefill", format=fmt, head_dim=d, causal=True)
-    bm, bn = int8.scale_blocks(kernel.spec)
     off = int8.quantize(q, k, v, kernel=kernel, with_shift=True, smooth_k=False)
     on = int8.quantize(q, k, v, kernel=kernel, with_shift=True)
     assert off.smooth_k is False and on.smooth_k is True
     assert off.k_mean.shape == (b, hkv, d) and not off.k_mean.any() and not off.shift.any()
-    k8 = quant.quantize_int8(np.asarray(host[1], F32), bn, operand="k")
+    k8, k_scales = _quant_k(np.asarray(host[1], F32), kernel.spec)
     np.testing.assert_array_equal(off.k8_rows().get(), k8.codes)
-    np.testing.assert_array_equal(off.k_scale.get(), k8.scale[..., ::bn, 0])
+    np.testing.assert_array_equal(off.k_scale.get(), k_scales)
     np.testing.assert_array_equal(off.q8.get(), on.q8.get())
     np.testing.assert_array_equal(off.q_scale.get(), on.q_scale.get())
     assert bytes(off.v.get().data) == bytes(on.v.get().data)
@@ -526,7 +550,8 @@ def test_quantize_without_smoothing(fmt):
     direct, direct_lse = int8.attention_quantized(kernel, off, return_lse=True)
     assert bytes(out.get().data) == bytes(direct.get().data)
     np.testing.assert_array_equal(lse.get(), direct_lse.get())
-    emu, emu_lse = emulate.emulate(fmt, *host, causal=True, return_lse=True, smooth_k=False, block_m=bm, block_n=bn)
+    emu, emu_lse = emulate.emulate(fmt, *host, causal=True, return_lse=True, smooth_k=False,
+                                   **int8.emulator_options(kernel.spec))
     assert metrics.compare(_f32(out), emu.astype(np.float16).astype(F32)).rel_l2 <= emu_rel_l2(fmt)
     np.testing.assert_allclose(_f32(lse), emu_lse, rtol=1e-4, atol=1e-4)
     # new queries keep K̄ = 0
@@ -551,7 +576,6 @@ def test_fused_quantization_is_exact(fmt, dtype, d, lk):
     b, hq, hkv, lq = 2, 4, 2, 300
     host, (q, k, v) = _inputs(rng, dtype, b, hq, hkv, lq, lk, d)
     kernel = qattn.build("prefill", format=fmt, head_dim=d)
-    bm, bn = int8.scale_blocks(kernel.spec)
     qkv = int8.quantize(q, k, v, kernel=kernel, with_shift=True)
     again = int8.quantize(q, k, v, kernel=kernel, with_shift=True)
     for name in ("q8", "q_scale", "k8", "k_scale", "k_mean", "shift", "v", "v_scale", "v_out_scale"):
@@ -560,12 +584,12 @@ def test_fused_quantization_is_exact(fmt, dtype, d, lk):
     q32, k32, v32 = (np.asarray(x, F32) for x in host)
     k_smooth, k_mean = quant.smooth_k(k32)
     np.testing.assert_array_equal(qkv.k_mean.get(), k_mean[..., 0, :])
-    k8 = quant.quantize_int8(k_smooth, bn, operand="k")
+    k8, k_scales = _quant_k(k_smooth, kernel.spec)
     np.testing.assert_array_equal(qkv.k8_rows().get(), k8.codes)
-    np.testing.assert_array_equal(qkv.k_scale.get(), k8.scale[..., ::bn, 0])
-    q8 = quant.quantize_int8(quant.fold_softmax_scale(q32, 1 / np.sqrt(d)), bm, operand="q")
+    np.testing.assert_array_equal(qkv.k_scale.get(), k_scales)
+    q8, q_scales = _quant_q(quant.fold_softmax_scale(q32, 1 / np.sqrt(d)), kernel.spec)
     np.testing.assert_array_equal(qkv.q8.get(), q8.codes)
-    np.testing.assert_array_equal(qkv.q_scale.get(), q8.scale[..., ::bm, 0])
+    np.testing.assert_array_equal(qkv.q_scale.get(), q_scales)
     pv = recipe(fmt).ctype["pv"]
     if pv == "f16":
         np.testing.assert_array_equal(qkv.v.get(), v32.astype(np.float16))

@@ -23,13 +23,14 @@ def _kernel(head_dim, causal, tile=None):
     return qattn.build("prefill", **spec, **({"tile": tile} if tile else {}))
 
 
-def _key_block(kernel):
-    """The kernel's format key block (keys per K scale and per softmax step): its tile's block_n."""
+def _options(kernel):
+    """The emulator's options for the kernel: one Q scale per row, the tile's keys per K scale block
+    and softmax step, four K scale groups per block."""
     from qattn.runtime import int8
 
-    q_rows, keys = int8.scale_blocks(kernel.spec)
-    assert (q_rows, keys) == (128, kernel.spec.tile.block_n)
-    return keys
+    options = int8.emulator_options(kernel.spec)
+    assert options == {"block_m": 1, "block_n": kernel.spec.tile.block_n, "k_granularity": "thread"}
+    return options
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -45,7 +46,7 @@ def test_against_emulator_and_fp64(head_dim, causal, lq, lk):
     host, (q, k, v) = _inputs(rng, "float16", 1, 4, 4 // group, lq, lk, head_dim)
     out = _poisoned(q)
     assert kernel(q, k, v, out=out) is out
-    _check("i8-f8", out, host, causal=causal, block_n=_key_block(kernel))
+    _check("i8-f8", out, host, causal=causal, options=_options(kernel))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -59,7 +60,7 @@ def test_bf16_lse_and_strided_output(causal):
     out = store.transpose(0, 2, 1, 3)  # BSHD storage seen as BHSD
     res, lse = kernel(q, k, v, out=out, return_lse=True)
     assert res is out
-    _check("i8-f8", out, host, causal=causal, lse=lse, block_n=_key_block(kernel))
+    _check("i8-f8", out, host, causal=causal, lse=lse, options=_options(kernel))
 
 
 @pytest.mark.parametrize("head_dim,tile,causal", [(64, (128, 128, 8, 2), False), (64, (64, 64, 4, 3), True),
@@ -76,7 +77,7 @@ def test_other_tiles(head_dim, tile, causal):
     host, (q, k, v) = _inputs(rng, "float16", 1, 4, 4, 700, 1100, head_dim)
     out = _poisoned(q)
     kernel(q, k, v, out=out)
-    _check("i8-f8", out, host, causal=causal, block_n=_key_block(kernel))
+    _check("i8-f8", out, host, causal=causal, options=_options(kernel))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -99,7 +100,7 @@ def test_block_rows_do_not_change_the_output_bits(head_dim, causal, lq, lk):
     assert not np.isnan(outs[1]).any(), "out has NaNs: not every row was written"
     assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
     if lq <= 1100:
-        _check("i8-f8", outs[1], host, causal=causal, block_n=128)
+        _check("i8-f8", outs[1], host, causal=causal, options=_options(_kernel(head_dim, causal)))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -122,8 +123,8 @@ def test_rising_row_max_rebases_the_accumulator(head_dim, causal):
     host = [q, k, v]
     out = _poisoned(cupy.asarray(q))
     _, lse = kernel(*(cupy.asarray(x) for x in host), out=out, return_lse=True)
-    _check("i8-f8", out, host, causal=causal, block_n=_key_block(kernel))
+    _check("i8-f8", out, host, causal=causal, options=_options(kernel))
     # LSE against the emulator only: scores this large carry the int8 QK error into it (~0.09 from
     # FP64 here, the format's, not the kernel's)
-    emu_lse = emulate.emulate("i8-f8", *host, causal=causal, return_lse=True, block_n=_key_block(kernel))[1]
+    emu_lse = emulate.emulate("i8-f8", *host, causal=causal, return_lse=True, **_options(kernel))[1]
     np.testing.assert_allclose(_f32(lse), emu_lse, rtol=1e-4, atol=1e-4)

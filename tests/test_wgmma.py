@@ -154,7 +154,7 @@ def test_mma_unit_choice():
     from qattn.codegen.spec import KernelSpec
 
     spec = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma")
-    assert spec.family.values == {"pv_operand": "f8", "mma_unit": "wgmma", "q_scale_rows": 128}
+    assert spec.family.values == {"pv_operand": "f8", "mma_unit": "wgmma", "q_scale_rows": 1, "k_scale_groups": 4}
     assert spec.tile.block_m == 16 * spec.tile.warps
     assert spec.family.threads(spec.tile) == 32 * spec.tile.warps + 128  # and the producer warpgroup
     default = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a")
@@ -276,19 +276,22 @@ def test_operands_must_match_the_kernel_layout():
 
     wgmma = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a")
     sync = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="mma.sync")
-    assert int8.scale_blocks(wgmma) == (128, 128) and int8.scale_blocks(sync) == (128, 64)
+    assert int8.scale_blocks(wgmma) == (1, 128) and int8.scale_blocks(sync) == (128, 64)
+    assert int8.k_scale_groups(wgmma) == 4 and int8.k_scale_groups(sync) == 1
 
-    def operands(layout, keys):  # laid out for kernel `layout`, with `keys` keys per K scale
+    def operands(layout, scales):  # laid out for kernel `layout`, with the scales of kernel `scales`
         v = np.zeros(1, np.uint8 if layout.family.values["pv_operand"] == "f8" else np.float16)
-        return int8.QuantizedQKV(format="i8-f8", dtype="float16", dims=(1, 1, 1, 1, 1, 128), block_m=128,
+        (rows, keys), groups = int8.scale_blocks(scales), int8.k_scale_groups(scales)
+        return int8.QuantizedQKV(format="i8-f8", dtype="float16", dims=(1, 1, 1, 1, 1, 128), block_m=rows,
                                  block_n=keys, scale=1.0, q8=None, q_scale=None, k8=None, k_scale=None, k_mean=None,
-                                 shift=None, v=v, tile_keys=int8._tile_keys(layout))
+                                 shift=None, v=v, tile_keys=int8._tile_keys(layout), k_groups=groups)
 
     for spec, other in ((wgmma, sync), (sync, wgmma)):
-        keys = int8.scale_blocks(spec)[1]
-        int8._check_kernel(SimpleNamespace(spec=spec), operands(spec, keys))  # its own: accepted
+        int8._check_kernel(SimpleNamespace(spec=spec), operands(spec, spec))  # its own: accepted
         with pytest.raises(ValueError, match="another layout"):  # its scale blocks, the other's layout
-            int8._check_kernel(SimpleNamespace(spec=spec), operands(other, keys))
+            int8._check_kernel(SimpleNamespace(spec=spec), operands(other, spec))
+        with pytest.raises(ValueError, match="the operands were quantized with"):  # the other's scales
+            int8._check_kernel(SimpleNamespace(spec=spec), operands(spec, other))
 
 
 def test_key_block_is_the_tile_keys():
@@ -300,13 +303,15 @@ def test_key_block_is_the_tile_keys():
     from qattn.codegen.tile import Tile
     from qattn.runtime import int8
 
-    assert int8.scale_blocks(KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a")) == (128, 128)
-    assert int8.scale_blocks(KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", tile=Tile(64, 64, 4, 2))) == (128, 64)
+    assert int8.scale_blocks(KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a")) == (1, 128)
+    assert int8.scale_blocks(KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", tile=Tile(64, 64, 4, 2))) == (1, 64)
     d64 = KernelSpec(recipe="i8-f8", head_dim=64, arch="sm_90a")
-    assert int8.scale_blocks(d64) == (128, 128)
-    assert int8.scale_blocks(KernelSpec(recipe="i8-f8", head_dim=64, arch="sm_90a", tile=Tile(64, 64, 4, 2))) == (128, 64)
-    qkv = int8.QuantizedQKV(format="i8-f8", dtype="float16", dims=(1, 1, 1, 1, 1, 64), block_m=128, block_n=64,
+    assert int8.scale_blocks(d64) == (1, 128)
+    assert int8.scale_blocks(KernelSpec(recipe="i8-f8", head_dim=64, arch="sm_90a", tile=Tile(64, 64, 4, 2))) == (1, 64)
+    assert int8.emulator_options(d64) == {"block_m": 1, "block_n": 128, "k_granularity": "thread"}
+    qkv = int8.QuantizedQKV(format="i8-f8", dtype="float16", dims=(1, 1, 1, 1, 1, 64), block_m=1, block_n=64,
                             scale=1.0, q8=None, q_scale=None, k8=None, k_scale=None, k_mean=None, shift=None,
-                            v=np.zeros(1, np.uint8), tile_keys=int8._tile_keys(d64))
-    with pytest.raises(ValueError, match="scale blocks of 128 rows x 128 keys"):
+                            v=np.zeros(1, np.uint8), tile_keys=int8._tile_keys(d64), k_groups=4)
+    with pytest.raises(ValueError, match="takes Q scales per row, 4 K scales per 128 keys; the operands were "
+                                         "quantized with Q scales per row, 4 K scales per 64 keys"):
         int8._check_kernel(SimpleNamespace(spec=d64), qkv)

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Time qattn prefill kernels beside torch SDPA (flash, cuDNN) and SageAttention (when installed)
-on the same inputs, same run; rel_l2 is against an FP64 reference of the first two heads.
+"""Time qattn prefill kernels beside torch SDPA (flash, cuDNN), SageAttention 1.0.6 and SageAttention2
+(each when importable; SageAttention2 built from source as `sageattention2`, its package folder
+renamed, runs beside 1.0.6) on the same inputs, same run; rel_l2 is against an FP64 reference of the
+first two heads.
 
     tools/bench_prefill.py --shape 4x32x4096 --shape 1x32x32768 --causal both --json out.json
     tools/bench_prefill.py --shape 4x32x4096 --tile 128x64x8x2 --tile 128x64x4x2   # tile sweep
@@ -58,7 +60,7 @@ def main() -> int:
                                      causal=causal, tiles=tile, peers=peers, rounds=args.rounds,
                                      sustained=args.sustained)
     print(f"{'impl':<19}{'kernel':<50}{'B':>3}{'H':>4}{'L':>7}{'D':>5} {'causal':<7}{'ms':>9}{'TFLOPS':>8}"
-          f"{'vs flash':>9}{'vs cuDNN':>9}{'vs sage':>8}{'rel_l2':>10}{'quant ms':>9}")
+          f"{'vs flash':>9}{'vs cuDNN':>9}{'vs sage':>8}{'vs sage2':>9}{'rel_l2':>10}{'quant ms':>9}")
     for r in records:
         if "error" in r:
             print(f"{r['impl']:<19} error: {r['error']}")
@@ -66,7 +68,7 @@ def main() -> int:
         print(f"{r['impl']:<19}{r.get('kernel', ''):<50}{r['batch']:>3}{r['heads']:>4}{r['seq']:>7}{r['head_dim']:>5} "
               f"{str(r['causal']):<7}{r['ms']:>9.3f}{r['tflops']:>8.1f}"
               f"{r.get('vs_sdpa_flash', float('nan')):>9.2f}{r.get('vs_sdpa_cudnn', float('nan')):>9.2f}"
-              f"{r.get('vs_sageattn', float('nan')):>8.2f}{r['rel_l2']:>10.2e}{r.get('quant_ms', float('nan')):>9.3f}")
+              f"{r.get('vs_sageattn', float('nan')):>8.2f}{r.get('vs_sageattn2', float('nan')):>9.2f}{r['rel_l2']:>10.2e}{r.get('quant_ms', float('nan')):>9.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
     return 0

@@ -356,8 +356,10 @@ def _wgmma_problem(tile: Tile, d: int) -> str | None:
 CUDA_I8_F8_WGMMA = Family(
     template="cuda/prefill_i8.cu.j2",
     head_dims=(64, 128),
-    # Whatever the tile, 128 query rows per Q scale (values); the key tile is the format's key block
-    # (keys per K scale and per softmax step), as in the mma.sync kernels. Measured on the H200
+    # Whatever the tile, one Q scale per query row and four K scales per key tile (values: quant's
+    # "thread" groups, the keys of one accumulator column quad), as fine as SageAttention2's
+    # per-thread scales and as cheap: a thread applies one scale per row and one per key tile. The
+    # key tile is the format's key block (keys per K scale block and per softmax step). Measured on the H200
     # (BENCHMARKS.md): 128-key blocks beat 64-key ones by 16-20% at d128 and 5-9% at d64; three
     # consumer warpgroups of one 192-row block (three warps per scheduler where two 64-row blocks
     # per SM give two) beat two 64-row blocks by 15% at d64 (causal 11%) and 13% at d128 (S issued
@@ -370,7 +372,7 @@ CUDA_I8_F8_WGMMA = Family(
     producer_warps=4,
     launcher="prefill_i8",
     main_entry="_f16",
-    values={"pv_operand": "f8", "mma_unit": "wgmma", "q_scale_rows": 128},
+    values={"pv_operand": "f8", "mma_unit": "wgmma", "q_scale_rows": 1, "k_scale_groups": 4},
 )
 
 

@@ -120,23 +120,44 @@ def attention_flops(batch: int, heads: int, lq: int, lk: int, head_dim: int, cau
     return 4.0 * batch * heads * lq * lk * head_dim / (2.0 if causal else 1.0)
 
 
-PEERS = ("sdpa_flash", "sdpa_cudnn", "sageattn")
+PEERS = ("sdpa_flash", "sdpa_cudnn", "sageattn", "sageattn2")
+
+
+def _sageattention2():
+    """SageAttention2 (CUDA kernels built from source), or None: the module sageattention2 (its
+    package folder renamed, so that it imports beside SageAttention 1.0.6 from PyPI), else
+    sageattention itself when that is version 2 (it has the fp8-PV CUDA entry points)."""
+    import importlib
+
+    for name in ("sageattention2", "sageattention"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "sageattn_qk_int8_pv_fp8_cuda"):
+            return module
+    return None
 
 
 def _peer(name: str):
     """A callable (q, k, v, causal) -> out for a peer on torch tensors, or None where its library is
-    missing: torch SDPA on one backend, or SageAttention's sageattn (int8 QK, fp16 PV, K smoothing)."""
+    missing: torch SDPA on one backend, SageAttention's sageattn (1.0.6: int8 QK, fp16 PV, K
+    smoothing), or SageAttention2's sageattn ("sageattn2": on sm_90 its wgmma kernel, int8 QK and
+    fp8 PV; only where it is not the package "sageattn" already runs)."""
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
         return None
-    if name == "sageattn":
+    if name in ("sageattn", "sageattn2"):
         try:
-            from sageattention import sageattn
+            import sageattention
         except ImportError:
+            sageattention = None
+        module = sageattention if name == "sageattn" else _sageattention2()
+        if module is None or (name == "sageattn2" and module is sageattention):
             return None
-        return lambda q, k, v, causal: sageattn(q, k, v, tensor_layout="HND", is_causal=causal)
+        return lambda q, k, v, causal: module.sageattn(q, k, v, tensor_layout="HND", is_causal=causal)
     backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[name]
 
     def run(q, k, v, causal):

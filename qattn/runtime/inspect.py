@@ -85,8 +85,9 @@ def inspect_spec(spec: KernelSpec) -> dict:
     report = {"name": spec.name, "spec": spec.as_dict(), "resources": resources,
               "instructions": dict(counts, listing=listing)}
     if family.launcher == "prefill_i8":  # the format's blocks: what the emulator needs to match the kernel
-        from .int8 import scale_blocks
+        from .int8 import emulator_options, k_scale_groups, scale_blocks
 
         q_rows, keys = scale_blocks(spec)
-        report["scale_blocks"] = {"q_rows": q_rows, "k_keys": keys}
+        report["scale_blocks"] = {"q_rows": q_rows, "k_keys": keys, "k_groups": k_scale_groups(spec),
+                                  "emulator": emulator_options(spec)}
     return report

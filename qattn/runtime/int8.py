@@ -9,13 +9,14 @@ public for callers that keep K (and V) quantized across calls::
     out, lse = attention_quantized(kernel, qkv, return_lse=True)
     qkv2 = qkv.with_query(q_next, kernel=kernel)                  # new queries, same K/V codes
 
-What a kernel computes is what ``emulate.emulate(fmt, ..., block_m=rows, block_n=keys)`` computes,
-with ``(rows, keys) = scale_blocks(kernel.spec)`` (block_m query rows per Q scale, block_n keys per
-K scale and per softmax step): 128 x 64 for the default kernels, the emulator's defaults, except
-i8-f8 on sm_90a, whose default wgmma tiles take 128 x 128:
+What a kernel computes is what ``emulate.emulate(fmt, ..., **emulator_options(kernel.spec))``
+computes: block_m query rows per Q scale, block_n keys per K scale block and per softmax step, and
+the K scale groups. The default kernels take 128 x 64 with one K scale per block, the emulator's
+defaults, except i8-f8 on sm_90a, whose wgmma kernels take one Q scale per row and 128-key blocks
+of four K scales each (quant's "thread" groups):
 
 - K̄ = mean of K over keys (fp64 partial sums per chunk of keys, combined in a fixed order, rounded to fp32);
-  K̃ = K − K̄; s_K = max|K̃| / 127 per block of block_n keys; K8 = rint(K̃ / s_K). With
+  K̃ = K − K̄; s_K = max|K̃| / 127 per block of block_n keys (or per group of them); K8 = rint(K̃ / s_K). With
   ``smooth_k=False`` (emulate's option of the same name) K̄ is a buffer of zeros: K is quantized as
   given, and the shift (q̃·K̄) is 0.
 - q̃ = Q·(τ·log2 e) in fp32; s_Q = max|q̃| / 127 per block of block_m rows; Q8 = rint(q̃ / s_Q);
@@ -36,7 +37,9 @@ import numpy as np
 
 from ..codegen.recipes import recipe
 from .arrays import as_device_array, like_input, on_device
-from .int8_launch import COLSTATS_CHUNK, QUANT_THREADS, QuantPlan, attention_launch, contiguous_strides, scale_blocks
+from .int8_launch import (COLSTATS_CHUNK, QUANT_THREADS, QuantPlan, attention_launch, contiguous_strides,
+                          describe_scales, emulator_options, k_scale_groups, q_quant_rows, scale_blocks,
+                          scale_options)
 from .int8_launch import SUFFIX as _SUFFIX
 from .packed import cached_plan
 from .int8_launch import tile_keys as _tile_keys
@@ -72,7 +75,7 @@ class QuantizedQKV:
     """Operands of one int8-QK attention call, as the attention kernel reads them.
 
     q8 int8 [B, Hq, Lq, D] and q_scale float32 [B, Hq, ceil(Lq/block_m)] (q̃ = Q·τ·log2 e);
-    k8 int8 [B, Hkv, Lk, D] and k_scale float32 [B, Hkv, ceil(Lk/block_n)] (of K − K̄); for the
+    k8 int8 [B, Hkv, Lk, D] and k_scale float32 [B, Hkv, ceil(Lk/block_n)·k_groups] (of K − K̄); for the
     wgmma kernel k8 is [B, Hkv, Lk_pad, D] holding tiles of the tile's block_n keys in wgmma's
     core-matrix order, and v its V^T tiles likewise (see templates/cuda/wgmma.cuh.j2);
     k_mean float32 [B, Hkv, D] (zeros when smooth_k is False); shift float32 [B, Hq, Lq] (q̃·K̄, for
@@ -100,6 +103,11 @@ class QuantizedQKV:
     v_out_scale: object = None
     smooth_k: bool = True  # False: K quantized without subtracting its mean (k_mean is zeros)
     tile_keys: int = 0  # keys per K8 / V^T tile where they are stored as wgmma tiles; 0: plain layouts
+    k_groups: int = 1  # K scales per key block (4: quant's "thread" groups)
+
+    def emulator_options(self) -> dict:
+        """The emulate() options that compute what these operands' kernel computes."""
+        return scale_options(self.block_m, self.block_n, self.k_groups)
 
     def k8_rows(self):
         """The K codes as rows [B, Hkv, Lk, D], whatever their stored layout."""
@@ -161,10 +169,9 @@ def _check_kernel(kernel, qkv: QuantizedQKV) -> None:
         raise ValueError(f"kernel: {spec.name} is format {spec.recipe!r}, the operands are {qkv.format!r}")
     if spec.head_dim != qkv.dims[5]:
         raise ValueError(f"kernel: {spec.name} has head_dim {spec.head_dim}, the operands {qkv.dims[5]}")
-    if scale_blocks(spec) != (qkv.block_m, qkv.block_n):
-        q_rows, k_keys = scale_blocks(spec)
-        raise ValueError(f"kernel: {spec.name} has scale blocks of {q_rows} rows x {k_keys} keys, "
-                         f"the operands were quantized with {qkv.block_m} x {qkv.block_n}")
+    if emulator_options(spec) != qkv.emulator_options():
+        raise ValueError(f"kernel: {spec.name} takes {describe_scales(*scale_blocks(spec), k_scale_groups(spec))}; "
+                         f"the operands were quantized with {describe_scales(qkv.block_m, qkv.block_n, qkv.k_groups)}")
     if _tile_keys(spec) != qkv.tile_keys or _v_layout(spec) != _v_layout_of(qkv):
         raise ValueError(f"kernel: {spec.name} reads K8 and V in another layout than the operands have "
                          f"(quantize them with this kernel)")
@@ -260,7 +267,7 @@ def _quantize_q(kernel, q, k_mean, scale, hkv, with_shift, stream):
     shift = cupy.empty((b, hq, lq), dtype=cupy.float32) if with_shift else None
     mul = np.float32(scale * quant.LOG2E)  # as quant.fold_softmax_scale
     fn = kernel.function("_quant_q_" + _SUFFIX[q.dtype.name])
-    fn((-(-lq // bm), hq, b), (QUANT_THREADS,),
+    fn((-(-lq // q_quant_rows(kernel.spec)), hq, b), (QUANT_THREADS,),
        (q, *_strides(q), np.int32(lq), np.int32(hq // hkv), mul, k_mean, q8, q_scale,
         shift if with_shift else _null()), stream=stream)
     return q8, q_scale, shift
@@ -373,7 +380,7 @@ def quantize(q, k, v, *, format: str | None = None, scale: float | None = None, 
     return QuantizedQKV(format=spec.recipe, dtype=q.dtype.name, dims=dims, block_m=q_rows, block_n=k_keys,
                         scale=scale, q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale, k_mean=k_mean, shift=shift,
                         v=v_op, v_scale=v_scale, v_out_scale=v_out_scale, smooth_k=smooth_k,
-                        tile_keys=_tile_keys(spec))
+                        tile_keys=_tile_keys(spec), k_groups=k_scale_groups(spec))
 
 
 # ---- attention on quantized operands ---------------------------------------------------------

@@ -34,11 +34,44 @@ class Buffer:
     dtype: str
 
 
+# Query rows per block of the Q quantization where each row has its own scale (QBLOCK in prefill_i8.cu.j2).
+ROW_SCALE_BLOCK = 128
+
+
 def scale_blocks(spec) -> tuple[int, int]:
-    """(query rows per Q scale, keys per K scale and softmax step) of a kernel: its tile's block_m x
-    block_n, unless its family fixes one (the wgmma kernels' Q scales cover 128 rows whatever the tile)."""
+    """(query rows per Q scale, keys per K scale block and softmax step) of a kernel: its tile's
+    block_m x block_n, unless its family fixes the rows (the wgmma kernels: one scale per row)."""
     values = spec.family.values
     return values.get("q_scale_rows", spec.tile.block_m), spec.tile.block_n
+
+
+def k_scale_groups(spec) -> int:
+    """K scales per key block: 1, or 4 (quant's "thread" groups, keys by (key % 8) // 2)."""
+    return spec.family.values.get("k_scale_groups", 1)
+
+
+def q_quant_rows(spec) -> int:
+    """Query rows per block of the Q quantization launches: the Q scale block, or ROW_SCALE_BLOCK."""
+    rows = scale_blocks(spec)[0]
+    return rows if rows > 1 else ROW_SCALE_BLOCK
+
+
+def scale_options(block_m: int, block_n: int, k_groups: int) -> dict:
+    """emulate()'s options for Q scales of block_m rows and K scale blocks of block_n keys in
+    k_groups groups (1 or 4)."""
+    return {"block_m": block_m, "block_n": block_n, "k_granularity": "thread" if k_groups > 1 else "block"}
+
+
+def describe_scales(block_m: int, block_n: int, k_groups: int) -> str:
+    """Words for a scale layout, e.g. "Q scales per row, 4 K scales per 128 keys"."""
+    rows = "per row" if block_m == 1 else f"per {block_m} rows"
+    k = "one K scale" if k_groups == 1 else f"{k_groups} K scales"
+    return f"Q scales {rows}, {k} per {block_n} keys"
+
+
+def emulator_options(spec) -> dict:
+    """The emulate() options under which the emulator computes what the kernel of spec computes."""
+    return scale_options(*scale_blocks(spec), k_scale_groups(spec))
 
 
 def tile_keys(spec) -> int:
@@ -79,7 +112,7 @@ class QuantPlan:
         if with_shift:
             place("shift", (b, hq, lq), "float32")
         place("k8", (b, hkv, lk_pad if k_tiles else lk, d), "int8")
-        place("k_scale", (b, hkv, -(-lk // k_keys)), "float32")
+        place("k_scale", (b, hkv, -(-lk // k_keys) * k_scale_groups(spec)), "float32")
         if v_job:
             if spec.family.values["pv_operand"] == "f16":  # fp16 rows (of V, or of its e4m3 codes' values)
                 place("v_op", (b, hkv, lk, d), "float16")
@@ -106,7 +139,7 @@ class QuantPlan:
                 kernel.function("_stats_finish"), (-(-d // FINISH_CHANNELS), hkv, b), QUANT_THREADS, 0,
                 (ws("part_sum"), ws("part_max"), np.int32(nchunks), np.int32(lk), k_mean, v_scale,
                  ws("small", 2 * plane) if v_stats else NULL), pdl))
-        blocks = -(-lq // q_rows) * hq * b + nbk * hkv * b * (2 if v_job else 1)
+        blocks = -(-lq // q_quant_rows(spec)) * hq * b + nbk * hkv * b * (2 if v_job else 1)
         mul = np.float32(scale * quant.LOG2E)  # as quant.fold_softmax_scale
         self.launches.append(PackedLaunch(
             kernel.function("_quant_qkv_" + sfx), (blocks, 1, 1), QUANT_THREADS, 0,
