@@ -35,7 +35,7 @@ class Buffer:
 
 
 # Query rows per block of the Q quantization where each row has its own scale (QBLOCK in prefill_i8.cu.j2).
-ROW_SCALE_BLOCK = 128
+ROW_SCALE_BLOCK = 64
 
 
 def scale_blocks(spec) -> tuple[int, int]:
