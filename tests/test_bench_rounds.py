@@ -156,3 +156,20 @@ def test_only_sageattention_1_0_6_has_no_sageattn2(monkeypatch, fake_torch):
     _sage(monkeypatch, "sageattention", 1)
     assert "sageattn2" in PEERS
     assert _peer("sageattn") is not None and _peer("sageattn2") is None
+
+
+def test_accuracy_names_a_bad_preset_or_query_count():
+    from qattn.runtime.bench import accuracy_against_fp64
+
+    with pytest.raises(ValueError, match="presets: unknown preset 'gauss'"):
+        accuracy_against_fp64(("gauss",))
+    with pytest.raises(ValueError, match="max_queries: expected a positive number"):
+        accuracy_against_fp64(("normal",), max_queries=0)
+
+
+@pytest.mark.parametrize("args,message", [(["--preset", "gauss"], "invalid choice: 'gauss'"),
+                                          (["--ctx", "0"], "expected a positive integer, got 0")])
+def test_accuracy_tool_refuses_bad_arguments(args, message):
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_accuracy.py"), *args],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr

@@ -604,3 +604,25 @@ def test_fused_quantization_is_exact(fmt, dtype, d, lk):
         assert not vt[..., _stored_column(np.arange(lk, lk_pad))].any()
         np.testing.assert_array_equal(_unpermute_vt(vt, lk), vq.codes.view(np.uint8))
     np.testing.assert_array_equal(qkv.v_scale.get(), vq.scale[..., 0, :])
+
+
+def test_accuracy_records_match_a_direct_fp64_check():
+    """runtime.bench.accuracy_against_fp64 (tools/bench_accuracy.py): one record per preset, context,
+    causal and implementation; qattn's rel_l2 equals a direct FP64 comparison of the same call; a
+    context longer than max_queries has no causal row (the peers' masks align top-left)."""
+    import cupy
+
+    from qattn import data
+    from qattn.runtime.bench import accuracy_against_fp64
+
+    _skip_unsupported("i8-f8")
+    records = accuracy_against_fp64(("outliers",), (700, 1500), ("i8-f8",), peers=(), max_queries=1000)
+    assert [(r["ctx"], r["queries"], r["causal"]) for r in records] == [(700, 700, False), (700, 700, True),
+                                                                         (1500, 1000, False)]
+    x = data.preset("outliers", ctx=1500, queries=1000, heads=2, seed=1)
+    q, k, v = (cupy.asarray(x[n]).astype(cupy.float16) for n in ("q", "k", "v"))
+    out = _f32(qattn.attention(q, k, v, format="i8-f8"))
+    ref = reference.attention(*(np.asarray(x[n], np.float16).astype(np.float64) for n in ("q", "k", "v")))
+    direct = metrics.compare(out, ref).rel_l2
+    assert abs(records[2]["rel_l2"] - direct) <= 1e-3 * direct
+    assert 0.01 < direct < recipe("i8-f8").tolerance.rel_l2

@@ -270,6 +270,58 @@ def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers
     return records
 
 
+ACCURACY_PRESETS = ("normal", "outliers", "outliers_token", "bias", "rope")
+
+
+def accuracy_against_fp64(presets=ACCURACY_PRESETS, contexts=(4096, 32768), formats=("i8-f8",), *, peers=PEERS,
+                          heads: int = 2, head_dim: int = 128, max_queries: int = 4096, causal=(False, True),
+                          seed: int = 1) -> list[dict]:
+    """rel_l2 against FP64 (on the GPU) of qattn formats and peers on the same fp16 inputs, drawn
+    from the qattn.data presets: one record per (preset, context, causal, implementation). The
+    queries are the last min(ctx, max_queries) positions of the context; causal rows only where
+    Lq = Lk (torch's and SageAttention's causal masks align top-left where they differ, qattn's
+    bottom-right). A peer that fails on a shape gets a record with its error instead."""
+    import cupy
+
+    from .. import data
+    from .api import attention
+
+    for name in presets:
+        if name not in data.PRESETS:
+            raise ValueError(f"presets: unknown preset {name!r}; expected names from {sorted(data.PRESETS)}")
+    if max_queries < 1:
+        raise ValueError(f"max_queries: expected a positive number of queries, got {max_queries}")
+    peer_fns = {name: fn for name in peers if (fn := _peer(name)) is not None}
+    records = []
+    for name in presets:
+        for ctx in contexts:
+            lq = min(ctx, max_queries)
+            x = data.preset(name, ctx=ctx, queries=lq, heads=heads, head_dim=head_dim, seed=seed)
+            q, k, v = (cupy.asarray(x[n]).astype(cupy.float16) for n in ("q", "k", "v"))
+            torch_inputs = None
+            for is_causal in causal:
+                if is_causal and lq != ctx:
+                    continue
+                ref = _fp64_slice(q, k, v, is_causal)
+                base = {"preset": name, "ctx": ctx, "queries": lq, "causal": is_causal, "heads": heads,
+                        "head_dim": head_dim}
+                for fmt in formats:
+                    xs = (q, k, v) if recipe_dtype(fmt) == cupy.float16 else tuple(t.astype(recipe_dtype(fmt)) for t in (q, k, v))
+                    out = attention(*xs, format=fmt, causal=is_causal)
+                    records.append(dict(base, impl=f"qattn:{fmt}", rel_l2=_rel_l2(out, ref)))
+                for peer, fn in peer_fns.items():
+                    import torch
+
+                    torch_inputs = torch_inputs or tuple(torch.from_dlpack(t) for t in (q, k, v))
+                    try:
+                        out = cupy.from_dlpack(fn(*torch_inputs, is_causal).contiguous())
+                    except Exception as exc:  # backend unavailable for this shape/GPU
+                        records.append(dict(base, impl=peer, error=str(exc).splitlines()[0]))
+                        continue
+                    records.append(dict(base, impl=peer, rel_l2=_rel_l2(out, ref)))
+    return records
+
+
 def recipe_dtype(fmt: str):
     from ..codegen.recipes import recipe
     from .arrays import numpy_dtype
