@@ -246,7 +246,7 @@ def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers
             if tiles:
                 spec = spec.with_(tile=tiles[entry] if isinstance(tiles, dict) else tiles)
             kernel = build_kernel(spec)
-            xs = (q, k, v) if recipe_dtype(fmt) == cupy.float16 else tuple(x.astype(recipe_dtype(fmt)) for x in (q, k, v))
+            xs = _format_inputs(fmt, q, k, v)
             out = cupy.empty_like(xs[0])
             kernel(*xs, out=out)
             rec = dict(shape_rec, impl=f"qattn:{entry}", kernel=spec.name, rel_l2=_rel_l2(out, ref))
@@ -306,8 +306,7 @@ def accuracy_against_fp64(presets=ACCURACY_PRESETS, contexts=(4096, 32768), form
                 base = {"preset": name, "ctx": ctx, "queries": lq, "causal": is_causal, "heads": heads,
                         "head_dim": head_dim}
                 for fmt in formats:
-                    xs = (q, k, v) if recipe_dtype(fmt) == cupy.float16 else tuple(t.astype(recipe_dtype(fmt)) for t in (q, k, v))
-                    out = attention(*xs, format=fmt, causal=is_causal)
+                    out = attention(*_format_inputs(fmt, q, k, v), format=fmt, causal=is_causal)
                     records.append(dict(base, impl=f"qattn:{fmt}", rel_l2=_rel_l2(out, ref)))
                 for peer, fn in peer_fns.items():
                     import torch
@@ -320,6 +319,12 @@ def accuracy_against_fp64(presets=ACCURACY_PRESETS, contexts=(4096, 32768), form
                         continue
                     records.append(dict(base, impl=peer, rel_l2=_rel_l2(out, ref)))
     return records
+
+
+def _format_inputs(fmt: str, q, k, v) -> tuple:
+    """The fp16 inputs as the format takes them (fp32 for the fp32 recipes)."""
+    dtype = recipe_dtype(fmt)
+    return (q, k, v) if dtype == q.dtype else tuple(x.astype(dtype) for x in (q, k, v))
 
 
 def recipe_dtype(fmt: str):
