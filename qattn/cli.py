@@ -427,10 +427,17 @@ def compile_(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, arc
 # ---- parity -----------------------------------------------------------------------------------
 
 def _split_formats(ctx, param, values):
+    """FORMAT[,FORMAT...] lists; FORMAT@UNIT names the format's kernel on another matrix unit (e.g.
+    kv8-imma@wgmma), which the arch that runs it must build."""
     formats = [f.strip() for value in values for f in value.split(",") if f.strip()]
+    units = sorted({fam.values["mma_unit"] for rec in RECIPES.values() for options in rec.arch_families.values()
+                    for fam in options if "mma_unit" in fam.values})
     for f in formats:
-        if f not in RECIPES:
-            raise click.BadParameter(f"unknown format {f!r}; known formats: {', '.join(RECIPES)}")
+        name, at, unit = f.partition("@")
+        if name not in RECIPES:
+            raise click.BadParameter(f"unknown format {name!r}; known formats: {', '.join(RECIPES)}")
+        if at and unit not in units:
+            raise click.BadParameter(f"{f!r}: unknown matrix unit {unit!r}; units: {', '.join(units)}")
     return formats
 
 

@@ -358,6 +358,28 @@ def test_parity_cuda_without_gpu_is_an_error(no_gpu):
     assert "no CUDA GPU" in result.output
 
 
+def test_parity_matrix_unit_needs_a_gpu_and_a_known_unit(no_gpu):
+    """FORMAT@UNIT names the format's CUDA kernel on another matrix unit: without a GPU it is
+    refused by name (the emulator is the same for every unit), and so is an unknown unit."""
+    result = run("parity", "-f", "i8-f8@mma.sync", "--shape", "8/8")
+    assert result.exit_code == 2 and "a matrix unit names a CUDA kernel" in result.output
+    result = run("parity", "-f", "i8-f8@tensor", "--shape", "8/8")
+    assert result.exit_code == 2 and "unknown matrix unit 'tensor'" in result.output and "mma.sync, wgmma" in result.output
+
+
+def test_parity_plans_a_format_on_a_matrix_unit(monkeypatch):
+    from qattn.runtime import api, parity
+
+    monkeypatch.setattr(api, "device_arch", lambda: "sm_90a")
+    checks = parity.plan(["i8-f8@mma.sync", "i8-f8"], [(2048, 256)], gpu=True)
+    assert checks == [("i8-f8@mma.sync", "cuda", 2048, 256), ("i8-f8", "cuda", 2048, 256)]
+    spec = parity.cuda_spec("i8-f8@mma.sync", 128, False, 256)
+    assert spec.family.values["mma_unit"] == "mma.sync" and spec.tile == spec.family.default_tile(128, False, "sm_90a")
+    assert parity.cuda_spec("i8-f8", 128, False, 256).family.values["mma_unit"] == "wgmma"
+    with pytest.raises(ValueError, match="kv8-imma on cuda sm_90a builds with no choice of unit"):
+        parity.plan(["kv8-imma@wgmma"], [(64, 64)], gpu=True)
+
+
 def test_parity_fails_over_tolerance(monkeypatch):
     monkeypatch.setitem(RECIPES, "f32", dataclasses.replace(RECIPES["f32"], tolerance=Tolerance(0.0, 0.0)))
     result = run("parity", "--backend", "numpy", "-f", "f32", "--shape", "16/16", "--heads", "1")

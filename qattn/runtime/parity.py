@@ -60,19 +60,30 @@ def make_inputs(fmt: str, shapes: tuple, seed) -> tuple[list[np.ndarray], list[n
     return given, exact
 
 
-def _run_cuda(fmt, q, k, v, *, head_dim, causal, time_it):
-    """Launch the kernel a call of the format runs into a NaN-poisoned output; return (out, ms, spec name)."""
-    import cupy
-
+def cuda_spec(entry: str, head_dim: int, causal: bool, queries: int):
+    """The kernel a call of `queries` rows runs for entry, a format or FORMAT@UNIT (the format on
+    another matrix unit of the arch, its default tile there)."""
     from .api import default_spec
-    from .kernel import build_kernel
 
+    fmt, _, unit = entry.partition("@")
     spec = default_spec(fmt, head_dim, causal=causal)
+    if unit:
+        return spec.with_(mma=unit, tile=None)
     if fmt in KV8_FORMATS:  # the tile a call of this many queries runs
         from .kv8 import call_spec
 
-        spec = call_spec(fmt, head_dim, causal, q.shape[2], spec.arch)
-    kernel = build_kernel(spec)
+        spec = call_spec(fmt, head_dim, causal, queries, spec.arch)
+    return spec
+
+
+def _run_cuda(entry, q, k, v, *, head_dim, causal, time_it):
+    """Launch the kernel a call of the format runs into a NaN-poisoned output; return (out, ms, spec name)."""
+    import cupy
+
+    from .kernel import build_kernel
+
+    fmt = entry.partition("@")[0]
+    kernel = build_kernel(cuda_spec(entry, head_dim, causal, q.shape[2]))
     q, k, v = (cupy.asarray(x) for x in (q, k, v))
     if fmt in KV8_FORMATS:  # the cache is written once, as an engine's is; only attention is timed
         from .kvcache import KVCacheInt8
@@ -95,10 +106,12 @@ def _emulator_block_n(fmt: str, head_dim: int) -> int:
     return 64
 
 
-def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, heads: int = 8,
+def check(entry: str, ctx: int, queries: int, *, backend: str, batch: int = 1, heads: int = 8,
           kv_heads: int | None = None, head_dim: int = 128, causal: bool = False, seed: int = 0,
           time_it: bool = True) -> dict:
-    """One parity check on a resolved backend ("cuda" or "numpy"); returns its record."""
+    """One parity check of a format (or FORMAT@UNIT, cuda only) on a resolved backend ("cuda" or
+    "numpy"); returns its record."""
+    fmt = entry.partition("@")[0]
     kv_heads = heads if kv_heads is None else kv_heads
     tol = recipe(fmt).tolerance
     shapes = ((batch, heads, queries, head_dim), (batch, kv_heads, ctx, head_dim), (batch, kv_heads, ctx, head_dim))
@@ -106,14 +119,14 @@ def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, hea
     (q, k, v), (q64, k64, v64) = make_inputs(fmt, shapes, np.random.SeedSequence([seed, ctx, queries]))
     ref = reference_attention(q64, k64, v64, causal=causal)
     if backend == "cuda":
-        out, ms, kernel_name = _run_cuda(fmt, q, k, v, head_dim=head_dim, causal=causal, time_it=time_it)
+        out, ms, kernel_name = _run_cuda(entry, q, k, v, head_dim=head_dim, causal=causal, time_it=time_it)
     else:
         out = emulate(fmt, q, k, v, causal=causal, block_n=_emulator_block_n(fmt, head_dim))
         ms, kernel_name = None, None
     err = metrics.compare(out, ref)
     flops = bench.attention_flops(batch, heads, queries, ctx, head_dim, causal)
     return {
-        "format": fmt, "ctx": ctx, "queries": queries, "batch": batch, "heads": heads, "kv_heads": kv_heads,
+        "format": entry, "ctx": ctx, "queries": queries, "batch": batch, "heads": heads, "kv_heads": kv_heads,
         "head_dim": head_dim, "causal": causal, "backend": backend, "kernel": kernel_name,
         "input_dtype": recipe(fmt).input_dtypes[0], "seed": seed,
         "max_rel": err.max_rel, "rel_l2": err.rel_l2, "cos": err.cos, "nonfinite": err.nonfinite,
@@ -127,21 +140,24 @@ def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, hea
 def plan(formats: Iterable[str], shapes: Iterable[tuple[int, int]] | None, *, backend: str = "auto",
          head_dim: int = 128, causal: bool = False, gpu: bool | None = None) -> list[tuple[str, str, int, int]]:
     """Validate everything up front, before any check runs, and list the checks as (format,
-    backend, ctx, queries). shapes None (or empty) picks each backend's default shapes."""
+    backend, ctx, queries); a format may be FORMAT@UNIT (its CUDA kernel on another matrix unit).
+    shapes None (or empty) picks each backend's default shapes."""
     gpu = device_arch() is not None if gpu is None else gpu
     shapes = list(shapes or ())
     for ctx, queries in shapes:
         if ctx < 1 or queries < 1:
             raise ValueError(f"shape: ctx and queries must be >= 1, got {ctx}/{queries}")
     checks = []
-    for fmt in formats or DEFAULT_FORMATS:
+    for entry in formats or DEFAULT_FORMATS:
+        fmt, _, unit = entry.partition("@")
         recipe(fmt)  # an unknown format raises, naming the known ones
         ran = resolve_backend(fmt, backend, gpu)
+        if unit and ran != "cuda":
+            raise ValueError(f"format {entry!r}: a matrix unit names a CUDA kernel, which needs a GPU; the CPU "
+                             f"emulator of {fmt!r} is the same for every unit")
         if ran == "cuda":
-            from .api import default_spec
-
-            default_spec(fmt, head_dim, causal=causal)  # raises if no kernel fits this head_dim
-        checks += [(fmt, ran, ctx, queries) for ctx, queries in shapes or DEFAULT_SHAPES[ran]]
+            cuda_spec(entry, head_dim, causal, 1)  # raises if no kernel fits this head_dim (or unit)
+        checks += [(entry, ran, ctx, queries) for ctx, queries in shapes or DEFAULT_SHAPES[ran]]
     return checks
 
 
