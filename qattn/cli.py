@@ -337,6 +337,10 @@ def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, arch
         for op, n in sorted(instr[group].items()):
             counts.add_row(group, op, str(n))
     console.print(counts)
+    if (wg := instr.get("warpgroup_mmas")) and (wg["placeholders"] or wg["sass"] < wg["ptx"]):
+        console.print(f"[red]warning[/red]: {wg['ptx']} warpgroup MMAs in the PTX, {wg['sass']} in the SASS and "
+                      f"{wg['placeholders']} placeholders onto RZ: ptxas dropped products it saw as dead "
+                      "(an accumulator read before it was written)")
 
 
 # ---- compile: a matrix of specs ---------------------------------------------------------------

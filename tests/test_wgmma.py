@@ -12,7 +12,8 @@ import pytest
 from conftest import check_spills
 
 from qattn.codegen.render import environment
-from qattn.runtime.compile import compile_cuda
+from qattn.runtime.compile import compile_cuda, disassemble
+from qattn.runtime.inspect import warpgroup_mmas
 
 D_QK = 128  # reduction length of the int8 product (bytes per row)
 KEYS = 64  # reduction length of the e4m3 product
@@ -204,6 +205,20 @@ def test_attention_kernel_compiles_on_wgmma(spec):
     assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in attn
     assert "mbarrier.try_wait.parity" in attn and "mbarrier.arrive.expect_tx" in attn
     assert "setmaxnreg.dec.sync.aligned.u32 24" in attn and "setmaxnreg.inc.sync.aligned.u32" in attn
+    # every warpgroup MMA of the PTX reaches the SASS as a product, none as a placeholder onto RZ
+    wgmma = warpgroup_mmas(ptx, disassemble(binary.data, "cuda"))
+    assert wgmma["sass"] == wgmma["ptx"] > 0 and wgmma["placeholders"] == 0, wgmma
+
+
+def test_dropped_warpgroup_mmas_are_reported():
+    """warpgroup_mmas (qattn inspect) tells a product from the placeholder ptxas leaves onto RZ where
+    it dropped one whose accumulator it saw undefined."""
+    ptx = "wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 {...}, %rd1, %rd2, p;\n" * 3
+    sass = ("/*0100*/ IGMMA.64x32x32.S8.S8 R56, gdesc[UR12], RZ, !UPT ;\n"
+            "/*0110*/ HGMMA.64x8x16.F16 RZ, gdesc[URZ], RZ, !UPT, gsb0 ;\n"
+            "/*0120*/ QGMMA.64x128x32.F32.E4M3.E4M3 R24, R100, gdesc[UR16], R24 ;\n")
+    assert warpgroup_mmas(ptx, sass) == {"ptx": 3, "sass": 2, "placeholders": 1}
+    assert warpgroup_mmas("mma.sync.aligned.m16n8k16", "HMMA.16816.F32 R4, R8, R12, R4 ;") == {}
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -53,6 +53,17 @@ def count_instructions(text: str, listing: str) -> dict:
     return counts
 
 
+def warpgroup_mmas(ptx: str, sass: str) -> dict:
+    """Hopper warpgroup MMAs in the PTX against those left in the SASS: {"ptx", "sass",
+    "placeholders"}, where a placeholder is an MMA ptxas emits onto RZ in place of one it found
+    dead (an accumulator it sees undefined: the product is then silently missing); {} without any."""
+    in_ptx = len(re.findall(r"\bwgmma\.mma_async\.", ptx or ""))
+    if not in_ptx:
+        return {}
+    ops = re.findall(r"\b[HIQ]GMMA\.\S+\s+(\w+),", sass or "")
+    return {"ptx": in_ptx, "sass": sum(d != "RZ" for d in ops), "placeholders": sum(d == "RZ" for d in ops)}
+
+
 def register_hand_over(ptx: str) -> dict:
     """Per-thread registers after setmaxnreg in a warp-specialized kernel: {"registers_released":
     what the warps that shrink keep, "registers_claimed": what the ones that grow get}; {} without."""
@@ -84,6 +95,8 @@ def inspect_spec(spec: KernelSpec) -> dict:
     counts = count_instructions(text, listing) if listing else {"matrix": {}, "convert": {}}
     report = {"name": spec.name, "spec": spec.as_dict(), "resources": resources,
               "instructions": dict(counts, listing=listing)}
+    if listing == "sass" and (wgmma := warpgroup_mmas(binary.ptx, text)):
+        report["instructions"]["warpgroup_mmas"] = wgmma
     if family.launcher == "prefill_i8":  # the format's blocks: what the emulator needs to match the kernel
         from .int8 import emulator_options, k_scale_groups, scale_blocks
 
