@@ -432,7 +432,7 @@ def compile_(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, arc
 
 def _split_formats(ctx, param, values):
     """FORMAT[,FORMAT...] lists; FORMAT@UNIT names the format's kernel on another matrix unit (e.g.
-    kv8-imma@wgmma), which the arch that runs it must build."""
+    i8-f8@mma.sync), which the arch that runs it must build."""
     formats = [f.strip() for value in values for f in value.split(",") if f.strip()]
     units = sorted({fam.values["mma_unit"] for rec in RECIPES.values() for options in rec.arch_families.values()
                     for fam in options if "mma_unit" in fam.values})
