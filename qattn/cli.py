@@ -309,8 +309,9 @@ def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, arch
     report = inspect_spec(spec)
     named_tile = tile is not None or warps is not None or stages is not None
     listed = None if named_tile or backend != "cuda" else kv8_families.LAUNCH_TILES.get((fmt, spec.head_dim, spec.arch))
-    if listed is not None:  # what qattn.attention runs instead of the family default shown here
-        report["launch_tile"] = {"tile": listed[1].name, "least_queries": listed[0]}
+    if listed is not None and spec.mma is None:  # what qattn.attention runs instead of the default shown here
+        report["launch_tile"] = {"tile": listed.tile.name, "least_queries": listed.least_queries,
+                                 "mma": listed.mma or spec.family.values.get("mma_unit")}
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -319,11 +320,13 @@ def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, arch
     for label, value in _resource_rows(spec.backend, report["resources"]):
         table.add_row(label, "-" if value is None else str(value))
     console.print(table)
-    if listed is not None:
-        least, t = listed
+    if "launch_tile" in report:
+        least, t, unit = listed.least_queries, listed.tile, listed.mma
         calls = "calls" if least <= 1 else f"calls of at least {least} query rows"
-        console.print(f"note: on {spec.arch}, qattn.attention {calls} run {t.name} instead "
-                      f"(inspect it with --tile {t.block_m}x{t.block_n} --warps {t.warps} --stages {t.stages})")
+        on_unit = f" on {unit}" if unit else ""
+        console.print(f"note: on {spec.arch}, qattn.attention {calls} run {t.name}{on_unit} instead "
+                      f"(inspect it with --tile {t.block_m}x{t.block_n} --warps {t.warps} --stages {t.stages}"
+                      f"{f' --mma {unit}' if unit else ''})")
     if "scale_blocks" in report:
         blocks = report["scale_blocks"]
         rows = "one Q scale per query row" if blocks["q_rows"] == 1 else f"{blocks['q_rows']} query rows per Q scale"

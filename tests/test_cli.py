@@ -141,12 +141,19 @@ def test_inspect_names_the_tile_kv8_calls_run():
     assert "qattn.attention calls of at least 256 query rows run m128n64w8s3 instead" in text
     assert "--tile 128x64 --warps 8 --stages 3" in text
     split = json.loads(run("inspect", "-f", "kv8-split", "-d", "128", "--arch", "sm_90a", "--json").stdout)
-    assert split["launch_tile"] == {"tile": "m128n64w8s3", "least_queries": 256}
+    assert split["launch_tile"] == {"tile": "m128n64w8s3", "least_queries": 256, "mma": "mma.sync"}
     named = run("inspect", "-f", "kv8-split", "-d", "128", "--arch", "sm_90a", "--tile", "64x64", "--stages", "2")
     assert named.exit_code == 0 and "instead" not in named.output
     assert "launch_tile" not in json.loads(run("inspect", "-f", "kv8-split", "-d", "128", "--arch", "sm_80", "--json").stdout)
+    imma = run("inspect", "-f", "kv8-imma", "-d", "64", "--arch", "sm_90a")
+    text = " ".join(imma.output.split())
+    assert "calls of at least 2048 query rows run m128n64w8s3 on wgmma instead" in text, imma.output
+    assert "--tile 128x64 --warps 8 --stages 3 --mma wgmma)" in text
     imma = json.loads(run("inspect", "-f", "kv8-imma", "-d", "128", "--arch", "sm_90a", "--json").stdout)
-    assert "launch_tile" not in imma and imma["spec"]["tile"]["stages"] == 3  # its tuned default is what calls run
+    assert imma["launch_tile"] == {"tile": "m128n64w8s3", "least_queries": 256, "mma": "wgmma"}
+    assert imma["spec"]["tile"]["stages"] == 3  # the tuned default: what shorter calls run
+    wgmma = json.loads(run("inspect", "-f", "kv8-imma", "-d", "128", "--arch", "sm_90a", "--mma", "wgmma", "--json").stdout)
+    assert "launch_tile" not in wgmma and wgmma["instructions"]["warpgroup_mmas"]["placeholders"] == 0
 
 
 def test_inspect_shows_the_format_blocks():

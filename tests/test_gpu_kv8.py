@@ -470,3 +470,35 @@ def test_tuned_and_listed_tiles_give_the_default_tiles_bits():
                 want = qattn.build("prefill", format=fmt, head_dim=128, causal=causal,
                                    tile=(base.block_m, base.block_n, base.warps, base.stages))(qd, cache, splits=1).get()
                 assert got.tobytes() == want.tobytes(), (fmt, causal, lq)
+
+
+WGMMA_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4), (64, 128, 4, 3)]
+WGMMA_CASES = [(1, 2, 2, 1, 1, 128, False), (1, 4, 1, 129, 2100, 128, True), (2, 4, 2, 300, 1029, 64, True),
+               (1, 2, 2, 1500, 1500, 128, False), (1, 8, 2, 7, 700, 64, False), (1, 4, 4, 2100, 257, 128, True)]
+
+
+@pytest.mark.parametrize("tile", WGMMA_TILES, ids=lambda t: "m{}n{}w{}s{}".format(*t))
+def test_wgmma_kernel_gives_the_mma_sync_kernels_bits(tile):
+    """kv8-imma on wgmma (sm_90a) sums the same exact int32 parts and combines them with the same
+    fp32 operations in the same order as the mma.sync kernel with the same key block, so their
+    outputs and LSEs are equal bit for bit, with and without the split over keys (tails, GQA,
+    causal with Lq != Lk, d64 and d128; NaN-poisoned outputs)."""
+    import cupy
+
+    from qattn.codegen.spec import device_arch
+
+    if device_arch() != "sm_90a":
+        pytest.skip("the wgmma kernel needs sm_90a")
+    for i, (b, hq, hkv, lq, lk, d, causal) in enumerate(WGMMA_CASES):
+        rng = np.random.default_rng([51, i])
+        q, k, v = _data(rng, b, hq, hkv, lq, lk, d, "outlier" if i % 2 else "random")
+        cache, qd = _cache(k, v), cupy.asarray(q)
+        wg = qattn.build("prefill", format="kv8-imma", head_dim=d, causal=causal, tile=tile, mma="wgmma")
+        # the same query block too: a causal block's key range, which its splits divide, depends on it
+        sync = qattn.build("prefill", format="kv8-imma", head_dim=d, causal=causal, tile=(*tile[:3], 3))
+        for splits in (1, 3):
+            got, got_lse = _launch(wg, qd, cache, splits)
+            want, want_lse = _launch(sync, qd, cache, splits)
+            case = (tile, splits, b, hq, hkv, lq, lk, d, causal)
+            assert np.isfinite(got).all(), case
+            assert got.tobytes() == want.tobytes() and got_lse.tobytes() == want_lse.tobytes(), case

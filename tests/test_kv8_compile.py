@@ -21,7 +21,8 @@ from qattn.codegen.render import entry_name, main_entry_name, render
 from qattn.codegen.spec import KernelSpec
 from qattn.codegen.tile import Tile
 from qattn.runtime import packed, quant
-from qattn.runtime.compile import compile_cuda, entry_resources
+from qattn.runtime.compile import compile_cuda, disassemble, entry_resources
+from qattn.runtime.inspect import warpgroup_mmas
 from qattn.runtime.emulate import IMMA_GROUP
 
 kv8_families.register(RECIPES)  # idempotent (recipes.py registers them on import)
@@ -144,7 +145,15 @@ def _check_compiled(spec: KernelSpec, spills_allowed: int = 0) -> None:
     s8 = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"
     u8 = "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32"
     f16 = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
-    if spec.recipe == "kv8-imma":
+    wgmma = spec.family.values.get("mma_unit") == "wgmma"
+    if wgmma:  # S and PV on warpgroup MMAs, s8 and u8, each from shared memory and from registers
+        wg = warpgroup_mmas(ptx, disassemble(binary.data, "cuda"))
+        assert wg["ptx"] == wg["sass"] > 0 and wg["placeholders"] == 0, wg  # ptxas dropped no product
+        for kind in ("s8.s8", "u8.s8"):
+            assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.s32\.{kind} ", ptx)
+        assert "mma.sync" not in ptx and "ldmatrix" not in ptx and "fence.proxy.async.shared::cta" in ptx
+        assert not re.search(r"C751[0-9]", binary.log), "ptxas injected warpgroup waits or serialized the wgmmas"
+    elif spec.recipe == "kv8-imma":
         assert s8 in ptx and u8 in ptx and f16 not in ptx
         assert "cvt.rn.f16" not in ptx  # the codes are consumed as stored
     elif spec.recipe == "kv8-split":
@@ -153,7 +162,8 @@ def _check_compiled(spec: KernelSpec, spills_allowed: int = 0) -> None:
     else:
         assert "mma.sync" not in ptx
     if spec.recipe in kv8_families.MMA_FORMATS:
-        assert "cp.async.cg.shared.global" in ptx and "cp.async.ca.shared.global" in ptx and "ldmatrix" in ptx
+        assert "cp.async.cg.shared.global" in ptx and "cp.async.ca.shared.global" in ptx
+        assert ("ldmatrix" in ptx) != wgmma
     assert not re.search(r"^\s*(atom|red)\.", ptx, re.M)  # deterministic: no atomics
 
 
@@ -173,8 +183,35 @@ def test_compile_other_archs(spec):
     _check_compiled(spec)
 
 
-LAUNCH_SPECS = [KernelSpec(recipe=f, head_dim=d, causal=c, arch=a, tile=t)
-                for (f, d, a), (_, t) in kv8_families.LAUNCH_TILES.items() for c in (False, True)]
+WGMMA_SPECS = [KernelSpec(recipe="kv8-imma", head_dim=d, causal=c, arch="sm_90a", mma="wgmma", tile=t)
+               for d in (64, 128) for c in (False, True) for t in (None, Tile(64, 64, 4, 3))]
+
+
+@pytest.mark.parametrize("spec", WGMMA_SPECS, ids=_ids(WGMMA_SPECS))
+def test_wgmma_kernel_compiles(spec):
+    """kv8-imma on sm_90a's warpgroup MMAs: the default 128-row tile and the 64-row one compile
+    spill-free with every wgmma kept and none serialized."""
+    _check_compiled(spec)
+
+
+def test_wgmma_family_rules():
+    """The wgmma family: sm_90a only, 64 rows a warpgroup, three or four slots (V transposed a
+    block ahead), its shared memory counted as the template lays it out (the render asserts it)."""
+    fam = RECIPES["kv8-imma"].family("cuda", "sm_90a", "wgmma")
+    assert fam is kv8_families.IMMA_WGMMA and fam.archs == ("sm_90a",) and fam.values["mma_unit"] == "wgmma"
+    assert RECIPES["kv8-imma"].family("cuda", "sm_90a").values["mma_unit"] == "mma.sync"  # the default unit
+    for tile, words in ((Tile(64, 64, 4, 2), "stages must be 3 or 4"), (Tile(32, 64, 2, 3), "64 rows per warpgroup"),
+                        (Tile(64, 32, 4, 3), "block_n must be 64 or 128")):
+        assert words in fam.tile_problem(tile, 128)
+    with pytest.raises(ValueError, match="mma: kv8-imma on cuda sm_80 builds with mma.sync, got .wgmma."):
+        KernelSpec(recipe="kv8-imma", head_dim=128, arch="sm_80", mma="wgmma")
+    spec = KernelSpec(recipe="kv8-imma", head_dim=128, arch="sm_90a", mma="wgmma")
+    assert spec.tile == Tile(128, 64, 8, 3) and spec.name.endswith("_wgmma_sm90a")
+    assert f"== {fam.smem_bytes(spec.tile, 128)}," in render(spec)
+
+
+LAUNCH_SPECS = [KernelSpec(recipe=f, head_dim=d, causal=c, arch=a, tile=choice.tile, mma=choice.mma)
+                for (f, d, a), choice in kv8_families.LAUNCH_TILES.items() for c in (False, True)]
 
 
 @pytest.mark.parametrize("spec", LAUNCH_SPECS, ids=_ids(LAUNCH_SPECS))
@@ -183,24 +220,30 @@ def test_launch_tiles_compile(spec):
 
 
 def test_tile_choice():
-    """kv8-imma's default at d128 on sm_90a is the three-slot tile, for any query count; kv8-split
-    runs its 128-row tile from LONG_QUERIES rows; elsewhere the family default."""
+    """kv8-imma's default at d128 on sm_90a is the three-slot tile, for any query count; calls of
+    many queries run the wgmma kernel's 128-row tile there (from LONG_QUERIES rows at d128,
+    WGMMA_D64_QUERIES at d64), and kv8-split its 128-row tile from LONG_QUERIES rows at d128;
+    elsewhere the family default."""
     imma = RECIPES["kv8-imma"].family("cuda")
     for causal in (False, True):
         assert imma.default_tile(128, causal, "sm_90a") == Tile(64, 64, 4, 3)
         assert imma.default_tile(64, causal, "sm_90a") == imma.default_tile(128, causal, "sm_80") == Tile(64, 64, 4, 2)
         assert imma.default_tile(128, causal, "sm_89") == Tile(64, 64, 4, 2)  # 108 KB: over a 99 KB block
     assert KernelSpec(recipe="kv8-imma", head_dim=128, arch="sm_90a").tile.stages == 3
-    split = kv8_families.LAUNCH_TILES[("kv8-split", 128, "sm_90a")][1]
+    split = kv8_families.LAUNCH_TILES[("kv8-split", 128, "sm_90a")].tile
     assert (split.block_m, split.stages) == (128, 3)
-    assert kv8_families.launch_tile("kv8-split", 128, "sm_90a", kv8_families.LONG_QUERIES) == split
-    assert kv8_families.launch_tile("kv8-split", 128, "sm_90a", kv8_families.LONG_QUERIES - 1) is None
+    choice = kv8_families.launch_choice("kv8-split", 128, "sm_90a", kv8_families.LONG_QUERIES)
+    assert choice.tile == split and choice.mma is None
+    assert kv8_families.launch_choice("kv8-split", 128, "sm_90a", kv8_families.LONG_QUERIES - 1) is None
     assert RECIPES["kv8-split"].family("cuda").default_tile(128, False, "sm_90a") == Tile(64, 64, 4, 2)
+    for d, least in ((128, kv8_families.LONG_QUERIES), (64, kv8_families.WGMMA_D64_QUERIES)):
+        wgmma = kv8_families.launch_choice("kv8-imma", d, "sm_90a", least)
+        assert wgmma.tile == Tile(128, 64, 8, 3) and wgmma.mma == "wgmma"
+        assert kv8_families.launch_choice("kv8-imma", d, "sm_90a", least - 1) is None
+    assert kv8_families.launch_choice("kv8-split", 64, "sm_90a", 4096) is None  # no faster tile measured at d64
     for fmt in kv8_families.MMA_FORMATS:
-        assert kv8_families.launch_tile(fmt, 64, "sm_90a", 4096) is None  # no faster tile measured at d64
-        assert kv8_families.launch_tile(fmt, 128, "sm_80", 4096) is None  # measured on the H200 only
-    assert kv8_families.launch_tile("kv8-imma", 128, "sm_90a", 4096) is None  # its spec's default serves
-    assert kv8_families.launch_tile("kv8-f32", 128, "sm_90a", 4096) is None
+        assert kv8_families.launch_choice(fmt, 128, "sm_80", 4096) is None  # measured on the H200 only
+    assert kv8_families.launch_choice("kv8-f32", 128, "sm_90a", 4096) is None
 
 
 def test_three_slots_need_the_second_vt_tile():
@@ -321,13 +364,27 @@ def test_byte_perm_model_and_vt_slot_order():
     assert [pv_slot_key(s) for s in range(16)] == [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]
 
 
-def transpose_v_model(v: np.ndarray, d: int, bn: int) -> np.ndarray:
-    """transpose_v (kv8_mma.cuh.j2), unit by unit: V codes [BN][KPITCH] bytes -> Vt [D][VTPITCH]."""
+def vt_core_at(bn: int):
+    """VtCore::at (kv8_imma_wgmma.cuh.j2, transcribed): channel row, key slot -> byte in core matrices."""
+    return lambda row, slot: core_offset(bn // 16, row, slot >> 4) + (slot & 15)
+
+
+def core_offset(chunks: int, row: int, chunk: int) -> int:
+    """core_offset<CHUNKS> (wgmma.cuh.j2, transcribed)."""
+    return (((row >> 3) * chunks + chunk) << 7) + ((row & 7) << 4)
+
+
+def transpose_v_model(v: np.ndarray, d: int, bn: int, at=None) -> np.ndarray:
+    """transpose_v (kv8_mma.cuh.j2), unit by unit: V codes [BN][KPITCH] bytes -> the Vt tile; at(row,
+    slot): the destination layout (default VtRows: D rows of VTPITCH bytes), ROW the step between
+    the four rows a unit writes."""
     kpitch, vtpitch = d + 16, bn + 16
+    at = at or (lambda row, slot: row * vtpitch + slot)
+    row_step = at(1, 0) - at(0, 0)
     src = np.zeros(bn * kpitch, dtype=np.uint8)
     for key in range(bn):
         src[key * kpitch: key * kpitch + d] = v[key].view(np.uint8)
-    vt = np.zeros(d * vtpitch, dtype=np.uint8)
+    vt = np.zeros(max(d * vtpitch, at(d - 1, bn - 1) + 1), dtype=np.uint8)
     ch = bn // 16
 
     def word(off):
@@ -342,11 +399,11 @@ def transpose_v_model(v: np.ndarray, d: int, bn: int) -> np.ndarray:
         x0, x1, x2, x3 = word(s), word(s + kpitch), word(s + 8 * kpitch), word(s + 9 * kpitch)
         lo01, hi01 = byte_perm(x0, x1, 0x5140), byte_perm(x0, x1, 0x7362)
         lo23, hi23 = byte_perm(x2, x3, 0x5140), byte_perm(x2, x3, 0x7362)
-        dst = 4 * cq * vtpitch + 16 * chunk + 4 * quad
+        dst = at(4 * cq, 16 * chunk + 4 * quad)
         put(dst, byte_perm(lo01, lo23, 0x5410))
-        put(dst + vtpitch, byte_perm(lo01, lo23, 0x7632))
-        put(dst + 2 * vtpitch, byte_perm(hi01, hi23, 0x5410))
-        put(dst + 3 * vtpitch, byte_perm(hi01, hi23, 0x7632))
+        put(dst + row_step, byte_perm(lo01, lo23, 0x7632))
+        put(dst + 2 * row_step, byte_perm(hi01, hi23, 0x5410))
+        put(dst + 3 * row_step, byte_perm(hi01, hi23, 0x7632))
     return vt
 
 
@@ -357,6 +414,69 @@ def test_transposed_v_holds_the_permuted_keys(d, bn):
     vt = transpose_v_model(v, d, bn).reshape(d, bn + 16)[:, :bn].view(np.int8)
     perm = np.array([16 * (s // 16) + pv_slot_key(s) for s in range(bn)])
     np.testing.assert_array_equal(vt, v[perm].T)
+
+
+def desc_read(smem: np.ndarray, start: int, rows: int, chunks: int) -> np.ndarray:
+    """The [rows, 32]-byte operand a k32 wgmma reads behind a no-swizzle K-major descriptor (core_desc:
+    leading offset 128 B between core matrices along K, stride CHUNKS x 128 B along M/N)."""
+    return np.array([[smem[start + (r >> 3) * chunks * 128 + (kb >> 4) * 128 + (r & 7) * 16 + (kb & 15)]
+                      for kb in range(32)] for r in range(rows)])
+
+
+@pytest.mark.parametrize("d, bn, qk_n, pv_n", [(128, 64, 64, 64), (64, 64, 32, 32), (128, 128, 32, 64)])
+def test_wgmma_operands_give_q_times_k_and_w_times_v(d, bn, qk_n, pv_n):
+    """The wgmma kernel's operands (kv8_imma_wgmma.cuh.j2, transcribed): q_operand's stores of the Q
+    parts into core matrices, the K tile in core matrices (load_core_rows) and V transposed into
+    VtCore, read back through the descriptors scores() and pv() build, with w's parts in the register
+    A layout w_split packs: every S and PV wgmma sees the right 32 channels or keys, so the products
+    are Q·Kᵀ and W·V."""
+    rng = np.random.default_rng(d + bn + qk_n)
+    qchunks, vchunks, q_part = d // 16, bn // 16, 64 * d
+    qp = rng.integers(-128, 128, size=(3, 64, d))  # the three parts of one warpgroup's 64 rows
+    qs = np.zeros(3 * q_part, dtype=np.int64)
+    for warp in range(4):
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            row = 16 * warp + g
+            for part in range(3):
+                for ks in range(d // 32):
+                    for r in range(4):  # q_split's fragment r: row g + 8(r & 1), channels ks*32 + (r >> 1)*16 + 4t
+                        c = ks * 32 + (r >> 1) * 16 + 4 * t
+                        at = part * q_part + core_offset(qchunks, row + 8 * (r & 1), 2 * ks + (r >> 1)) + 4 * t
+                        qs[at:at + 4] = qp[part, row + 8 * (r & 1), c:c + 4]
+    k = rng.integers(-127, 128, size=(bn, d))
+    kt = np.zeros(bn * d, dtype=np.int64)
+    for key in range(bn):
+        for c in range(qchunks):
+            kt[core_offset(qchunks, key, c):][:16] = k[key, 16 * c:16 * c + 16]
+    for part in range(3):
+        s = np.zeros((64, bn), dtype=np.int64)
+        for kc in range(bn // qk_n):
+            for ks in range(d // 32):
+                a = desc_read(qs, part * q_part + 256 * ks, 64, qchunks)
+                b = desc_read(kt, core_offset(qchunks, kc * qk_n, 2 * ks), qk_n, qchunks)
+                s[:, kc * qk_n:(kc + 1) * qk_n] += a @ b.T
+        np.testing.assert_array_equal(s, qp[part] @ k.T)
+
+    v = rng.integers(-127, 128, size=(bn, d), dtype=np.int8)
+    vt = transpose_v_model(v, d, bn, vt_core_at(bn)).view(np.int8).astype(np.int64)
+    w = rng.integers(-128, 128, size=(64, bn))  # any byte part of w, rows of the warpgroup
+    out = np.zeros((64, d), dtype=np.int64)
+    for warp in range(4):
+        rows = w[16 * warp:16 * warp + 16]
+        acc = np.stack([rows_to_c(rows[:, 8 * nt:8 * nt + 8]) for nt in range(bn // 8)], axis=1)  # [32, NT, 4]
+        for dc in range(d // pv_n):
+            for kq in range(bn // 32):
+                a = np.zeros((16, 32), dtype=np.int64)  # w_split's register A fragment, in k-slot order
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    for r in range(4):
+                        h, nb = r & 1, 4 * kq + (r >> 1) * 2
+                        a[g + 8 * h, (r >> 1) * 16 + 4 * t:(r >> 1) * 16 + 4 * t + 4] = [
+                            acc[lane, nb, 2 * h], acc[lane, nb, 2 * h + 1], acc[lane, nb + 1, 2 * h], acc[lane, nb + 1, 2 * h + 1]]
+                b = desc_read(vt, core_offset(vchunks, dc * pv_n, 2 * kq), pv_n, vchunks)
+                out[16 * warp:16 * warp + 16, dc * pv_n:(dc + 1) * pv_n] += a @ b.T
+    np.testing.assert_array_equal(out, w @ v.astype(np.int64))
 
 
 def test_imma_pv_packing_gives_p_times_v():

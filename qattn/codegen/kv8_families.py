@@ -9,10 +9,15 @@ keys (rows of D + 16 bytes) and their two scale rows; one more tile holds V tran
 BN + 16 bytes, keys permuted within 16-key chunks). Their modules also hold a statistics kernel
 (entry ``<name>_stat``) that the launcher runs first, and a merge kernel (entry ``<name>_merge``)
 that it runs last when the key range is split over several blocks (kv8_merge.cuh.j2).
+
+On sm_90a kv8-imma also builds on warpgroup MMAs (``IMMA_WGMMA``, matrix unit "wgmma"): the same
+template and loop, K and V^T in wgmma's core-matrix layout, the Q parts in shared memory, and the
+same fp32 operations in the same order, so its output bits are the mma.sync kernel's with the same
+key block and splits.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from .recipes import CUDA_ARCHS, Family, _simt_problem, _simt_smem, ring_problem, smem_problem, tile_pitch
 from .tile import Tile
@@ -33,22 +38,36 @@ MMA_FORMATS = ("kv8-split", "kv8-imma")
 IMMA_TUNED = {(128, causal, "sm_90a"): Tile(64, 64, 4, 3) for causal in (False, True)}
 MEASURED_SPILLS = {"kv8-imma": frozenset(IMMA_TUNED), "kv8-split": frozenset()}
 
-# Tiles that depend on the call's query count, which a spec does not know: LAUNCH_TILES[(format,
-# head_dim, arch)] = (least query rows, tile), run by calls that name no tile (attention_kv8). kv8-split,
-# whose fp16 Q operand takes a third more shared memory than kv8-imma's bytes, would hold one
-# 64-row block per SM on three slots; from LONG_QUERIES rows it runs 128-row blocks of three slots
-# (one block's K/V tiles and V transpose serve eight warps; with fewer rows half the block idles).
+# Kernels that depend on the call's query count, which a spec does not know: LAUNCH_TILES[(format,
+# head_dim, arch)] = (least query rows, tile, matrix unit or None for the arch's default), run by
+# calls that name neither tile nor unit (attention_kv8). kv8-split, whose fp16 Q operand takes a
+# third more shared memory than kv8-imma's bytes, would hold one 64-row block per SM on three
+# slots; from LONG_QUERIES rows it runs 128-row blocks of three slots (one block's K/V tiles and V
+# transpose serve eight warps; with fewer rows half the block idles). kv8-imma runs its wgmma
+# kernel's 128-row blocks from LONG_QUERIES rows at d128 (as fast or faster than mma.sync at every
+# seed shape there, BENCHMARKS.md) and from WGMMA_D64_QUERIES at d64 (slower at 1500/1500).
 LONG_QUERIES = 256
-LAUNCH_TILES: dict[tuple[str, int, str], tuple[int, Tile]] = {
-    ("kv8-split", 128, "sm_90a"): (LONG_QUERIES, Tile(128, 64, 8, 3)),
+WGMMA_D64_QUERIES = 2048
+
+
+class LaunchChoice(NamedTuple):
+    least_queries: int
+    tile: Tile
+    mma: str | None = None
+
+
+LAUNCH_TILES: dict[tuple[str, int, str], LaunchChoice] = {
+    ("kv8-split", 128, "sm_90a"): LaunchChoice(LONG_QUERIES, Tile(128, 64, 8, 3)),
+    ("kv8-imma", 128, "sm_90a"): LaunchChoice(LONG_QUERIES, Tile(128, 64, 8, 3), "wgmma"),
+    ("kv8-imma", 64, "sm_90a"): LaunchChoice(WGMMA_D64_QUERIES, Tile(128, 64, 8, 3), "wgmma"),
 }
 
 
-def launch_tile(fmt: str, head_dim: int, arch: str, queries: int) -> Tile | None:
-    """The tile a kv8 call of `queries` query rows that names none runs: LAUNCH_TILES's where it
-    applies, else None (the family's default for the spec)."""
-    least, tile = LAUNCH_TILES.get((fmt, head_dim, arch), (None, None))
-    return tile if least is not None and queries >= least else None
+def launch_choice(fmt: str, head_dim: int, arch: str, queries: int) -> LaunchChoice | None:
+    """What a kv8 call of `queries` query rows that names no tile or unit runs: LAUNCH_TILES's
+    entry where it applies, else None (the arch's default family and its default tile)."""
+    choice = LAUNCH_TILES.get((fmt, head_dim, arch))
+    return choice if choice is not None and queries >= choice.least_queries else None
 
 
 # Bytes of Q operand per query element kept in shared memory: kv8-imma's three byte parts, or
@@ -56,14 +75,17 @@ def launch_tile(fmt: str, head_dim: int, arch: str, queries: int) -> Tile | None
 Q_BYTES = {"kv8-imma": 3, "kv8-split": 4}
 
 
-def kv8_mma_smem(fmt: str) -> Callable[[Tile, int], int]:
+def kv8_mma_smem(fmt: str, unit: str = "mma.sync") -> Callable[[Tile, int], int]:
     """Bytes of dynamic shared memory: the transposed V tile (two from three stages: the next block's
     is built beside the current one's), STAGES slots of codes and scales, and the Q operand
-    fragments of the block's rows."""
+    fragments of the block's rows. On wgmma the K and V^T tiles are core matrices (rows unpadded)."""
+    core = unit == "wgmma"
+
     def smem(tile: Tile, d: int) -> int:
-        slot = 2 * tile.block_n * tile_pitch(d) + 2 * tile.block_n * 4
+        k_row, vt_row = (d, tile.block_n) if core else (tile_pitch(d), tile.block_n + 16)
+        slot = tile.block_n * (k_row + tile_pitch(d)) + 2 * tile.block_n * 4  # K, V codes; K, V scales
         vt_tiles = 2 if tile.stages >= 3 else 1
-        return vt_tiles * d * (tile.block_n + 16) + tile.stages * slot + Q_BYTES[fmt] * tile.block_m * d
+        return vt_tiles * d * vt_row + tile.stages * slot + Q_BYTES[fmt] * tile.block_m * d
 
     return smem
 
@@ -103,7 +125,47 @@ def _mma_family(fmt: str) -> Family:
         archs=CUDA_ARCHS,
         align_bytes=4,
         launcher=LAUNCHER,
+        values={"mma_unit": "mma.sync"},
     )
+
+
+# kv8-imma on warpgroup MMAs. A warpgroup owns 64 query rows; QK_N keys per S wgmma and PV_N
+# channels per PV wgmma bound the part sums live at once (3 x n/2 registers a thread, twice that
+# with overlap_sums). Measured on the H200 (BENCHMARKS.md): 64-key and 64-channel products beat
+# 32-wide ones by 3-8% at d128, and overlapping the sums gains less; one 128-row block per SM (eight
+# warps) beats two 64-row blocks by 10-25% from 256 queries. Every such kernel is as fast as the
+# mma.sync kernel or faster only there, so the default unit stays mma.sync and calls with many
+# queries run the wgmma kernel (LAUNCH_TILES).
+WGMMA_VALUES = {"mma_unit": "wgmma", "qk_n": 64, "pv_n": 64, "overlap_sums": False}
+
+
+def _wgmma_problem(tile: Tile, d: int) -> str | None:
+    if tile.block_m not in (64, 128) or tile.block_m != 16 * tile.warps:
+        return ("block_m must be 64 or 128, 64 rows per warpgroup of 4 warps (warps = block_m / 16), "
+                f"got {tile.block_m}/{tile.warps}")
+    if tile.block_n not in (64, 128):
+        return f"block_n must be 64 or 128, got {tile.block_n}"
+    if not 3 <= tile.stages <= 4:
+        return f"stages must be 3 or 4 (V is transposed a block ahead), got {tile.stages}"
+    return smem_problem(kv8_mma_smem("kv8-imma", "wgmma")(tile, d), "cuda")
+
+
+def imma_wgmma_family(**values) -> Family:
+    """kv8-imma on sm_90a's warpgroup MMAs; values override WGMMA_VALUES (qk_n, pv_n, overlap_sums)."""
+    return Family(
+        template=MMA_TEMPLATE,
+        head_dims=HEAD_DIMS,
+        default_tiles={d: Tile(128, 64, 8, 3) for d in HEAD_DIMS},
+        tile_problem=_wgmma_problem,
+        smem_bytes=kv8_mma_smem("kv8-imma", "wgmma"),
+        archs=("sm_90a",),
+        align_bytes=4,
+        launcher=LAUNCHER,
+        values={**WGMMA_VALUES, **values},
+    )
+
+
+IMMA_WGMMA = imma_wgmma_family()
 
 
 def _simt_family() -> Family:
@@ -132,3 +194,4 @@ def register(recipes: dict) -> None:
     """Attach the CUDA families to the kv8 recipes (idempotent)."""
     for fmt, family in FAMILIES.items():
         recipes[fmt].families["cuda"] = family
+    recipes["kv8-imma"].arch_families[("cuda", "sm_90a")] = (FAMILIES["kv8-imma"], IMMA_WGMMA)

@@ -9,8 +9,10 @@ which are written into a temporary cache first, as parity runs do) lands in ``at
 - ``format="kv8-imma"`` etc.: that format, whatever the variable says.
 
 With no ``tile=``, a call runs its spec's default tile (kv8-imma at d128 on sm_90a: three slots),
-or where one is listed for its query count, that one (``kv8_families.launch_tile``: kv8-split at
-d128 on sm_90a runs 128-row blocks from 256 queries). The tile changes no arithmetic.
+or where a kernel is listed for its query count, that one (``kv8_families.launch_choice``: on sm_90a
+kv8-split at d128 runs 128-row blocks from 256 queries, and kv8-imma its wgmma kernel's 128-row
+blocks from 256 queries at d128 and from 2048 at d64). Neither the tile nor the matrix unit changes
+the arithmetic: with the same key block and splits the output bits are the same.
 
 q is float32 [B, Hq, Lq, D] (D = 64 or 128), out float32, LSE float32 natural-log. The launches are
 deterministic (no atomics): the same inputs give the same bytes on every run.
@@ -41,7 +43,7 @@ import os
 
 import numpy as np
 
-from ..codegen.kv8_families import MMA_FORMATS, launch_tile
+from ..codegen.kv8_families import MMA_FORMATS, launch_choice
 from .arrays import as_device_array, like_input, on_device, signature
 from .kv8_launch import Kv8Plan
 from .kvcache import CODE_ALIGN, KVCacheInt8
@@ -258,11 +260,14 @@ def attention_kv8(q, k, v=None, *, format: str | None = None, causal: bool = Fal
     return build_kernel(spec)(q, k, v, scale=scale, return_lse=return_lse, out=out, splits=splits)
 
 
-def call_spec(fmt: str, head_dim: int, causal: bool, queries: int, arch: str, tile=None):
-    """The kernel a kv8 call of `queries` query rows runs: the given tile, else the listed one where it
-    applies (kv8_families.launch_tile), else the family's default."""
+def call_spec(fmt: str, head_dim: int, causal: bool, queries: int, arch: str, tile=None, mma: str | None = None):
+    """The kernel a kv8 call of `queries` query rows runs: the given tile and matrix unit (each
+    None: the arch's default), else where neither is named the one listed for the query count
+    (kv8_families.launch_choice), else the family's default."""
     from ..codegen.spec import KernelSpec
 
-    tile = tile if tile is not None else launch_tile(fmt, head_dim, arch, queries)
-    return KernelSpec(kind="prefill", recipe=fmt, head_dim=head_dim, causal=causal, arch=arch,
+    choice = launch_choice(fmt, head_dim, arch, queries) if tile is None and mma is None else None
+    if choice is not None:
+        tile, mma = choice.tile, choice.mma
+    return KernelSpec(kind="prefill", recipe=fmt, head_dim=head_dim, causal=causal, arch=arch, mma=mma,
                       **({"tile": tile} if tile is not None else {}))
