@@ -213,6 +213,8 @@ def list_():
             families.setdefault((backend, id(family)), (family, [], None))[1].append(name)
         for (backend, arch), options in rec.arch_families.items():
             for i, family in enumerate(options):
+                if family is rec.families.get(backend):
+                    continue  # the backend's own family: its row lists this arch too
                 unit = family.values["mma_unit"]
                 label = f"{name} ({'default: ' + unit if i == 0 else '--mma ' + unit})"
                 entry = families.setdefault((backend, id(family)), (family, [], []))
@@ -222,7 +224,8 @@ def list_():
     kernels = _table("kernels", "backend", "formats", "head dims", "default tiles (m BLOCK_M n BLOCK_N w warps s stages)", "archs")
     for (backend, _), (family, names, used_on) in sorted(families.items(), key=lambda item: (item[0][0], item[1][1][0])):
         if used_on is None:  # the backend's family: on the archs that do not build another one
-            used_on = [a for a in family.archs if all((backend, a) not in RECIPES[n].arch_families for n in names)]
+            used_on = [a for a in family.archs
+                       if all(family in RECIPES[n].arch_families.get((backend, a), (family,)) for n in names)]
         tiles = [f"d{d}: {t.name}" for d, t in sorted(family.default_tiles.items())]
         # (head_dim, causal, tile) -> archs where a tuned tile, or a smaller one that fits the
         # arch's shared memory, replaces the default

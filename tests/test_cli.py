@@ -72,6 +72,10 @@ def test_list():
     # the archs that build a format through another family get their own rows
     wide = CliRunner().invoke(main, ["list"], env={"COLUMNS": "240"}).output
     assert "i8-f8 (--mma" in wide and "i8-f8 (default: wgmma)" in wide
+    # a format whose arch default is the backend's own family: that row keeps the arch, the other unit has its own
+    rows = [line for line in wide.splitlines() if "│ kv8-imma" in line]
+    assert any("kv8-imma (--mma wgmma)" in line and "sm_90a" in line for line in rows), rows
+    assert any("kv8-imma " in line.replace("kv8-imma (", "") and "sm_90a," in line for line in rows), rows
 
 
 def test_gen_prints_source():
@@ -383,8 +387,15 @@ def test_parity_plans_a_format_on_a_matrix_unit(monkeypatch):
     spec = parity.cuda_spec("i8-f8@mma.sync", 128, False, 256)
     assert spec.family.values["mma_unit"] == "mma.sync" and spec.tile == spec.family.default_tile(128, False, "sm_90a")
     assert parity.cuda_spec("i8-f8", 128, False, 256).family.values["mma_unit"] == "wgmma"
-    with pytest.raises(ValueError, match="kv8-imma on cuda sm_90a builds with no choice of unit"):
-        parity.plan(["kv8-imma@wgmma"], [(64, 64)], gpu=True)
+    with pytest.raises(ValueError, match="kv8-split on cuda sm_90a builds with mma.sync, got 'wgmma'"):
+        parity.plan(["kv8-split@wgmma"], [(64, 64)], gpu=True)
+    # kv8-imma: calls of many queries run the wgmma kernel; FORMAT@UNIT pins the unit at its default tile
+    assert parity.plan(["kv8-imma@wgmma"], [(2048, 64)], gpu=True) == [("kv8-imma@wgmma", "cuda", 2048, 64)]
+    long_call = parity.cuda_spec("kv8-imma", 128, False, 2048)
+    assert long_call.family.values["mma_unit"] == "wgmma" and long_call.tile.block_m == 128
+    assert parity.cuda_spec("kv8-imma", 128, False, 64).family.values["mma_unit"] == "mma.sync"
+    pinned = parity.cuda_spec("kv8-imma@mma.sync", 128, False, 2048)
+    assert pinned.family.values["mma_unit"] == "mma.sync" and pinned.tile == pinned.family.default_tile(128, False, "sm_90a")
 
 
 def test_parity_fails_over_tolerance(monkeypatch):
@@ -498,7 +509,8 @@ def test_gen_on_a_chosen_matrix_unit():
 
 
 def test_sanitize_workload_adds_the_arch_s_other_units(monkeypatch):
-    """tools/sanitize.py covers every format, and on sm_90a also i8-f8 on mma.sync (FORMAT@UNIT)."""
+    """tools/sanitize.py covers every format, and on sm_90a also i8-f8 on mma.sync and kv8-imma on
+    wgmma (FORMAT@UNIT)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
     import sanitize
 
@@ -506,6 +518,6 @@ def test_sanitize_workload_adds_the_arch_s_other_units(monkeypatch):
 
     with_kernel = [n for n, r in RECIPES.items() if "cuda" in r.families]
     monkeypatch.setattr(spec_module, "device_arch", lambda: "sm_90a")
-    assert sanitize.default_formats() == with_kernel + ["i8-f8@mma.sync"]
+    assert sanitize.default_formats() == with_kernel + ["i8-f8@mma.sync", "kv8-imma@wgmma"]
     monkeypatch.setattr(spec_module, "device_arch", lambda: "sm_89")
     assert sanitize.default_formats() == with_kernel

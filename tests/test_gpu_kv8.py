@@ -449,10 +449,10 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def test_tuned_and_listed_tiles_give_the_default_tiles_bits():
-    """A call may run a tuned or listed tile (three slots with V transposed a block ahead; more rows
-    a block from kv8_families.launch_tile); the arithmetic per row is the same, so with the key range
-    unsplit its output bits are the family's two-slot default tile's, short and long calls, causal
-    or not."""
+    """A call may run a tuned or listed kernel (three slots with V transposed a block ahead; more
+    rows a block, and for kv8-imma on sm_90a the wgmma kernel, from kv8_families.launch_choice); the
+    arithmetic per row is the same, so with the key range unsplit its output bits are the family's
+    two-slot default tile's, short and long calls, causal or not."""
     import cupy
 
     from qattn.codegen import kv8_families

@@ -5,9 +5,11 @@ inputs, same run). The cache is written once; only attention is timed. The tenso
 run twice: with the launcher's split over keys (its automatic choice, or --splits) and unsplit
 (splits=1, the plain grid), so the split's gain is measured in the same run. A second line per
 shape splits the short calls' time: the host's time to enqueue one call and the per-call time of
-calls queued back to back (equal to the host time when the call is host-bound).
+calls queued back to back (equal to the host time when the call is host-bound). --unit FORMAT@UNIT
+(repeatable) also times a format on one matrix unit (e.g. kv8-imma@mma.sync beside the kernel a
+call runs, which on sm_90a is the wgmma kernel for many queries), with its automatic splits.
 
-    tools/bench_kv8.py --shape 32768/2048 --shape 1500/1500 --json kv8.json
+    tools/bench_kv8.py --shape 32768/2048 --shape 1500/1500 --unit kv8-imma@mma.sync --json kv8.json
 """
 import argparse
 import json
@@ -30,6 +32,8 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--splits", type=int, help="force this many splits over keys (default: the launcher's choice)")
+    ap.add_argument("--unit", action="append", default=[], metavar="FORMAT@UNIT",
+                    help="also time this format on this matrix unit (repeatable)")
     ap.add_argument("--json", help="write the records here")
     args = ap.parse_args()
     import cupy
@@ -65,6 +69,7 @@ def main() -> int:
         row["sdpa_flash_fp16_ms"] = flash
         for fmt in FORMATS:
             kernel = build_kernel(kv8.call_spec(fmt, d, args.causal, queries, default_spec(fmt, d).arch))
+            row[f"{fmt}_kernel"] = kernel.spec.name
             out = cupy.empty_like(q)
             splits = args.splits if fmt in SPLIT_FORMATS else 1
             row[f"{fmt}_splits"] = splits or kv8.choose_splits(kernel, 1, args.heads, queries, ctx, q.device.id)
@@ -75,6 +80,12 @@ def main() -> int:
                 queued[fmt[4:]] = time_queued(lambda: kernel(q, cache, out=out, splits=splits))
         for name, t in queued.items():
             row[f"{name}_host_ms"], row[f"{name}_back_to_back_ms"] = t.host_ms, t.back_to_back_ms
+        for entry in args.unit:
+            fmt, _, unit = entry.partition("@")
+            kernel = build_kernel(kv8.call_spec(fmt, d, args.causal, queries, default_spec(fmt, d).arch, mma=unit))
+            out = cupy.empty_like(q)
+            row[f"{entry}_kernel"] = kernel.spec.name
+            row[f"{entry}_ms"] = time_cuda(lambda: kernel(q, cache, out=out, splits=args.splits)).median_ms
         records.append(row)
         imma, split = row["kv8-imma_ms"], row["kv8-split_ms"]
         print(f"{ctx:>6}/{queries:<5} splits {row['kv8-imma_splits']:>3}  "
@@ -84,6 +95,11 @@ def main() -> int:
               f"(unsplit {flash / row['kv8-imma_unsplit_ms']:5.2f}x)")
         print(" " * 13 + "host / back-to-back ms per call: " + "  ".join(
             f"{name} {t.host_ms:.3f} / {t.back_to_back_ms:.3f}" for name, t in queued.items()))
+        for entry in args.unit:
+            fmt = entry.partition("@")[0]
+            print(" " * 13 + f"{entry} {row[f'{entry}_ms']:8.3f} ms ({row[f'{entry}_kernel']}): "
+                  f"the call's {fmt} kernel is {row[f'{entry}_ms'] / row[f'{fmt}_ms']:5.2f}x as fast")
+        print(" " * 13 + "kernels: " + ", ".join(row[f"{fmt}_kernel"] for fmt in FORMATS))
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
     return 0
