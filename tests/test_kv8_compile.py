@@ -221,8 +221,8 @@ def test_launch_tiles_compile(spec):
 
 def test_tile_choice():
     """kv8-imma's default at d128 on sm_90a is the three-slot tile, for any query count; calls of
-    many queries run the wgmma kernel's 128-row tile there (from LONG_QUERIES rows at d128,
-    WGMMA_D64_QUERIES at d64), and kv8-split its 128-row tile from LONG_QUERIES rows at d128;
+    many queries run the wgmma kernel's 128-row tile there (from WGMMA_QUERIES rows), and
+    kv8-split its 128-row tile from LONG_QUERIES rows at d128;
     elsewhere the family default."""
     imma = RECIPES["kv8-imma"].family("cuda")
     for causal in (False, True):
@@ -236,7 +236,7 @@ def test_tile_choice():
     assert choice.tile == split and choice.mma is None
     assert kv8_families.launch_choice("kv8-split", 128, "sm_90a", kv8_families.LONG_QUERIES - 1) is None
     assert RECIPES["kv8-split"].family("cuda").default_tile(128, False, "sm_90a") == Tile(64, 64, 4, 2)
-    for d, least in ((128, kv8_families.LONG_QUERIES), (64, kv8_families.WGMMA_D64_QUERIES)):
+    for d, least in ((128, kv8_families.WGMMA_QUERIES), (64, kv8_families.WGMMA_QUERIES)):
         wgmma = kv8_families.launch_choice("kv8-imma", d, "sm_90a", least)
         assert wgmma.tile == Tile(128, 64, 8, 3) and wgmma.mma == "wgmma"
         assert kv8_families.launch_choice("kv8-imma", d, "sm_90a", least - 1) is None

@@ -44,10 +44,11 @@ MEASURED_SPILLS = {"kv8-imma": frozenset(IMMA_TUNED), "kv8-split": frozenset()}
 # third more shared memory than kv8-imma's bytes, would hold one 64-row block per SM on three
 # slots; from LONG_QUERIES rows it runs 128-row blocks of three slots (one block's K/V tiles and V
 # transpose serve eight warps; with fewer rows half the block idles). kv8-imma runs its wgmma
-# kernel's 128-row blocks from LONG_QUERIES rows at d128 (as fast or faster than mma.sync at every
-# seed shape there, BENCHMARKS.md) and from WGMMA_D64_QUERIES at d64 (slower at 1500/1500).
+# kernel's 128-row blocks from WGMMA_QUERIES rows (measured on the H200, BENCHMARKS.md: 1.03-1.10x
+# the mma.sync kernel at d128 and 1.34-1.41x at d64 at 32768/2048, causal or not; with fewer rows
+# its one block per SM fills the GPU worse, down to 0.96x at d128 and 0.78x at d64 at 1500/1500).
 LONG_QUERIES = 256
-WGMMA_D64_QUERIES = 2048
+WGMMA_QUERIES = 2048
 
 
 class LaunchChoice(NamedTuple):
@@ -58,8 +59,7 @@ class LaunchChoice(NamedTuple):
 
 LAUNCH_TILES: dict[tuple[str, int, str], LaunchChoice] = {
     ("kv8-split", 128, "sm_90a"): LaunchChoice(LONG_QUERIES, Tile(128, 64, 8, 3)),
-    ("kv8-imma", 128, "sm_90a"): LaunchChoice(LONG_QUERIES, Tile(128, 64, 8, 3), "wgmma"),
-    ("kv8-imma", 64, "sm_90a"): LaunchChoice(WGMMA_D64_QUERIES, Tile(128, 64, 8, 3), "wgmma"),
+    **{("kv8-imma", d, "sm_90a"): LaunchChoice(WGMMA_QUERIES, Tile(128, 64, 8, 3), "wgmma") for d in HEAD_DIMS},
 }
 
 
@@ -132,10 +132,10 @@ def _mma_family(fmt: str) -> Family:
 # kv8-imma on warpgroup MMAs. A warpgroup owns 64 query rows; QK_N keys per S wgmma and PV_N
 # channels per PV wgmma bound the part sums live at once (3 x n/2 registers a thread, twice that
 # with overlap_sums). Measured on the H200 (BENCHMARKS.md): 64-key and 64-channel products beat
-# 32-wide ones by 3-8% at d128, and overlapping the sums gains less; one 128-row block per SM (eight
-# warps) beats two 64-row blocks by 10-25% from 256 queries. Every such kernel is as fast as the
-# mma.sync kernel or faster only there, so the default unit stays mma.sync and calls with many
-# queries run the wgmma kernel (LAUNCH_TILES).
+# 32-wide ones by 2-4% at d128, and overlapping the sums gains less; one 128-row block per SM (eight
+# warps) beats two 64-row blocks by 10-20% at 32768/2048. It beats the mma.sync kernel only for
+# many queries, so the default unit stays mma.sync and such calls run the wgmma kernel
+# (LAUNCH_TILES).
 WGMMA_VALUES = {"mma_unit": "wgmma", "qk_n": 64, "pv_n": 64, "overlap_sums": False}
 
 
