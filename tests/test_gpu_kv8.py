@@ -459,7 +459,7 @@ def test_tuned_and_listed_tiles_give_the_default_tiles_bits():
     from qattn.runtime import kv8
 
     rng = np.random.default_rng(11)
-    for lq in (45, kv8_families.LONG_QUERIES + 45, kv8_families.WGMMA_QUERIES + 45):
+    for lq in (45, kv8_families.LONG_QUERIES + 45):
         q, k, v = _data(rng, 1, 4, 2, lq, 700, 128)
         qd = cupy.asarray(q)
         cache = _cache(k, v)

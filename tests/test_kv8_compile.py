@@ -221,7 +221,7 @@ def test_launch_tiles_compile(spec):
 
 def test_tile_choice():
     """kv8-imma's default at d128 on sm_90a is the three-slot tile, for any query count; calls of
-    many queries run the wgmma kernel's 128-row tile there (from WGMMA_QUERIES rows), and
+    many queries run the wgmma kernel's 128-row tile there (from WGMMA_QUERIES[head_dim] rows), and
     kv8-split its 128-row tile from LONG_QUERIES rows at d128;
     elsewhere the family default."""
     imma = RECIPES["kv8-imma"].family("cuda")
@@ -236,7 +236,7 @@ def test_tile_choice():
     assert choice.tile == split and choice.mma is None
     assert kv8_families.launch_choice("kv8-split", 128, "sm_90a", kv8_families.LONG_QUERIES - 1) is None
     assert RECIPES["kv8-split"].family("cuda").default_tile(128, False, "sm_90a") == Tile(64, 64, 4, 2)
-    for d, least in ((128, kv8_families.WGMMA_QUERIES), (64, kv8_families.WGMMA_QUERIES)):
+    for d, least in kv8_families.WGMMA_QUERIES.items():
         wgmma = kv8_families.launch_choice("kv8-imma", d, "sm_90a", least)
         assert wgmma.tile == Tile(128, 64, 8, 3) and wgmma.mma == "wgmma"
         assert kv8_families.launch_choice("kv8-imma", d, "sm_90a", least - 1) is None
@@ -477,6 +477,25 @@ def test_wgmma_operands_give_q_times_k_and_w_times_v(d, bn, qk_n, pv_n):
                 b = desc_read(vt, core_offset(vchunks, dc * pv_n, 2 * kq), pv_n, vchunks)
                 out[16 * warp:16 * warp + 16, dc * pv_n:(dc + 1) * pv_n] += a @ b.T
     np.testing.assert_array_equal(out, w @ v.astype(np.int64))
+
+
+def test_wgmma_combine_rounds_as_combine3():
+    """combine3_raw (kv8_imma_wgmma.cuh.j2, transcribed) on raw part sums rounds exactly as combine3
+    (imma.cuh.j2) on the same sums biased by QATTN_MAGIC: the same float32 bits, over random and
+    extreme sums below 2^22 (float64 holds every intermediate exactly; astype(float32) is one RN)."""
+    rng = np.random.default_rng(7)
+    lim = 2**22 - 1
+    h, l, m = (rng.integers(-lim, lim + 1, 200_000) for _ in range(3))
+    edges = np.array([lim, -lim, 0, 1, -1, 49152, -49152])
+    h, l, m = (np.concatenate([x, np.repeat(edges, 49), np.tile(edges, 49)]) for x in (h, l, m))
+    magic = 12582912.0
+    h0 = (magic + h) * 65536 - magic * 65793  # exact: combine3's first FMA does not round
+    assert np.array_equal(h0.astype(np.float32).astype(np.float64), h0)
+    t = ((magic + l) * 256 + h0).astype(np.float32)
+    old = (t.astype(np.float64) + (magic + m)).astype(np.float32)
+    high = (h * 256 + l - 49152).astype(np.float32)  # __int2float_rn
+    new = (high.astype(np.float64) * 256 + (magic + m)).astype(np.float32)  # the FMA
+    np.testing.assert_array_equal(old.view(np.uint32), new.view(np.uint32))
 
 
 def test_imma_pv_packing_gives_p_times_v():

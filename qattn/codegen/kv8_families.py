@@ -44,11 +44,12 @@ MEASURED_SPILLS = {"kv8-imma": frozenset(IMMA_TUNED), "kv8-split": frozenset()}
 # third more shared memory than kv8-imma's bytes, would hold one 64-row block per SM on three
 # slots; from LONG_QUERIES rows it runs 128-row blocks of three slots (one block's K/V tiles and V
 # transpose serve eight warps; with fewer rows half the block idles). kv8-imma runs its wgmma
-# kernel's 128-row blocks from WGMMA_QUERIES rows (measured on the H200, BENCHMARKS.md: 1.03-1.10x
-# the mma.sync kernel at d128 and 1.34-1.41x at d64 at 32768/2048, causal or not; with fewer rows
-# its one block per SM fills the GPU worse, down to 0.96x at d128 and 0.78x at d64 at 1500/1500).
+# kernel's 128-row blocks from WGMMA_QUERIES[head_dim] rows (measured on the H200, BENCHMARKS.md:
+# at d128 1.03-1.13x the mma.sync kernel from 256 queries, at d64 1.34-1.43x at 32768/2048 but
+# 0.78-0.91x at 1500/1500, where its one block per SM fills the GPU worse; with 64 queries
+# 0.6-0.7x at both).
 LONG_QUERIES = 256
-WGMMA_QUERIES = 2048
+WGMMA_QUERIES = {128: LONG_QUERIES, 64: 2048}
 
 
 class LaunchChoice(NamedTuple):
@@ -59,7 +60,7 @@ class LaunchChoice(NamedTuple):
 
 LAUNCH_TILES: dict[tuple[str, int, str], LaunchChoice] = {
     ("kv8-split", 128, "sm_90a"): LaunchChoice(LONG_QUERIES, Tile(128, 64, 8, 3)),
-    **{("kv8-imma", d, "sm_90a"): LaunchChoice(WGMMA_QUERIES, Tile(128, 64, 8, 3), "wgmma") for d in HEAD_DIMS},
+    **{("kv8-imma", d, "sm_90a"): LaunchChoice(WGMMA_QUERIES[d], Tile(128, 64, 8, 3), "wgmma") for d in HEAD_DIMS},
 }
 
 

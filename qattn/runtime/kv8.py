@@ -11,7 +11,7 @@ which are written into a temporary cache first, as parity runs do) lands in ``at
 With no ``tile=``, a call runs its spec's default tile (kv8-imma at d128 on sm_90a: three slots),
 or where a kernel is listed for its query count, that one (``kv8_families.launch_choice``: on sm_90a
 kv8-split at d128 runs 128-row blocks from 256 queries, and kv8-imma its wgmma kernel's 128-row
-blocks from 2048 queries). Neither the tile nor the matrix unit changes
+blocks from 256 queries at d128 and from 2048 at d64). Neither the tile nor the matrix unit changes
 the arithmetic: with the same key block and splits the output bits are the same.
 
 q is float32 [B, Hq, Lq, D] (D = 64 or 128), out float32, LSE float32 natural-log. The launches are
