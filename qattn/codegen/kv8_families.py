@@ -131,13 +131,12 @@ def _mma_family(fmt: str) -> Family:
 
 
 # kv8-imma on warpgroup MMAs. A warpgroup owns 64 query rows; QK_N keys per S wgmma and PV_N
-# channels per PV wgmma bound the part sums live at once (3 x n/2 registers a thread, twice that
-# with overlap_sums). Measured on the H200 (BENCHMARKS.md): 64-key and 64-channel products beat
-# 32-wide ones by 2-4% at d128, and overlapping the sums gains less; one 128-row block per SM (eight
-# warps) beats two 64-row blocks by 10-20% at 32768/2048. It beats the mma.sync kernel only for
-# many queries, so the default unit stays mma.sync and such calls run the wgmma kernel
-# (LAUNCH_TILES).
-WGMMA_VALUES = {"mma_unit": "wgmma", "qk_n": 64, "pv_n": 64, "overlap_sums": False}
+# channels per PV wgmma bound the part sums live at once (3 x n/2 registers a thread). Measured on
+# the H200 (BENCHMARKS.md): 64-key and 64-channel products beat 32-wide ones by 2-4% at d128; one
+# 128-row block per SM (eight warps) beats two 64-row blocks by 10-20% at 32768/2048. It beats the
+# mma.sync kernel only for many queries, so the default unit stays mma.sync and such calls run the
+# wgmma kernel (LAUNCH_TILES).
+WGMMA_VALUES = {"mma_unit": "wgmma", "qk_n": 64, "pv_n": 64}
 
 
 def _wgmma_problem(tile: Tile, d: int) -> str | None:
@@ -152,7 +151,7 @@ def _wgmma_problem(tile: Tile, d: int) -> str | None:
 
 
 def imma_wgmma_family(**values) -> Family:
-    """kv8-imma on sm_90a's warpgroup MMAs; values override WGMMA_VALUES (qk_n, pv_n, overlap_sums)."""
+    """kv8-imma on sm_90a's warpgroup MMAs; values override WGMMA_VALUES (qk_n, pv_n)."""
     return Family(
         template=MMA_TEMPLATE,
         head_dims=HEAD_DIMS,
