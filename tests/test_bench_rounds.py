@@ -103,6 +103,12 @@ def test_bench_prefill_tool_refuses_a_zero_sustained():
     assert result.returncode == 2 and "--sustained" in result.stderr and "positive" in result.stderr
 
 
+def test_bench_kv8_tool_refuses_zero_rounds():
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_kv8.py"), "--rounds", "0"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "--rounds" in result.stderr and "positive" in result.stderr
+
+
 def _fake_module(monkeypatch, name, **attrs):
     module = types.ModuleType(name)
     module.__dict__.update(attrs)

@@ -2,7 +2,8 @@
 """Time the exact int8-KV-cache kernels (kv8-imma, kv8-split, kv8-f32) per launch at the
 parity shapes, beside torch SDPA's fp16 flash backend run on the dequantized cache (same
 inputs, same run; with --causal only where queries and keys are as many: that backend has no
-bottom-right causal mask). The cache is written once; only attention is timed. The tensor-core
+bottom-right causal mask). The cache is written once; only attention is timed, every kernel of a
+shape in the same interleaved rounds (--rounds; odd rounds in reverse order), medians kept. The tensor-core
 kernels run twice: with the launcher's split over keys (its automatic choice, or --splits) and
 unsplit (splits=1, the plain grid), so the split's gain is measured in the same run. A second line
 per shape splits the short calls' time: the host's time to enqueue one call and the per-call time
@@ -15,12 +16,13 @@ splits.
 """
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from qattn.runtime.bench import attention_flops, time_cuda, time_queued  # noqa: E402
+from qattn.runtime.bench import attention_flops, time_interleaved, time_queued  # noqa: E402
 
 FORMATS = ("kv8-imma", "kv8-split", "kv8-f32")
 SPLIT_FORMATS = ("kv8-imma", "kv8-split")  # the formats with a split over keys
@@ -36,8 +38,11 @@ def main() -> int:
     ap.add_argument("--splits", type=int, help="force this many splits over keys (default: the launcher's choice)")
     ap.add_argument("--unit", action="append", default=[], metavar="FORMAT@UNIT",
                     help="also time this format on this matrix unit (repeatable)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per shape (default 3)")
     ap.add_argument("--json", help="write the records here")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds: expected a positive integer, got {args.rounds}")
     import cupy
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -65,33 +70,42 @@ def main() -> int:
             return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=args.causal,
                                                                     enable_gqa=args.heads != hkv)
 
-        queued = {}
-        try:
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):  # entered once: its cost is not the peer's
-                flash = time_cuda(sdpa_flash).median_ms
-                queued["flash"] = time_queued(sdpa_flash)
-        except RuntimeError:  # torch's flash backend has no causal mask for Lq != Lk
-            flash = None
-        row["sdpa_flash_fp16_ms"] = flash
+        queued, timed = {}, {}  # timed: name -> call, all timed together once the kernels are built
         for fmt in FORMATS:
             kernel = build_kernel(kv8.call_spec(fmt, d, args.causal, queries, default_spec(fmt, d).arch))
             row[f"{fmt}_kernel"] = kernel.spec.name
             out = cupy.empty_like(q)
             splits = args.splits if fmt in SPLIT_FORMATS else 1
             row[f"{fmt}_splits"] = splits or kv8.choose_splits(kernel, 1, args.heads, queries, ctx, q.device.id)
-            row[f"{fmt}_ms"] = time_cuda(lambda: kernel(q, cache, out=out, splits=splits)).median_ms
-            row[f"{fmt}_tops"] = flops / row[f"{fmt}_ms"] / 1e9
+            timed[fmt] = lambda kernel=kernel, out=out, splits=splits: kernel(q, cache, out=out, splits=splits)
             if fmt in SPLIT_FORMATS:
-                row[f"{fmt}_unsplit_ms"] = time_cuda(lambda: kernel(q, cache, out=out, splits=1)).median_ms
-                queued[fmt[4:]] = time_queued(lambda: kernel(q, cache, out=out, splits=splits))
-        for name, t in queued.items():
-            row[f"{name}_host_ms"], row[f"{name}_back_to_back_ms"] = t.host_ms, t.back_to_back_ms
+                timed[f"{fmt}_unsplit"] = lambda kernel=kernel, out=out: kernel(q, cache, out=out, splits=1)
+                queued[fmt[4:]] = time_queued(timed[fmt])
         for entry in args.unit:
             fmt, _, unit = entry.partition("@")
             kernel = build_kernel(kv8.call_spec(fmt, d, args.causal, queries, default_spec(fmt, d).arch, mma=unit))
-            out = cupy.empty_like(q)
             row[f"{entry}_kernel"] = kernel.spec.name
-            row[f"{entry}_ms"] = time_cuda(lambda: kernel(q, cache, out=out, splits=args.splits)).median_ms
+            timed[entry] = lambda kernel=kernel, out=cupy.empty_like(q): kernel(q, cache, out=out, splits=args.splits)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):  # entered once: its cost is not the peer's
+            try:
+                sdpa_flash()
+                timed["flash"] = sdpa_flash
+                queued["flash"] = time_queued(sdpa_flash)
+            except RuntimeError:  # torch's flash backend has no causal mask for Lq != Lk
+                pass
+            rounds = time_interleaved(list(timed.values()), args.rounds)
+        ms = {name: statistics.median(times) for name, times in zip(timed, rounds)}
+        flash = ms.get("flash")
+        row["sdpa_flash_fp16_ms"] = flash
+        for fmt in FORMATS:
+            row[f"{fmt}_ms"] = ms[fmt]
+            row[f"{fmt}_tops"] = flops / ms[fmt] / 1e9
+            if fmt in SPLIT_FORMATS:
+                row[f"{fmt}_unsplit_ms"] = ms[f"{fmt}_unsplit"]
+        for entry in args.unit:
+            row[f"{entry}_ms"] = ms[entry]
+        for name, t in queued.items():
+            row[f"{name}_host_ms"], row[f"{name}_back_to_back_ms"] = t.host_ms, t.back_to_back_ms
         records.append(row)
         imma, split = row["kv8-imma_ms"], row["kv8-split_ms"]
         print(f"{ctx:>6}/{queries:<5} splits {row['kv8-imma_splits']:>3}  "
