@@ -585,8 +585,11 @@ def _parse_bench_shapes(ctx, param, values):
 @click.option("--sustained", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
               help="time each implementation over SECONDS of back-to-back calls per round (the power-capped "
                    "steady state) instead of single calls")
+@click.option("--settle", type=click.FloatRange(min=0), default=0.0, show_default=True, metavar="SECONDS",
+              help="idle the GPU this long before each implementation's timing, so that none is timed in the "
+                   "wake of a power-hungry one")
 @user_errors
-def bench(formats, shapes, head_dim, causal, peers, json_path, seed, rounds, sustained):
+def bench(formats, shapes, head_dim, causal, peers, json_path, seed, rounds, sustained, settle):
     """Time qattn prefill kernels and their peers (torch SDPA flash and cuDNN, SageAttention) on the
     same inputs in the same run; rel_l2 is each one's error against FP64 on the first heads."""
     from .runtime import bench as timing
@@ -595,7 +598,7 @@ def bench(formats, shapes, head_dim, causal, peers, json_path, seed, rounds, sus
         raise click.ClickException("bench: no CUDA GPU found; timing needs one")
     records = timing.bench_prefill(shapes or [(4, 32, 4096), (1, 32, 32768)], formats or ("f16",), head_dim=head_dim,
                                    causal=causal, peers=peers or timing.PEERS, seed=seed, rounds=rounds,
-                                   sustained=sustained)
+                                   sustained=sustained, settle=settle)
     ratios = sorted({k for r in records for k in r if k.startswith("vs_")})
     table = _table(f"prefill, D {head_dim}, {'causal' if causal else 'non-causal'}", "batch/heads/seq", "impl", "ms",
                    "TFLOPS", "rel_l2", *ratios, right=("ms", "TFLOPS", "rel_l2", *ratios))

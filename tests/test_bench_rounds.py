@@ -37,6 +37,26 @@ def test_odd_rounds_run_in_reverse():
     assert followers == {("a", "b"), ("b", "c"), ("c", "b"), ("b", "a")}
 
 
+def test_settle_idles_before_every_timing():
+    # The pause comes before each fn's timing, not once a round: no fn is timed straight after another.
+    events = []
+    time_interleaved([lambda c=c: c for c in "ab"], rounds=2, timer=lambda fn, n: events.append(fn()) or 1.0,
+                     settle=0.25, sleep=lambda s: events.append(s))
+    assert events == [0.25, "a", 0.25, "b", 0.25, "b", 0.25, "a"]
+    events.clear()
+    time_interleaved([lambda: "a"], rounds=2, timer=lambda fn, n: events.append(fn()) or 1.0,
+                     sleep=lambda s: events.append(s))
+    assert events == ["a", "a"]  # no settle: no pause
+
+
+@pytest.mark.parametrize("settle", [-0.5, float("nan")])
+def test_settle_must_not_be_negative(settle):
+    with pytest.raises(ValueError, match="settle: expected a non-negative number of seconds"):
+        time_interleaved([lambda: None], rounds=1, timer=lambda fn, n: 1.0, settle=settle)
+    with pytest.raises(ValueError, match="settle: expected a non-negative number of seconds"):
+        bench_prefill([(1, 1, 128)], settle=settle)
+
+
 @pytest.mark.parametrize("rounds", [0, -2])
 def test_rounds_must_be_positive(rounds):
     with pytest.raises(ValueError, match="rounds: expected a positive integer"):
@@ -97,10 +117,11 @@ def test_sustained_needs_a_positive_duration(seconds):
         bench_prefill([(1, 1, 128)], sustained=seconds)
 
 
-def test_bench_prefill_tool_refuses_a_zero_sustained():
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_prefill.py"), "--sustained", "0"],
+@pytest.mark.parametrize("flag, value, expected", [("--sustained", "0", "positive"), ("--settle", "-1", "non-negative")])
+def test_bench_prefill_tool_refuses_bad_durations(flag, value, expected):
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_prefill.py"), flag, value],
                             capture_output=True, text=True)
-    assert result.returncode == 2 and "--sustained" in result.stderr and "positive" in result.stderr
+    assert result.returncode == 2 and flag in result.stderr and expected in result.stderr
 
 
 def test_bench_kv8_tool_refuses_zero_rounds():

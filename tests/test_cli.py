@@ -455,10 +455,10 @@ def test_bench_table(monkeypatch, tmp_path):
     result = run("bench", "--shape", "1/2/128", "-d", "64", "--peer", "sdpa_flash", "--rounds", "5", "--json", str(out))
     assert result.exit_code == 0, result.output
     assert calls["shapes"] == [(1, 2, 128)] and calls["peers"] == ("sdpa_flash",) and calls["head_dim"] == 64
-    assert calls["rounds"] == 5 and calls["sustained"] is None
-    result = run("bench", "--shape", "1/2/128", "--sustained", "2.5")
+    assert calls["rounds"] == 5 and calls["sustained"] is None and calls["settle"] == 0.0
+    result = run("bench", "--shape", "1/2/128", "--sustained", "2.5", "--settle", "0.5")
     assert result.exit_code == 0, result.output
-    assert calls["sustained"] == 2.5
+    assert calls["sustained"] == 2.5 and calls["settle"] == 0.5
     rows = {line.split("│")[2].strip(): [c.strip() for c in line.split("│")[3:-1]]
             for line in result.stdout.splitlines() if line.count("│") > 3}
     assert rows["qattn f16"] == ["0.250", "0.2", "2.70e-04", "2.00"]
@@ -472,6 +472,8 @@ def test_bench_rounds_must_be_positive(monkeypatch):
     assert result.exit_code == 2 and "--rounds" in result.output
     result = run("bench", "--sustained", "0")
     assert result.exit_code == 2 and "--sustained" in result.output
+    result = run("bench", "--settle", "-1")
+    assert result.exit_code == 2 and "--settle" in result.output
 
 
 def test_cache_commands(cache_dir):

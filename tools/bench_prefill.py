@@ -8,6 +8,7 @@ first two heads.
     tools/bench_prefill.py --shape 4x32x4096 --tile 128x64x8x2 --tile 128x64x4x2   # tile sweep
     tools/bench_prefill.py --format i8-f8 --format i8-f8@mma.sync  # the same format on two matrix units
     tools/bench_prefill.py --shape 4x32x4096 --sustained 2.5 --rounds 2  # power-capped steady state
+    tools/bench_prefill.py --shape 4x32x4096 --settle 1 --rounds 5   # single calls, each from an idle GPU
 """
 import argparse
 import json
@@ -34,6 +35,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _idle_seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative number of seconds, got {text}")
+    return value
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", action="append", help="BATCHxHEADSxSEQ (repeatable)")
@@ -47,6 +55,9 @@ def main() -> int:
     ap.add_argument("--sustained", type=_seconds, metavar="SECONDS",
                     help="time each implementation over SECONDS of back-to-back calls per round (the "
                          "power-capped steady state) instead of single calls")
+    ap.add_argument("--settle", type=_idle_seconds, default=0.0, metavar="SECONDS",
+                    help="idle the GPU this long before each implementation's timing, so that none is timed "
+                         "in the wake of a power-hungry one (default 0)")
     ap.add_argument("--json", help="write the records here")
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in (args.shape or ["4x32x4096"])]
@@ -58,7 +69,7 @@ def main() -> int:
             peers = PEERS if i == 0 else ()
             records += bench_prefill(shapes, tuple(args.format or ["f16"]), head_dim=args.head_dim,
                                      causal=causal, tiles=tile, peers=peers, rounds=args.rounds,
-                                     sustained=args.sustained)
+                                     sustained=args.sustained, settle=args.settle)
     print(f"{'impl':<19}{'kernel':<50}{'B':>3}{'H':>4}{'L':>7}{'D':>5} {'causal':<7}{'ms':>9}{'TFLOPS':>8}"
           f"{'vs flash':>9}{'vs cuDNN':>9}{'vs sage':>8}{'vs sage2':>9}{'rel_l2':>10}{'quant ms':>9}")
     for r in records:

@@ -97,20 +97,30 @@ def time_sustained(fn, seconds: float, *, batch: int = 16) -> float:
     return cupy.cuda.get_elapsed_time(start, stop) / calls
 
 
-def time_interleaved(fns, rounds: int, timer=None) -> list[list[float]]:
+def time_interleaved(fns, rounds: int, timer=None, *, settle: float = 0.0, sleep=None) -> list[list[float]]:
     """Per-call times of each of fns in `rounds` rounds, each round timing every fn once in turn
     (timer(fn, rounds) -> ms; default time_cuda with the run budget split over the rounds).
     Odd rounds run in reverse order: on a power-capped GPU the clock after a hungry kernel recovers
     over milliseconds, and a fixed order would hand that cost to the same fn every round.
-    Returns one list of round times per fn, in the order of fns."""
+    settle (seconds): the GPU idles that long before each timing (sleep(seconds), default
+    time.sleep), so that every fn starts from the clock an idle GPU recovers to, whichever ran
+    before it. Returns one list of round times per fn, in the order of fns."""
     if rounds < 1:
         raise ValueError(f"rounds: expected a positive integer, got {rounds}")
+    if not settle >= 0:
+        raise ValueError(f"settle: expected a non-negative number of seconds, got {settle}")
+    if sleep is None:
+        import time
+
+        sleep = time.sleep
     if timer is None:
         def timer(fn, n):
             return time_cuda(fn, runs=max(5, 20 // n), min_ms=200.0 / n).median_ms
     per_fn: list[list[float]] = [[] for _ in fns]
     for r in range(rounds):
         for k in range(len(fns)) if r % 2 == 0 else reversed(range(len(fns))):
+            if settle:
+                sleep(settle)
             per_fn[k].append(timer(fns[k], rounds))
     return per_fn
 
@@ -192,7 +202,7 @@ def _rel_l2(out, ref) -> float:
 
 
 def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers=PEERS, seed=0,
-                  tiles=None, rounds: int = 3, sustained: float | None = None) -> list[dict]:
+                  tiles=None, rounds: int = 3, sustained: float | None = None, settle: float = 0.0) -> list[dict]:
     """Time qattn prefill kernels and peers on the same inputs in the same run.
     shapes: iterable of (batch, heads, seq) with Lq = Lk = seq; formats: names, or "name@unit" for
     the format on another matrix unit of the arch (e.g. "i8-f8@wgmma"). Returns one record per
@@ -202,9 +212,13 @@ def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers
     one in turn) and each reports the median of its round medians, so that clock and power drift
     over the run, which on a power-bound GPU favours whoever runs first or last, is shared by all.
     sustained (seconds): time each implementation in each round over that long a back-to-back
-    stretch (time_sustained) instead of a median of single calls."""
+    stretch (time_sustained) instead of a median of single calls. settle (seconds): an idle pause
+    before each implementation's timing (time_interleaved), which makes single-call times those of
+    a GPU at its idle clock rather than in the wake of the implementation timed before."""
     if sustained is not None and not sustained > 0:
         raise ValueError(f"sustained: expected a positive number of seconds, got {sustained}")
+    if not settle >= 0:
+        raise ValueError(f"settle: expected a non-negative number of seconds, got {settle}")
     import cupy
 
     from .api import default_spec
@@ -256,7 +270,7 @@ def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers
 
                 rec["quant_ms"] = time_cuda(lambda: quantize(*xs, kernel=kernel)).median_ms
         timer = None if sustained is None else (lambda fn, _rounds: time_sustained(fn, sustained))
-        per_round = time_interleaved([fn for _, fn in timed], rounds, timer)
+        per_round = time_interleaved([fn for _, fn in timed], rounds, timer, settle=settle)
         peer_ms = {}
         for times, (rec, _) in zip(per_round, timed):
             rec.update(ms=statistics.median(times), round_ms=times)
