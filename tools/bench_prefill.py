@@ -28,18 +28,15 @@ def _positive(text: str) -> int:
     return value
 
 
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
-    return value
-
-
-def _idle_seconds(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative number of seconds, got {text}")
-    return value
+def _seconds(*, zero_ok: bool):
+    """An argparse type for a duration: positive, or with zero_ok non-negative (NaN never)."""
+    def parse(text: str) -> float:
+        value = float(text)
+        if not (value >= 0 if zero_ok else value > 0):
+            kind = "non-negative" if zero_ok else "positive"
+            raise argparse.ArgumentTypeError(f"expected a {kind} number of seconds, got {text}")
+        return value
+    return parse
 
 
 def main() -> int:
@@ -52,10 +49,10 @@ def main() -> int:
     ap.add_argument("--tile", action="append", help="BMxBNxWARPSxSTAGES to sweep (default: tuned tile)")
     ap.add_argument("--rounds", type=_positive, default=3,
                     help="interleaved timing rounds per shape (every implementation once a round, odd rounds in reverse; median kept)")
-    ap.add_argument("--sustained", type=_seconds, metavar="SECONDS",
+    ap.add_argument("--sustained", type=_seconds(zero_ok=False), metavar="SECONDS",
                     help="time each implementation over SECONDS of back-to-back calls per round (the "
                          "power-capped steady state) instead of single calls")
-    ap.add_argument("--settle", type=_idle_seconds, default=0.0, metavar="SECONDS",
+    ap.add_argument("--settle", type=_seconds(zero_ok=True), default=0.0, metavar="SECONDS",
                     help="idle the GPU this long before each implementation's timing, so that none is timed "
                          "in the wake of a power-hungry one (default 0)")
     ap.add_argument("--json", help="write the records here")
