@@ -1,14 +1,15 @@
 """qattn: flash-attention kernels in low-precision formats, generated from Jinja templates,
 compiled at run time (NVRTC / hiprtc), and checked against an FP64 reference."""
-__version__ = "0.1.0"
-
-from .codegen.recipes import RECIPES, recipe  # noqa: E402
-from .codegen.spec import KernelSpec, Tile  # noqa: E402
-from .runtime import metrics, reference  # noqa: E402
-from .runtime.api import attention, build, default_spec  # noqa: E402
-from .runtime.compile import CompileError  # noqa: E402
-from .runtime.cache import KernelNotCached  # noqa: E402
-from .runtime.kvcache import KVCacheInt8  # noqa: E402
+from . import formats  # noqa: F401  (registers every format family)
+from .api import attention, build, default_spec
+from .check import metrics, reference
+from .engine.cache import KernelNotCached
+from .engine.compile import CompileError
+from .engine.registry import RECIPES, recipe
+from .engine.spec import KernelSpec
+from .engine.tile import Tile
+from .formats.kv8 import KVCacheInt8
+from .version import __version__
 
 __all__ = [
     "__version__", "attention", "build", "default_spec", "KernelSpec", "Tile", "RECIPES", "recipe",

@@ -19,13 +19,14 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .codegen import kv8_families
-from .codegen.recipes import BACKENDS, KINDS, RECIPES, recipe
-from .codegen.spec import KernelSpec, device_arch
-from .codegen.tile import Tile
-from .runtime.cache import KernelCache, KernelNotCached
-from .runtime.compile import CompileError
-from .runtime.bench import PEERS
+from .engine import registry
+from .engine.family import BACKENDS, KINDS
+from .engine.registry import RECIPES, recipe
+from .engine.spec import KernelSpec, device_arch
+from .engine.tile import Tile
+from .engine.cache import KernelCache, KernelNotCached
+from .engine.compile import CompileError
+from .bench.peers import PEERS
 
 FALLBACK_ARCH = {"cuda": "sm_90a", "hip": "gfx942"}
 HELP = {"help_option_names": ["-h", "--help"]}
@@ -248,7 +249,7 @@ def list_():
 @user_errors
 def gen(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, arch, output):
     """Print the rendered kernel source of one spec (KIND: prefill)."""
-    from .codegen.render import render
+    from .engine.render import render
 
     spec = make_spec(kind, fmt, head_dim, tile, warps, stages, bool(causal), backend, arch or _default_arch(backend), mma)
     source = render(spec)
@@ -263,7 +264,7 @@ def gen(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, arch, ou
 
 def inspect_spec(spec: KernelSpec) -> dict:
     """runtime.inspect.inspect_spec, with a missing clang reported as a usage problem."""
-    from .runtime.inspect import inspect_spec as inspect_compiled
+    from .engine.inspect import inspect_spec as inspect_compiled
 
     try:
         return inspect_compiled(spec)
@@ -311,7 +312,7 @@ def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, arch
     spec = make_spec(kind, fmt, head_dim, tile, warps, stages, bool(causal), backend, arch or _default_arch(backend), mma)
     report = inspect_spec(spec)
     named_tile = tile is not None or warps is not None or stages is not None
-    listed = None if named_tile or backend != "cuda" else kv8_families.LAUNCH_TILES.get((fmt, spec.head_dim, spec.arch))
+    listed = None if named_tile or backend != "cuda" else registry.family_of(fmt).launch_tiles.get((fmt, spec.head_dim, spec.arch))
     if listed is not None and spec.mma is None:  # what qattn.attention runs instead of the default shown here
         report["launch_tile"] = {"tile": listed.tile.name, "least_queries": listed.least_queries,
                                  "mma": listed.mma or spec.family.values.get("mma_unit")}
@@ -401,7 +402,7 @@ def _first_error_line(exc: Exception) -> str:
 @user_errors
 def compile_(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, arch, every):
     """Compile a matrix of specs x archs into the kernel cache (no GPU needed); exit 1 if any fails."""
-    from .runtime.kernel import build_kernel
+    from .engine.kernel import build_kernel
 
     specs = compile_matrix(kind, list(fmt), list(head_dim), tile, warps, stages, causal, backend, list(arch), every, mma)
     regs, spills = ("regs", "spills (B)") if backend == "cuda" else ("VGPRs", "spilled regs")
@@ -519,7 +520,7 @@ def write_json(path: Path, records) -> None:
 def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, json_path, seed, time_it):
     """Check formats against FP64 on fresh random inputs and time their kernels; exit 1 if any
     check fails its format's tolerance."""
-    from .runtime import parity as job
+    from .check import parity as job
 
     if kv_heads is not None and heads % kv_heads:
         raise click.BadParameter(f"{kv_heads} does not divide --heads {heads}", param_hint="'--kv-heads'")
@@ -592,12 +593,12 @@ def _parse_bench_shapes(ctx, param, values):
 def bench(formats, shapes, head_dim, causal, peers, json_path, seed, rounds, sustained, settle):
     """Time qattn prefill kernels and their peers (torch SDPA flash and cuDNN, SageAttention) on the
     same inputs in the same run; rel_l2 is each one's error against FP64 on the first heads."""
-    from .runtime import bench as timing
+    from .bench import prefill as timing
 
     if device_arch() is None:
         raise click.ClickException("bench: no CUDA GPU found; timing needs one")
     records = timing.bench_prefill(shapes or [(4, 32, 4096), (1, 32, 32768)], formats or ("f16",), head_dim=head_dim,
-                                   causal=causal, peers=peers or timing.PEERS, seed=seed, rounds=rounds,
+                                   causal=causal, peers=peers or PEERS, seed=seed, rounds=rounds,
                                    sustained=sustained, settle=settle)
     ratios = sorted({k for r in records for k in r if k.startswith("vs_")})
     table = _table(f"prefill, D {head_dim}, {'causal' if causal else 'non-causal'}", "batch/heads/seq", "impl", "ms",
@@ -648,7 +649,7 @@ def _parse_grids(ctx, param, values):
                    "sm_90a use 128)")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the presets and of the row sample")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, path_type=Path),
-              help="also write the report as JSON to FILE (keys: see qattn.runtime.probe)")
+              help="also write the report as JSON to FILE (keys: see qattn.check.probe)")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="also write a two-panel PNG to FILE: mass by decade with both 8-bit grids; K channels "
                    "before/after smoothing (needs matplotlib)")
@@ -657,7 +658,7 @@ def probe(npz, preset, contexts, formats, grids, queries, key_block, seed, json_
     """Where attention rows keep their probability mass, how much of it the int8 and e4m3 P grids
     flush to zero, how K smoothing tames K's outlier channels, and what each format's emulator
     costs against FP64, by context length. Runs on the CPU."""
-    from .runtime import probe as probing
+    from .check import probe as probing
 
     if (npz is None) == (preset is None):
         raise click.UsageError("give exactly one of --npz FILE or --preset NAME")

@@ -9,7 +9,7 @@ import pytest  # noqa: E402
 
 
 def _has_gpu() -> bool:
-    from qattn.codegen.spec import device_arch
+    from qattn.engine.spec import device_arch
 
     return device_arch() is not None
 

@@ -1,4 +1,4 @@
-"""The timing helpers that need no GPU to check: interleaved rounds (runtime.bench.time_interleaved,
+"""The timing helpers that need no GPU to check: interleaved rounds (bench.timing.time_interleaved,
 with a fake timer), the sustained timer's loop (time_sustained, with a fake cupy) and the
 argument checks."""
 import subprocess
@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from qattn.runtime.bench import bench_prefill, time_interleaved, time_sustained
+from qattn.bench.prefill import bench_prefill
+
+from qattn.bench.timing import time_interleaved, time_sustained
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,7 +66,7 @@ def test_rounds_must_be_positive(rounds):
 
 
 def test_time_queued_needs_calls():
-    from qattn.runtime.bench import time_queued
+    from qattn.bench.timing import time_queued
 
     with pytest.raises(ValueError, match="calls: expected a positive integer"):
         time_queued(lambda: None, calls=0)
@@ -159,34 +161,34 @@ def _sage(monkeypatch, name, version):
 
 
 def test_sageattention2_runs_beside_1_0_6_under_its_own_name(monkeypatch, fake_torch):
-    from qattn.runtime.bench import _peer
+    from qattn.bench.peers import peer
 
     v1, v2 = _sage(monkeypatch, "sageattention", 1), _sage(monkeypatch, "sageattention2", 2)
-    assert _peer("sageattn")(1, 2, 3, True) == "sageattention"
-    assert _peer("sageattn2")(1, 2, 3, False) == "sageattention2"
+    assert peer("sageattn")(1, 2, 3, True) == "sageattention"
+    assert peer("sageattn2")(1, 2, 3, False) == "sageattention2"
     assert v1 == [("sageattention", "HND", True)] and v2 == [("sageattention2", "HND", False)]
 
 
 def test_sageattention_of_version_2_is_one_peer_not_two(monkeypatch, fake_torch):
-    from qattn.runtime.bench import _peer
+    from qattn.bench.peers import peer
 
     monkeypatch.setitem(sys.modules, "sageattention2", None)  # import fails
     _sage(monkeypatch, "sageattention", 2)
-    assert _peer("sageattn")(1, 2, 3, True) == "sageattention"
-    assert _peer("sageattn2") is None  # the same package: timed once, as sageattn
+    assert peer("sageattn")(1, 2, 3, True) == "sageattention"
+    assert peer("sageattn2") is None  # the same package: timed once, as sageattn
 
 
 def test_only_sageattention_1_0_6_has_no_sageattn2(monkeypatch, fake_torch):
-    from qattn.runtime.bench import PEERS, _peer
+    from qattn.bench.peers import PEERS, peer
 
     monkeypatch.setitem(sys.modules, "sageattention2", None)
     _sage(monkeypatch, "sageattention", 1)
     assert "sageattn2" in PEERS
-    assert _peer("sageattn") is not None and _peer("sageattn2") is None
+    assert peer("sageattn") is not None and peer("sageattn2") is None
 
 
 def test_accuracy_names_a_bad_preset_or_query_count():
-    from qattn.runtime.bench import accuracy_against_fp64
+    from qattn.bench.prefill import accuracy_against_fp64
 
     with pytest.raises(ValueError, match="presets: unknown preset 'gauss'"):
         accuracy_against_fp64(("gauss",))

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 import qattn
-from qattn.codegen.spec import KernelSpec
-from qattn.runtime import compile as compiler
-from qattn.runtime import kernel as kernel_module
-from qattn.runtime.cache import BINARY, META, SOURCE, KernelCache, KernelNotCached
-from qattn.runtime.kernel import build_kernel
+from qattn.engine.spec import KernelSpec
+from qattn.engine import compile as compiler
+from qattn.engine import kernel as kernel_module
+from qattn.engine.cache import BINARY, META, SOURCE, KernelCache, KernelNotCached
+from qattn.engine.kernel import build_kernel
 
 REPO = Path(__file__).resolve().parents[1]
 # A spec that compiles fast (~1 s); every test builds this one unless it says otherwise.
@@ -254,7 +254,7 @@ _BUILDER = """
 import hashlib, os, sys, time
 from pathlib import Path
 import qattn
-from qattn.runtime.kernel import build_kernel
+from qattn.engine.kernel import build_kernel
 go = Path(sys.argv[1])
 deadline = time.time() + 60
 while not go.exists() and time.time() < deadline:
@@ -292,10 +292,10 @@ def test_two_processes_build_the_same_kernel(cache_dir, tmp_path):
 def test_second_process_loads_without_compiling(cache_dir, warm_cache):
     first = warm_cache
     code = ("import hashlib, qattn\n"
-            "from qattn.runtime import compile as c\n"
+            "from qattn.engine import compile as c\n"
             "def boom(*a, **k): raise SystemExit('NVRTC called')\n"
             "c.compile_cuda = boom\n"
-            f"k = qattn.runtime.kernel.build_kernel(qattn.KernelSpec({SPEC_ARGS}))\n"
+            f"k = qattn.engine.kernel.build_kernel(qattn.KernelSpec({SPEC_ARGS}))\n"
             "print(hashlib.sha256(k.binary).hexdigest())\n")
     run = run_python(code, {"QATTN_CACHE_DIR": str(cache_dir), "QATTN_NO_JIT": "1"})
     assert run.returncode == 0, run.stderr
@@ -337,7 +337,7 @@ def test_clear_leaves_foreign_files(cache_dir, warm_cache):
 
 
 def test_default_root(monkeypatch, tmp_path):
-    from qattn.runtime.cache import default_root
+    from qattn.engine.cache import default_root
 
     monkeypatch.delenv("QATTN_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -347,7 +347,7 @@ def test_default_root(monkeypatch, tmp_path):
 
 
 def test_content_key_covers_every_input():
-    from qattn.runtime.cache import content_key
+    from qattn.engine.cache import content_key
 
     base = ("src", ["-a", "-b"], "nvrtc-13.0", "sm_80")
     k = content_key(*base)

@@ -13,13 +13,14 @@ import pytest
 from click.testing import CliRunner
 
 import qattn.cli
-import qattn.runtime.parity
+import qattn.check.parity
 from qattn.cli import compile_matrix, main
-from qattn.runtime.inspect import blocks_per_sm, count_instructions
-from qattn.codegen.recipes import RECIPES, Tolerance
-from qattn.codegen.spec import KernelSpec
-from qattn.runtime.cache import KernelCache
-from qattn.runtime.compile import CompileError, find_tool
+from qattn.engine.inspect import blocks_per_sm, count_instructions
+from qattn.engine.registry import RECIPES
+from qattn.engine.family import Tolerance
+from qattn.engine.spec import KernelSpec
+from qattn.engine.cache import KernelCache
+from qattn.engine.compile import CompileError, find_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD_KEYS = {"format", "ctx", "queries", "head_dim", "backend", "max_rel", "rel_l2", "cos", "failures", "ms",
@@ -36,7 +37,7 @@ def cache_dir(tmp_path, monkeypatch):
 @pytest.fixture
 def no_gpu(monkeypatch):
     """Behave as on a machine without a GPU, wherever the tests run."""
-    for module in (qattn.cli, qattn.runtime.parity):
+    for module in (qattn.cli, qattn.check.parity):
         monkeypatch.setattr(module, "device_arch", lambda: None)
 
 
@@ -208,7 +209,7 @@ def test_inspect_hip_without_clang(monkeypatch):
     def no_clang(source, arch, name):
         raise RuntimeError("backend hip: offline compiles need clang-19 (apt-get install clang-19)")
 
-    monkeypatch.setattr("qattn.runtime.compile.compile_hip_offline", no_clang)
+    monkeypatch.setattr("qattn.engine.compile.compile_hip_offline", no_clang)
     result = run("inspect", "--backend", "hip", "--arch", "gfx942", "-d", "64")
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
     assert "need clang-19" in result.output and "Traceback" not in result.output
@@ -279,7 +280,7 @@ def test_compile_all_skips_what_a_picked_format_does_not_support(monkeypatch):
 def test_compile_hip_summary_counts_spilled_registers(monkeypatch):
     resources = {"registers": 128, "sgprs": 60, "scratch": 16, "vgpr_spills": 3, "sgpr_spills": 1,
                  "occupancy_waves": 4, "threads": 128, "dynamic_smem": 18944}
-    monkeypatch.setattr("qattn.runtime.kernel.build_kernel", lambda spec, cache=None: SimpleNamespace(resources=resources))
+    monkeypatch.setattr("qattn.engine.kernel.build_kernel", lambda spec, cache=None: SimpleNamespace(resources=resources))
     result = run("compile", "--backend", "hip", "-d", "64", "--arch", "gfx942")
     assert result.exit_code == 0, result.output
     row = next(line for line in result.stdout.splitlines() if "gfx942" in line)
@@ -292,7 +293,7 @@ def test_compile_failure_exits_nonzero(monkeypatch):
     def broken(spec, cache=None):
         raise CompileError(spec.name, ["-O3"], "k.cu(3): error: expected a ';'", "a\nb\nc\n")
 
-    monkeypatch.setattr("qattn.runtime.kernel.build_kernel", broken)
+    monkeypatch.setattr("qattn.engine.kernel.build_kernel", broken)
     result = run("compile", "-f", "f16", "-d", "64", "--arch", "sm_80")
     assert result.exit_code == 1
     assert "FAILED" in result.output and "expected a ';'" in result.output
@@ -337,7 +338,7 @@ def test_json_folder_checked_before_running(monkeypatch, tmp_path):
     def never(*args, **kwargs):
         raise AssertionError("parity ran although --json cannot be written")
 
-    monkeypatch.setattr(qattn.runtime.parity, "run_parity", never)
+    monkeypatch.setattr(qattn.check.parity, "run_parity", never)
     assert_usage_error(run("parity", "--backend", "numpy", "--json", str(tmp_path / "missing" / "p.json")), "--json")
 
 
@@ -379,9 +380,10 @@ def test_parity_matrix_unit_needs_a_gpu_and_a_known_unit(no_gpu):
 
 
 def test_parity_plans_a_format_on_a_matrix_unit(monkeypatch):
-    from qattn.runtime import api, parity
+    from qattn.check import parity
+    from qattn.engine import spec as spec_module
 
-    monkeypatch.setattr(api, "device_arch", lambda: "sm_90a")
+    monkeypatch.setattr(spec_module, "device_arch", lambda: "sm_90a")
     checks = parity.plan(["i8-f8@mma.sync", "i8-f8"], [(2048, 256)], gpu=True)
     assert checks == [("i8-f8@mma.sync", "cuda", 2048, 256), ("i8-f8", "cuda", 2048, 256)]
     spec = parity.cuda_spec("i8-f8@mma.sync", 128, False, 256)
@@ -407,7 +409,7 @@ def test_parity_fails_over_tolerance(monkeypatch):
 
 
 def test_parity_auto_with_gpu_notes_formats_without_kernel(monkeypatch, kernelless):
-    for module in (qattn.cli, qattn.runtime.parity):
+    for module in (qattn.cli, qattn.check.parity):
         monkeypatch.setattr(module, "device_arch", lambda: "sm_90a")
     result = run("parity", "-f", kernelless, "--shape", "16/16", "--heads", "1")
     assert result.exit_code == 0, result.output
@@ -429,7 +431,7 @@ def test_tools_parity_defaults_without_gpu():
     assert (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime) < 30
     assert "no CUDA GPU found: running the CPU emulators" in result.stderr
     rows = [line for line in result.stdout.splitlines() if "numpy" in line]
-    expected = len(qattn.runtime.parity.DEFAULT_FORMATS) * len(qattn.runtime.parity.DEFAULT_SHAPES["numpy"])
+    expected = len(qattn.check.parity.DEFAULT_FORMATS) * len(qattn.check.parity.DEFAULT_SHAPES["numpy"])
     assert len(rows) == expected and all("pass" in row for row in rows)
     assert "cuda" not in result.stdout
 
@@ -450,7 +452,7 @@ def test_bench_table(monkeypatch, tmp_path):
                 dict(base, impl="qattn f16", ms=0.25, tflops=0.2, rel_l2=2.7e-4, vs_sdpa_flash=2.0)]
 
     monkeypatch.setattr(qattn.cli, "device_arch", lambda: "sm_90a")
-    monkeypatch.setattr("qattn.runtime.bench.bench_prefill", fake_bench)
+    monkeypatch.setattr("qattn.bench.prefill.bench_prefill", fake_bench)
     out = tmp_path / "bench.json"
     result = run("bench", "--shape", "1/2/128", "-d", "64", "--peer", "sdpa_flash", "--rounds", "5", "--json", str(out))
     assert result.exit_code == 0, result.output
@@ -494,7 +496,7 @@ def test_tools_parity_help():
     assert result.returncode == 0, result.stderr
     assert "--shape CTX/QUERIES" in result.stdout and "--backend" in result.stdout
     assert "[default: every format with a CUDA kernel]" in " ".join(result.stdout.split())
-    assert {"f16", "i8-f8", "kv8-imma"} <= set(qattn.runtime.parity.DEFAULT_FORMATS)
+    assert {"f16", "i8-f8", "kv8-imma"} <= set(qattn.check.parity.DEFAULT_FORMATS)
 
 
 def test_gen_on_a_chosen_matrix_unit():
@@ -516,7 +518,7 @@ def test_sanitize_workload_adds_the_arch_s_other_units(monkeypatch):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
     import sanitize
 
-    import qattn.codegen.spec as spec_module
+    import qattn.engine.spec as spec_module
 
     with_kernel = [n for n, r in RECIPES.items() if "cuda" in r.families]
     monkeypatch.setattr(spec_module, "device_arch", lambda: "sm_90a")

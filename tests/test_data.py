@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from qattn import data
-from qattn.runtime import metrics, quant
-from qattn.runtime.reference import softmax_rows
+from qattn.check import metrics
+from qattn.formats.int8qk import quant as i8quant
+from qattn.check.reference import softmax_rows
 
 MINILM = Path(__file__).parent / "data" / "minilm_qkv.npz"
 
@@ -43,19 +44,19 @@ def test_outliers_match_the_measured_channels_and_smooth_away(seed):
     top5 = np.sort(ratios, axis=-1)[..., -5:]
     assert np.allclose(top5, data.OUTLIER_RATIOS, rtol=1e-4)
     assert np.sort(ratios, axis=-1)[..., -6].max() < 2  # the other channels are ordinary
-    smoothed = _channel_ratios(quant.smooth_k(d["k"])[0])
+    smoothed = _channel_ratios(i8quant.smooth_k(d["k"])[0])
     assert smoothed.max() <= 4.5
 
 
 def test_token_varying_outliers_survive_smoothing(seed):
     d = data.outliers_token(ctx=2100, seed=seed)
-    raw, smoothed = _channel_ratios(d["k"]).max(), _channel_ratios(quant.smooth_k(d["k"])[0]).max()
+    raw, smoothed = _channel_ratios(d["k"]).max(), _channel_ratios(i8quant.smooth_k(d["k"])[0]).max()
     assert abs(raw - 44) < 1e-3 and smoothed > 0.8 * raw
 
 
 def test_bias_is_tens_of_times_the_token_part(seed):
     d = data.bias(kv_heads=1, heads=2, ctx=1500, head_dim=128, seed=seed)
-    smoothed, mean = quant.smooth_k(d["k"].astype(np.float64))
+    smoothed, mean = i8quant.smooth_k(d["k"].astype(np.float64))
     ratio = np.linalg.norm(mean, axis=-1) / np.linalg.norm(smoothed, axis=-1).mean(axis=-1, keepdims=True)
     assert 20 < ratio.min() and ratio.max() < 40
     # the bias moves every score of a row by one constant: the probabilities ignore it

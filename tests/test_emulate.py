@@ -1,4 +1,4 @@
-"""The CPU emulators of qattn.runtime.emulate: semantics of qattn.attention, the formats' exact
+"""The CPU emulators of qattn.check.emulate: semantics of qattn.attention, the formats' exact
 integer arithmetic, and the accuracy each format is known for (DESIGN §2, §3)."""
 import math
 import time
@@ -6,12 +6,17 @@ import time
 import numpy as np
 import pytest
 
+import qattn
 from qattn import data
-from qattn.codegen.recipes import recipe
-from qattn.runtime import emulate, metrics, quant
-from qattn.runtime.reference import softmax_rows
+from qattn.engine.registry import recipe
+from qattn.check import emulate
+from qattn.check import metrics
+from qattn.check import quant
+from qattn.formats.int8qk import quant as i8quant
+from qattn.formats.kv8 import quant as kvquant
+from qattn.check.reference import softmax_rows
 
-ALL = list(emulate.EMULATORS)
+ALL = emulate.formats()
 EXACT = ("f32", "kv8-f32", "kv8-split", "kv8-imma")
 
 
@@ -72,11 +77,11 @@ def test_kv8_imma_is_closer_than_the_fp16_split(rng):
     imma, split, shifted = [], [], []
     for _ in range(4):
         q, k, v = _inputs(rng, 1, 4, 2, 64, 1500, 128)
-        kc, vc = quant.quantize_kv_cache(k), quant.quantize_kv_cache(v)
+        kc, vc = kvquant.quantize_kv_cache(k), kvquant.quantize_kv_cache(v)
         ref = emulate.reference("kv8-imma", q, kc, vc)
-        imma.append(metrics.compare(emulate.kv8_imma(q, kc, vc), ref).max_rel)
-        split.append(metrics.compare(emulate.kv8_split(q, kc, vc, fp16_shift=False), ref).max_rel)
-        shifted.append(metrics.compare(emulate.kv8_split(q, kc, vc), ref).max_rel)
+        imma.append(metrics.compare(emulate.emulate("kv8-imma", q, kc, vc), ref).max_rel)
+        split.append(metrics.compare(emulate.emulate("kv8-split", q, kc, vc, fp16_shift=False), ref).max_rel)
+        shifted.append(metrics.compare(emulate.emulate("kv8-split", q, kc, vc), ref).max_rel)
     assert np.mean(imma) < 0.2 * np.mean(split)
     assert max(imma) <= 1e-5 and max(shifted) <= 1e-5 < max(split)
 
@@ -87,9 +92,9 @@ def test_int8_scores_are_the_exact_integer_products(rng):
     q, k, v = _inputs(rng, 1, 4, 2, 200, 300, 64)
     k = k + rng.standard_normal((1, 2, 1, 64), dtype=np.float32) * 5
     got = emulate.scores("i8-f8", q, k, v, block_n=64, block_m=128)
-    smoothed, _ = quant.smooth_k(k)
-    q8 = quant.quantize_int8(quant.fold_softmax_scale(q, 1 / 8), 128, operand="q")
-    k8 = quant.quantize_int8(smoothed, 64, operand="k")
+    smoothed, _ = i8quant.smooth_k(k)
+    q8 = i8quant.quantize_int8(quant.fold_softmax_scale(q, 1 / 8), 128, operand="q")
+    k8 = i8quant.quantize_int8(smoothed, 64, operand="k")
     k_codes = np.repeat(k8.codes.astype(np.int64), 2, axis=1)
     k_scale = np.repeat(k8.scale, 2, axis=1)
     exact = np.einsum("bhqd,bhkd->bhqk", q8.codes.astype(np.int64), k_codes)
@@ -100,7 +105,7 @@ def test_int8_scores_are_the_exact_integer_products(rng):
 def test_kv8_imma_scores_are_exact_integer_sums(rng):
     """kv8-imma's scores from int64 sums of the h, l, m bytes per 64-channel group, combined in fp32."""
     q, k, v = _inputs(rng, 1, 2, 1, 9, 70, 128)
-    kc = quant.quantize_kv_cache(k)
+    kc = kvquant.quantize_kv_cache(k)
     got = emulate.scores("kv8-imma", q, kc, kc, block_n=64)
     q2 = quant.fold_softmax_scale(q, 1 / math.sqrt(128))
     for g in range(2):
@@ -108,7 +113,7 @@ def test_kv8_imma_scores_are_exact_integer_sums(rng):
         s_q = (np.abs(qg).max(axis=(-2, -1), keepdims=True) / np.float32(127)).astype(np.float32)
         codes = kc.codes[..., 64 * g:64 * (g + 1)].astype(np.int64)
         h, l, m = (np.einsum("bhqd,bhkd->bhqk", part.astype(np.int64), np.repeat(codes, 2, axis=1))
-                   for part in quant.split3(qg / s_q))
+                   for part in kvquant.split3(qg / s_q))
         bias = 1.5 * 2 ** 23  # the kernel's start value of each part sum
         combined = (h * 65536.0 + l * 256.0 - bias).astype(np.float32) + (m + bias).astype(np.float32)
         unit = s_q / np.float32(65536)
@@ -124,7 +129,7 @@ def test_finer_int8_granularity_keeps_more_of_the_scores(rng):
     d = data.outliers_token(queries=256, ctx=1100, seed=int(rng.integers(1 << 30)))
     p_ref = softmax_rows(d["q"], d["k"])
     kl = {}
-    for g in quant.GRANULARITIES:
+    for g in i8quant.GRANULARITIES:
         s = emulate.scores("i8-f16", d["q"], d["k"], d["v"], q_granularity=g, k_granularity=g).astype(np.float64)
         p = np.exp2(s - s.max(axis=-1, keepdims=True))
         kl[g] = metrics.kl_rows(p_ref, p / p.sum(axis=-1, keepdims=True)).mean()
@@ -153,20 +158,23 @@ def test_32k_rows_on_one_head_are_fast(rng):
     assert time.perf_counter() - start < 30
 
 
-def test_one_function_per_recipe_and_output_types(rng):
+def test_every_recipe_has_its_familys_emulator_and_output_type(rng):
+    from qattn.formats.int8qk import emulate as int8qk_emulate
+
+    assert ALL == list(qattn.RECIPES)
+    assert emulate.emulator("i8-f8") is int8qk_emulate.EMULATORS["i8-f8"]
     q, k, v = _inputs(rng, 1, 2, 1, 5, 9, 16)
-    assert emulate.i8_f8 is emulate.EMULATORS["i8-f8"] and emulate.kv8_imma.__name__ == "kv8_imma"
-    assert emulate.f16(q, k, v).dtype == np.float16
-    assert emulate.bf16(q, k, v).dtype.name == "bfloat16"
-    assert emulate.kv8_split(q, k, v).dtype == np.float32
-    out = emulate.f32(q, k, v, scale=0.01)
+    assert emulate.emulate("f16", q, k, v).dtype == np.float16
+    assert emulate.emulate("bf16", q, k, v).dtype.name == "bfloat16"
+    assert emulate.emulate("kv8-split", q, k, v).dtype == np.float32
+    out = emulate.emulate("f32", q, k, v, scale=0.01)
     assert np.abs(out - emulate.reference("f32", q, k, v, scale=0.01)).max() < 1e-5
 
 
 def test_lse_adds_back_the_k_mean(rng):
     """K smoothing leaves the output alone, and the LSE gets q·K̄ back, even with a huge K bias."""
     d = data.bias(queries=33, ctx=300, head_dim=64, seed=int(rng.integers(1 << 30)))
-    out, lse = emulate.i8_f16(d["q"], d["k"], d["v"], return_lse=True)
+    out, lse = emulate.emulate("i8-f16", d["q"], d["k"], d["v"], return_lse=True)
     ref, ref_lse = emulate.reference("i8-f16", d["q"], d["k"], d["v"], return_lse=True)
     assert metrics.compare(out, ref).rel_l2 < 3e-2
     assert np.abs(lse - ref_lse).max() < 5e-3 * np.abs(ref_lse).max()
@@ -174,10 +182,10 @@ def test_lse_adds_back_the_k_mean(rng):
 
 def test_kv8_accepts_caches_pairs_and_floats(rng):
     q, k, v = _inputs(rng, 1, 2, 2, 6, 40, 32)
-    kc, vc = quant.quantize_kv_cache(k), quant.quantize_kv_cache(v)
-    a = emulate.kv8_imma(q, kc, vc)
-    assert np.array_equal(a, emulate.kv8_imma(q, (kc.codes, kc.scales), (vc.codes, vc.scales)))
-    assert np.array_equal(a, emulate.kv8_imma(q, k, v))  # floats are written into a cache first
+    kc, vc = kvquant.quantize_kv_cache(k), kvquant.quantize_kv_cache(v)
+    a = emulate.emulate("kv8-imma", q, kc, vc)
+    assert np.array_equal(a, emulate.emulate("kv8-imma", q, (kc.codes, kc.scales), (vc.codes, vc.scales)))
+    assert np.array_equal(a, emulate.emulate("kv8-imma", q, k, v))  # floats are written into a cache first
 
 
 @pytest.mark.parametrize("call, field", [

@@ -1,7 +1,7 @@
 """int8-QK kernels (i8-f16, i8-i8, i8-f8) on the GPU: each against its CPU emulator (what the
 kernel must compute, rel_l2 <= 1e-3) and against FP64 (the recipe's tolerance); tails, GQA,
 causal Lq != Lk, fp16 and bf16, strided BSHD views, LSE with q·K̄ restored, NaN-poisoned outputs,
-64-bit offsets, the separate quantization steps (codes checked exactly against qattn.runtime.quant)
+64-bit offsets, the separate quantization steps (codes checked exactly against qattn.check.quant)
 and argument errors.
 
 Run the first GPU check in this order (each isolates one layer): test_quantization_steps_match_quant
@@ -11,10 +11,14 @@ import numpy as np
 import pytest
 
 import qattn
-from qattn.codegen.fragments import pv_key_slot
-from qattn.codegen.recipes import recipe
-from qattn.runtime import emulate, metrics, quant, reference
-from qattn.runtime.arrays import numpy_dtype
+from qattn.formats.int8qk.fragments import pv_key_slot
+from qattn.engine.registry import recipe
+from qattn.check import emulate
+from qattn.check import metrics
+from qattn.check import quant
+from qattn.formats.int8qk import quant as i8quant
+from qattn.check import reference
+from qattn.engine.arrays import numpy_dtype
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +37,7 @@ F32 = np.float32
 
 
 def _skip_unsupported(fmt):
-    from qattn.codegen.spec import device_arch
+    from qattn.engine.spec import device_arch
 
     if device_arch() not in recipe(fmt).family("cuda").archs:
         pytest.skip(f"{fmt} needs one of {recipe(fmt).family('cuda').archs}")
@@ -57,7 +61,7 @@ def _inputs(rng, dtype, b, hq, hkv, lq, lk, d, k_bias=True):
 
 
 def _f32(x):
-    from qattn.runtime.reference import to_numpy
+    from qattn.check.reference import to_numpy
 
     return np.asarray(to_numpy(x)).astype(F32)
 
@@ -66,8 +70,8 @@ def _check(fmt, out, host, *, causal, scale=None, lse=None, options=None):
     """out against the emulator under the kernel's scale options (int8.emulator_options; default: the
     default kernel's; rounded to out's dtype, as the kernel rounds its fp32 result) and FP64."""
     if options is None:
-        from qattn.runtime import int8
-        from qattn.runtime.api import default_spec
+        from qattn.formats.int8qk import host as int8
+        from qattn.api import default_spec
 
         options = int8.emulator_options(default_spec(fmt, host[0].shape[-1], causal=causal))
     out32 = _f32(out)
@@ -179,7 +183,7 @@ def test_output_independent_of_lse_and_steps(fmt, dtype, head_dim, causal):
     quantize + attention_quantized give the same output bits: strided Q, GQA, a query tail whose
     128-row Q scale block ends past Lq."""
     import cupy
-    from qattn.runtime import int8
+    from qattn.formats.int8qk import host as int8
 
     _skip_unsupported(fmt)
     rng = np.random.default_rng(21)
@@ -209,14 +213,14 @@ def _unpermute_vt(vt, lk):
 def _quant_k(k_smooth, spec):
     """quant's K codes for the kernel of spec, and its K scales as the kernel stores them:
     [B, H, blocks·groups], each block's groups in order (a group absent from a short last block: 0)."""
-    from qattn.runtime import int8
+    from qattn.formats.int8qk import host as int8
 
     opts = int8.emulator_options(spec)
     bn, groups = opts["block_n"], int8.k_scale_groups(spec)
-    k8 = quant.quantize_int8(k_smooth, bn, granularity=opts["k_granularity"], operand="k")
+    k8 = i8quant.quantize_int8(k_smooth, bn, granularity=opts["k_granularity"], operand="k")
     lk = k_smooth.shape[-2]
     pad = -(-lk // bn) * bn - lk  # zero keys leave every group's absmax alone
-    padded = quant.quantize_int8(np.pad(k_smooth, [(0, 0)] * (k_smooth.ndim - 2) + [(0, pad), (0, 0)]), bn,
+    padded = i8quant.quantize_int8(np.pad(k_smooth, [(0, 0)] * (k_smooth.ndim - 2) + [(0, pad), (0, 0)]), bn,
                                  granularity=opts["k_granularity"], operand="k")
     first = np.arange(0, lk + pad, bn)[:, None] + 2 * np.arange(groups)[None, :]  # a key of each group
     return k8, padded.scale[..., first.ravel(), 0]
@@ -224,18 +228,18 @@ def _quant_k(k_smooth, spec):
 
 def _quant_q(q2, spec):
     """quant's Q codes for the kernel of spec and its Q scales as stored [B, H, ceil(Lq / rows)]."""
-    from qattn.runtime import int8
+    from qattn.formats.int8qk import host as int8
 
     rows = int8.scale_blocks(spec)[0]
-    q8 = quant.quantize_int8(q2, rows, operand="q")
+    q8 = i8quant.quantize_int8(q2, rows, operand="q")
     return q8, q8.scale[..., ::rows, 0]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_quantization_steps_match_quant(fmt, dtype):
-    """The quantization kernels alone, against qattn.runtime.quant (what the emulator uses)."""
-    from qattn.runtime import int8
+    """The quantization kernels alone, against qattn.check.quant (what the emulator uses)."""
+    from qattn.formats.int8qk import host as int8
 
     _skip_unsupported(fmt)
     rng = np.random.default_rng(11)
@@ -248,7 +252,7 @@ def test_quantization_steps_match_quant(fmt, dtype):
     keys = int8.scale_blocks(spec)[1]  # 64, or 128 on the sm_90a wgmma kernel
     assert qkv.dims == (b, hq, hkv, lq, lk, d) and qkv.emulator_options() == int8.emulator_options(spec)
     # K mean and K codes (scales per block of keys, or per group of a block's keys)
-    k_smooth, k_mean = quant.smooth_k(k32)
+    k_smooth, k_mean = i8quant.smooth_k(k32)
     np.testing.assert_allclose(qkv.k_mean.get(), k_mean[..., 0, :], rtol=1e-6, atol=1e-7)
     k8, k_scales = _quant_k(k_smooth, spec)
     got_k8 = qkv.k8_rows().get()
@@ -268,7 +272,7 @@ def test_quantization_steps_match_quant(fmt, dtype):
         assert qkv.v.dtype == np.float16 and qkv.v_scale is None
         np.testing.assert_array_equal(qkv.v.get(), v32.astype(np.float16))
     else:
-        vq = quant.quantize_v_int8(v32) if pv == "i8" else quant.quantize_v_e4m3(v32)
+        vq = i8quant.quantize_v_int8(v32) if pv == "i8" else i8quant.quantize_v_e4m3(v32)
         if _default_spec(fmt).family.values["pv_operand"] == "f16":
             # e4m3 carried in fp16 (Hopper): rows of the codes' values, not transposed
             assert qkv.v.shape == (b, hkv, lk, d) and qkv.v.dtype == np.float16
@@ -287,7 +291,7 @@ def test_quantization_steps_match_quant(fmt, dtype):
 
 
 def _default_spec(fmt):
-    from qattn.runtime.api import default_spec
+    from qattn.api import default_spec
 
     return default_spec(fmt, 128)
 
@@ -295,7 +299,7 @@ def _default_spec(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_separate_steps(fmt):
     """quantize once, attend many times; new queries against the same quantized K/V."""
-    from qattn.runtime import int8
+    from qattn.formats.int8qk import host as int8
 
     _skip_unsupported(fmt)
     rng = np.random.default_rng(12)
@@ -394,7 +398,7 @@ def test_offsets_past_2_to_31(fmt):
 def test_bad_inputs_raise_clear_errors():
     import cupy
 
-    from qattn.runtime import int8
+    from qattn.formats.int8qk import host as int8
 
     q = cupy.ones((1, 2, 16, 64), dtype=cupy.float16) * 0.5
     with pytest.raises(TypeError, match="q: format 'i8-i8' takes float16 or bfloat16"):
@@ -428,7 +432,7 @@ def test_constant_inputs_give_finite_output():
     """All-equal keys (K − K̄ = 0: s_K = 0) and all-zero queries (s_Q = 0): zero scores, uniform p."""
     import cupy
 
-    from qattn.codegen.spec import device_arch
+    from qattn.engine.spec import device_arch
 
     for fmt in FORMATS:
         if device_arch() not in recipe(fmt).family("cuda").archs:
@@ -496,7 +500,7 @@ def _gpu_attend(fmt, host, causal, smooth_k):
     import cupy
 
     q, k, v = (cupy.asarray(x) for x in host)
-    from qattn.runtime import int8
+    from qattn.formats.int8qk import host as int8
 
     spec = qattn.build("prefill", format=fmt, head_dim=q.shape[-1], causal=causal).spec  # what attention runs
     out = _poisoned(q)
@@ -525,7 +529,7 @@ def test_quantize_without_smoothing(fmt):
     is 0, Q and V are as with smoothing; attention(smooth_k=...) runs the same operands."""
     import cupy
 
-    from qattn.runtime import int8
+    from qattn.formats.int8qk import host as int8
 
     _skip_unsupported(fmt)
     rng = np.random.default_rng(13)
@@ -569,7 +573,7 @@ def test_quantize_without_smoothing(fmt):
 def test_fused_quantization_is_exact(fmt, dtype, d, lk):
     """K̄ equals the fp64 mean rounded to fp32 (exact sums of these inputs), so K codes and every scale
     match quant bit for bit; V^T / V rows and Q too; two calls give identical bytes (no atomics)."""
-    from qattn.runtime import int8
+    from qattn.formats.int8qk import host as int8
 
     _skip_unsupported(fmt)
     rng = np.random.default_rng(lk + d)
@@ -582,7 +586,7 @@ def test_fused_quantization_is_exact(fmt, dtype, d, lk):
         a, b2 = getattr(qkv, name), getattr(again, name)
         assert (a is None) == (b2 is None) and (a is None or bytes(a.get().data) == bytes(b2.get().data)), name
     q32, k32, v32 = (np.asarray(x, F32) for x in host)
-    k_smooth, k_mean = quant.smooth_k(k32)
+    k_smooth, k_mean = i8quant.smooth_k(k32)
     np.testing.assert_array_equal(qkv.k_mean.get(), k_mean[..., 0, :])
     k8, k_scales = _quant_k(k_smooth, kernel.spec)
     np.testing.assert_array_equal(qkv.k8_rows().get(), k8.codes)
@@ -594,7 +598,7 @@ def test_fused_quantization_is_exact(fmt, dtype, d, lk):
     if pv == "f16":
         np.testing.assert_array_equal(qkv.v.get(), v32.astype(np.float16))
         return
-    vq = quant.quantize_v_int8(v32) if pv == "i8" else quant.quantize_v_e4m3(v32)
+    vq = i8quant.quantize_v_int8(v32) if pv == "i8" else i8quant.quantize_v_e4m3(v32)
     if kernel.spec.family.values["pv_operand"] == "f16":
         np.testing.assert_array_equal(qkv.v.get(), vq.codes.astype(F32).astype(np.float16))
     else:
@@ -613,7 +617,7 @@ def test_accuracy_records_match_a_direct_fp64_check():
     import cupy
 
     from qattn import data
-    from qattn.runtime.bench import accuracy_against_fp64
+    from qattn.bench.prefill import accuracy_against_fp64
 
     _skip_unsupported("i8-f8")
     records = accuracy_against_fp64(("outliers",), (700, 1500), ("i8-f8",), peers=(), max_queries=1000)

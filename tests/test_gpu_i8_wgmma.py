@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 import qattn
-from qattn.runtime import emulate
+from qattn.check import emulate
 from test_gpu_i8 import F32, SHAPES, _check, _f32, _inputs, _poisoned
 
 pytestmark = pytest.mark.gpu
 
 
 def _kernel(head_dim, causal, tile=None):
-    from qattn.codegen.spec import device_arch
+    from qattn.engine.spec import device_arch
 
     if device_arch() != "sm_90a":
         pytest.skip("wgmma needs sm_90a")
@@ -26,7 +26,7 @@ def _kernel(head_dim, causal, tile=None):
 def _options(kernel):
     """The emulator's options for the kernel: one Q scale per row, the tile's keys per K scale block
     and softmax step, four K scale groups per block."""
-    from qattn.runtime import int8
+    from qattn.formats.int8qk import host as int8
 
     options = int8.emulator_options(kernel.spec)
     assert options == {"block_m": 1, "block_n": kernel.spec.tile.block_n, "k_granularity": "thread"}
@@ -70,7 +70,7 @@ def test_bf16_lse_and_strided_output(causal):
 def test_other_tiles(head_dim, tile, causal):
     """Two warpgroups of 64 rows, 64- and 128-key blocks, deeper rings: 128 query rows per Q scale
     whatever the tile, the tile's keys per K scale and softmax step."""
-    from qattn.codegen.tile import Tile
+    from qattn.engine.tile import Tile
 
     kernel = _kernel(head_dim, causal, Tile(*tile))
     rng = np.random.default_rng(23)
@@ -88,7 +88,7 @@ def test_block_rows_do_not_change_the_output_bits(head_dim, causal, lq, lk):
     last block holds rows past Lq, whole warpgroups of them at all but 1100) gives the bits of
     64-row blocks: each warpgroup takes the Q scale of its own rows and every row visits the same
     key tiles in the same order, the masked ones adding nothing."""
-    from qattn.codegen.tile import Tile
+    from qattn.engine.tile import Tile
 
     rng = np.random.default_rng(hash(("rows", head_dim, causal, lq, lk)) % 2**32)
     host, (q, k, v) = _inputs(rng, "float16", 1, 8, 2, lq, lk, head_dim)

@@ -3,7 +3,7 @@ each kernel against FP64 on the dequantized cache and against its CPU emulator (
 outlier data, tails, GQA 1/4, causal Lq != Lk, d64/d128, NaN-poisoned outputs), LSE, the split
 over keys of kv8-split and kv8-imma (forced and automatic, against FP64 and the plain kernel), the
 format dispatch (per-arch default, QATTN_PREFILL_KV8, format=), byte-identical reruns, the cache
-writer (exact against quant.quantize_kv_cache, the scale/2 bound, appends at an offset) and
+writer (exact against kvquant.quantize_kv_cache, the scale/2 bound, appends at an offset) and
 argument errors. Run on the device machine: pytest -m gpu tests/test_gpu_kv8.py."""
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 
 import qattn
-from qattn.runtime import emulate, metrics, quant, reference
+from qattn.check import emulate
+from qattn.check import metrics
+from qattn.formats.kv8 import quant as kvquant
+from qattn.check import reference
 
 pytestmark = pytest.mark.gpu
 
@@ -216,7 +219,7 @@ def test_auto_splits_on_this_gpu():
     half the slots does not, and there the automatic launch is the plain kernel, byte for byte."""
     import cupy
 
-    from qattn.runtime import kv8
+    from qattn.formats.kv8 import host as kv8
 
     for fmt in SPLIT_FORMATS:
         kernel = _kv8_kernel(fmt, 128, False)
@@ -247,7 +250,7 @@ def test_bad_splits_raise():
             _kv8_kernel("kv8-imma", 64, False)(qd, cache, splits=bad)
     with pytest.raises(ValueError, match="splits: kv8-f32"):
         _kv8_kernel("kv8-f32", 64, False)(qd, cache, splits=2)
-    from qattn.runtime.kv8 import attention_kv8
+    from qattn.formats.kv8.host import attention_kv8
 
     with pytest.raises(ValueError, match="splits: expected"):
         attention_kv8(qd, cache, format="kv8-split", splits=-2)
@@ -258,7 +261,7 @@ def test_bad_splits_raise():
 def test_default_is_imma_and_byte_identical_run_to_run(monkeypatch):
     import cupy
 
-    from qattn.runtime import kv8
+    from qattn.formats.kv8 import host as kv8
 
     monkeypatch.delenv(kv8.ENV_VAR, raising=False)
     rng = np.random.default_rng(5)
@@ -281,7 +284,7 @@ def test_default_is_imma_and_byte_identical_run_to_run(monkeypatch):
 def test_env_var_picks_the_format(monkeypatch, value, fmt):
     import cupy
 
-    from qattn.runtime import kv8
+    from qattn.formats.kv8 import host as kv8
 
     rng = np.random.default_rng(6)
     q, k, v = _data(rng, 1, 4, 4, 65, 300, 64)
@@ -347,21 +350,21 @@ def test_strided_queries_and_output():
 def test_writer_is_exact_and_within_half_a_step(dtype, head_dim):
     import cupy
 
-    from qattn.runtime.arrays import numpy_dtype
+    from qattn.engine.arrays import numpy_dtype
 
     rng = np.random.default_rng(12)
     x = (rng.standard_normal((2, 3, 257, head_dim)) * rng.uniform(0.01, 50, (2, 3, 257, 1))).astype(np.float32)
     x[0, 0, 5] = 0  # a zero row: scale 0, codes 0
     x = x.astype(numpy_dtype(dtype))
     cache = qattn.KVCacheInt8.from_kv(cupy.asarray(x), cupy.asarray(x[..., ::-1].copy()))
-    want = quant.quantize_kv_cache(x.astype(np.float32))
+    want = kvquant.quantize_kv_cache(x.astype(np.float32))
     np.testing.assert_array_equal(cache.k_codes.get(), want.codes)
     np.testing.assert_array_equal(cache.k_scales.get().view(np.uint32), want.scales.view(np.uint32))
     assert cache.length == 257 and cache.k_scales.get()[0, 0, 5] == 0
     deq_k, _ = cache.dequantize()
     err = np.abs(x.astype(np.float64) - deq_k.get())
     # Half a step, plus the fp32 quotient x/scale's rounding (up to 127 * 2^-23 code units) that
-    # can move a near-tie to the other side: the same codes as quant.quantize_kv_cache (above).
+    # can move a near-tie to the other side: the same codes as kvquant.quantize_kv_cache (above).
     assert np.all(err <= (0.5 + 127 * 2.0 ** -23) * want.scales.astype(np.float64)[..., None])
     host_k, _ = cache.host()
     np.testing.assert_array_equal(host_k.codes, want.codes)
@@ -381,7 +384,7 @@ def test_append_and_overwrite_at_an_offset():
     assert cache.append(cupy.asarray(k[:, :, 100:101]), cupy.asarray(v[:, :, 100:101])) == 100
     assert cache.append(cupy.asarray(k[:, :, 101:108]), cupy.asarray(v[:, :, 101:108])) == 101
     assert cache.length == 108 and cache.shape == (1, 2, 108, 64)
-    want_k, want_v = quant.quantize_kv_cache(k[:, :, :108]), quant.quantize_kv_cache(v[:, :, :108])
+    want_k, want_v = kvquant.quantize_kv_cache(k[:, :, :108]), kvquant.quantize_kv_cache(v[:, :, :108])
     host_k, host_v = cache.host()
     np.testing.assert_array_equal(host_k.codes, want_k.codes)
     np.testing.assert_array_equal(host_v.scales, want_v.scales)
@@ -392,8 +395,8 @@ def test_append_and_overwrite_at_an_offset():
     cache.write(cupy.asarray(k2), cupy.asarray(k2), 100)
     assert cache.length == 170
     host_k, _ = cache.host()
-    np.testing.assert_array_equal(host_k.codes[:, :, 50:58], quant.quantize_kv_cache(k2[:, :, :8]).codes)
-    np.testing.assert_array_equal(host_k.codes[:, :, 100:170], quant.quantize_kv_cache(k2).codes)
+    np.testing.assert_array_equal(host_k.codes[:, :, 50:58], kvquant.quantize_kv_cache(k2[:, :, :8]).codes)
+    np.testing.assert_array_equal(host_k.codes[:, :, 100:170], kvquant.quantize_kv_cache(k2).codes)
     np.testing.assert_array_equal(host_k.codes[:, :, 58:100], want_k.codes[:, :, 58:100])
     # attention sees exactly the first `length` tokens
     q = rng.standard_normal((1, 4, 30, 64)).astype(np.float32)
@@ -405,7 +408,7 @@ def test_append_and_overwrite_at_an_offset():
     view = packed.transpose(0, 2, 1, 3)
     cache.append(view, view)
     host_k, _ = cache.host()
-    np.testing.assert_array_equal(host_k.codes[:, :, 170:175], quant.quantize_kv_cache(view.get().astype(np.float32)).codes)
+    np.testing.assert_array_equal(host_k.codes[:, :, 170:175], kvquant.quantize_kv_cache(view.get().astype(np.float32)).codes)
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -455,8 +458,8 @@ def test_tuned_and_listed_tiles_give_the_default_tiles_bits():
     two-slot default tile's, short and long calls, causal or not."""
     import cupy
 
-    from qattn.codegen import kv8_families
-    from qattn.runtime import kv8
+    from qattn.formats.kv8 import recipes as kv8_families
+    from qattn.formats.kv8 import host as kv8
 
     rng = np.random.default_rng(11)
     for lq in (45, kv8_families.LONG_QUERIES + 45):
@@ -485,7 +488,7 @@ def test_wgmma_kernel_gives_the_mma_sync_kernels_bits(tile):
     causal with Lq != Lk, d64 and d128; NaN-poisoned outputs)."""
     import cupy
 
-    from qattn.codegen.spec import device_arch
+    from qattn.engine.spec import device_arch
 
     if device_arch() != "sm_90a":
         pytest.skip("the wgmma kernel needs sm_90a")

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import qattn
-from qattn.runtime import metrics, reference
-from qattn.runtime.arrays import numpy_dtype
+from qattn.check import metrics
+from qattn.check import reference
+from qattn.engine.arrays import numpy_dtype
 
 pytestmark = pytest.mark.gpu
 
@@ -134,7 +135,7 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
 
     import cupy
 
-    from qattn.codegen.recipes import RECIPES
+    from qattn.engine.registry import RECIPES
 
     q = cupy.ones((1, 2, 16, 64), dtype=cupy.float16) * 0.5
     with pytest.raises(TypeError, match="q: format 'f16' takes float16"):
@@ -174,7 +175,7 @@ def test_output_written_everywhere_and_deterministic():
 def test_attention_looks_its_kernel_up_and_still_checks_its_arguments():
     import cupy
 
-    from qattn.runtime import api
+    from qattn import api
 
     rng = np.random.default_rng()
     q = cupy.asarray(rng.standard_normal((1, 2, 77, 64)).astype(np.float16))

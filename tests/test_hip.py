@@ -5,11 +5,11 @@ import re
 
 import pytest
 
-from qattn.codegen.recipes import RECIPES
-from qattn.codegen.render import entry_name, render
-from qattn.codegen.spec import KernelSpec
-from qattn.codegen.tile import Tile
-from qattn.runtime.compile import CompileError, compile_hip_offline, disassemble, find_tool
+from qattn.engine.registry import RECIPES
+from qattn.engine.render import entry_name, render
+from qattn.engine.spec import KernelSpec
+from qattn.engine.tile import Tile
+from qattn.engine.compile import CompileError, compile_hip_offline, disassemble, find_tool
 
 pytestmark = pytest.mark.skipif(find_tool("clang++-19", "clang++-20", "clang++") is None,
                                 reason="offline HIP compiles need clang-19 (.ci/run installs it)")

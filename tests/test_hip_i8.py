@@ -10,12 +10,13 @@ import re
 import numpy as np
 import pytest
 
-from qattn.codegen.recipes import HIP_ARCHS, RECIPES, SMEM_LIMIT
-from qattn.codegen.render import entry_name, render
-from qattn.codegen.spec import KernelSpec
-from qattn.runtime import int8
-from qattn.codegen.tile import Tile
-from qattn.runtime.compile import CompileError, compile_hip_offline, disassemble, find_tool
+from qattn.engine.family import HIP_ARCHS, SMEM_LIMIT
+from qattn.engine.registry import RECIPES
+from qattn.engine.render import entry_name, render
+from qattn.engine.spec import KernelSpec
+from qattn.formats.int8qk import host as int8
+from qattn.engine.tile import Tile
+from qattn.engine.compile import CompileError, compile_hip_offline, disassemble, find_tool
 
 pytestmark = pytest.mark.skipif(find_tool("clang++-19", "clang++-20", "clang++") is None,
                                 reason="offline HIP compiles need clang-19 (.ci/run installs it)")
@@ -165,8 +166,8 @@ def test_compile_error_names_spec_and_lines():
 
 
 def test_builds_offline_and_running_needs_rocm(tmp_path, monkeypatch):
-    from qattn.runtime.cache import KernelCache
-    from qattn.runtime.kernel import build_kernel
+    from qattn.engine.cache import KernelCache
+    from qattn.engine.kernel import build_kernel
 
     monkeypatch.setenv("QATTN_CACHE_DIR", str(tmp_path))
     spec = KernelSpec("prefill", "i8-i8", 64, None, False, "hip", "gfx942")

@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 from conftest import check_grid_dependency, check_spills, entry_ptx
 
-from qattn.codegen.fragments import pv_key_slot, pv_slot_key
-from qattn.codegen.recipes import RECIPES, SMEM_LIMIT
-from qattn.codegen.render import entry_name, main_entry_name, render
-from qattn.codegen.spec import KernelSpec
-from qattn.runtime import int8, packed
-from qattn.runtime.compile import compile_cuda, entry_resources, parse_ptxas
+from qattn.formats.int8qk.fragments import pv_key_slot, pv_slot_key
+from qattn.engine.registry import RECIPES
+from qattn.engine.family import SMEM_LIMIT
+from qattn.engine.render import entry_name, main_entry_name, render
+from qattn.engine.spec import KernelSpec
+from qattn.formats.int8qk import host as int8
+from qattn.engine import packed
+from qattn.engine.compile import compile_cuda, entry_resources, parse_ptxas
 
 I8_FORMATS = ("i8-f16", "i8-i8", "i8-f8")
 ARCHS = {"i8-f16": ("sm_80", "sm_90a"), "i8-i8": ("sm_80", "sm_90a"), "i8-f8": ("sm_89", "sm_90a", "sm_120")}
@@ -63,7 +65,7 @@ def test_hopper_carries_e4m3_in_fp16():
     """i8-f8 on mma.sync on sm_90/sm_90a builds the fp16-carrier variant (V as fp16 rows of e4m3
     values, fp16 PV MMAs; sm_90a's default is the wgmma kernel, with e4m3 PV); every other arch and
     format keeps its own PV operand."""
-    from qattn.codegen.recipes import E4M3_IN_F16_ARCHS
+    from qattn.formats.int8qk.recipes import E4M3_IN_F16_ARCHS
 
     assert set(E4M3_IN_F16_ARCHS) == {"sm_90", "sm_90a"}
     for arch in ("sm_89", "sm_90", "sm_90a", "sm_120"):
@@ -76,21 +78,21 @@ def test_hopper_carries_e4m3_in_fp16():
         assert KernelSpec(recipe=f, head_dim=128, arch="sm_90a").family is RECIPES[f].family("cuda")
     carrier = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="mma.sync").family
     f16 = RECIPES["i8-f16"].family("cuda")
-    from qattn.codegen.tile import Tile
+    from qattn.engine.tile import Tile
 
     t = Tile(128, 64, 4, 2)
     assert carrier.smem_bytes(t, 128) == f16.smem_bytes(t, 128)  # fp16 V rows, like i8-f16
 
 
 def test_launcher_registered():
-    from qattn.runtime.launch import LAUNCHERS
+    from qattn.engine.registry import LAUNCHERS
 
-    assert "prefill_i8" in LAUNCHERS and "prefill" in LAUNCHERS
+    assert LAUNCHERS["prefill_i8"] is int8.prefill_i8 and "prefill" in LAUNCHERS
     assert callable(int8.quantize) and callable(int8.attention_quantized) and callable(int8.prefill_i8)
 
 
 def test_smem_covers_loop_and_epilogue():
-    from qattn.codegen.tile import Tile
+    from qattn.engine.tile import Tile
 
     fam = RECIPES["i8-i8"].family("cuda")
     t = Tile(128, 64, 8, 2)
@@ -199,9 +201,9 @@ def test_vt_slot_is_the_inverse_of_the_packing_order():
     assert sorted(pv_slot_key(s) for s in range(16)) == list(range(16))
     for s in range(16):
         assert _vt_slot(pv_slot_key(s)) == s == pv_key_slot(pv_slot_key(s))
-    from qattn.codegen.render import TEMPLATE_DIR
+    from qattn.engine.render import template_path
 
-    text = (TEMPLATE_DIR / "cuda" / "quantize_i8.cuh.j2").read_text()
+    text = template_path("cuda/quantize_i8.cuh.j2").read_text()
     assert "return 4 * ((k & 7) >> 1) + (k & 1) + 2 * (k >> 3);" in text
 
 
@@ -304,9 +306,9 @@ def test_vt_tile_writes_without_bank_conflicts(bn, d):
     """quant_v_body's smem V^T tile: vt_tile_row permutes each channel octet, and every word store of
     a warp (lanes = consecutive (octet, slot quad) items, one store per channel of the octet) hits 32
     distinct banks; the 16-byte reads of a quarter warp hit 32 distinct banks too."""
-    from qattn.codegen.render import TEMPLATE_DIR
+    from qattn.engine.render import template_path
 
-    text = (TEMPLATE_DIR / "cuda" / "quantize_i8.cuh.j2").read_text()
+    text = template_path("cuda/quantize_i8.cuh.j2").read_text()
     assert "return c ^ ((c >> 3) & (VT_ROWS_PER_LINE - 1));" in text
     words = bn // 4
     assert sorted(_vt_tile_row(c, bn) for c in range(d)) == list(range(d))

@@ -4,8 +4,7 @@ and the split of nonnegative weights by one fp32 addition (split3_pack4_nonneg);
 of the fused multiply-add the kernel accumulates with."""
 import numpy as np
 
-from qattn.runtime import quant
-
+from qattn.formats.kv8 import quant as kvquant
 F32 = np.float32
 BIAS = 0x4B400000  # QATTN_MAGIC_BITS: the bits of 1.5·2^23
 BIAS_F = F32(12582912.0)
@@ -18,7 +17,7 @@ def _fma(a, b, c):
 
 
 def test_biased_combine3_equals_the_emulator_order():
-    from qattn.runtime.emulate import _combine3
+    from qattn.formats.kv8.emulate import _combine3
 
     rng = np.random.default_rng(1)
     n = 200_000
@@ -46,8 +45,8 @@ def test_nonneg_split_by_fp32_addition_equals_split3():
         rng.integers(0, 127 * 65536, 50_000) / 65536 + 0.5 / 65536,  # exact ties: rint rounds half to even
         np.array([0.0, 127.0, 127.00001, 126.999, 1e-30, 2.0 ** -17, 3 * 2.0 ** -17]),
     ]).astype(F32)
-    h, l, m = quant.split3(x)
-    y = (np.minimum(x * F32(65536), F32(quant.SPLIT_MAX)) + F32(8421376)).view(np.uint32)  # X = x·65536 given
+    h, l, m = kvquant.split3(x)
+    y = (np.minimum(x * F32(65536), F32(kvquant.SPLIT_MAX)) + F32(8421376)).view(np.uint32)  # X = x·65536 given
     assert np.array_equal((y & 0xFF).astype(np.uint8), m)
     assert np.array_equal((((y >> 8) & 0xFF) ^ 0x80).astype(np.uint8).view(np.int8), l)
     assert np.array_equal(((y >> 16) & 0xFF).astype(np.uint8).view(np.int8), h)
@@ -56,7 +55,7 @@ def test_nonneg_split_by_fp32_addition_equals_split3():
 def test_fma32_rounds_once():
     from fractions import Fraction
 
-    from qattn.runtime.emulate import _fma32
+    from qattn.formats.kv8.emulate import _fma32
 
     rng = np.random.default_rng(3)
     n = 4000

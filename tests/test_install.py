@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from qattn.codegen.spec import KernelSpec
+from qattn.engine.spec import KernelSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -81,11 +81,11 @@ _CHECK = textwrap.dedent("""
     import json, sys
     from pathlib import Path
     import qattn
-    from qattn.codegen import render as render_mod
-    from qattn.codegen.recipes import RECIPES
-    from qattn.codegen.render import entry_name, render
-    from qattn.codegen.spec import KernelSpec
-    from qattn.runtime.compile import compile_cuda
+    from qattn.engine import registry
+    from qattn.engine.registry import RECIPES
+    from qattn.engine.render import entry_name, render
+    from qattn.engine.spec import KernelSpec
+    from qattn.engine.compile import compile_cuda
 
     rendered = {}
     for name, rec in RECIPES.items():
@@ -100,8 +100,9 @@ _CHECK = textwrap.dedent("""
         "file": qattn.__file__,
         "modules": sorted(m.__file__ for n, m in sys.modules.items()
                           if n.split(".")[0] == "qattn" and getattr(m, "__file__", None)),
-        "templates": str(render_mod.TEMPLATE_DIR),
-        "shipped": sorted(str(p.relative_to(render_mod.TEMPLATE_DIR)) for p in render_mod.TEMPLATE_DIR.rglob("*.j2")),
+        "templates": [str(d) for d in registry.template_dirs()],
+        "shipped": sorted(str(p.relative_to(Path(qattn.__file__).parent))
+                          for p in Path(qattn.__file__).parent.rglob("*.j2")),
         "rendered": rendered,
         "compiled": spec.name,
         "elf": binary.data[:4] == b"\\x7fELF",
@@ -117,11 +118,12 @@ def test_installed_package_renders_and_compiles(installed):
     assert Path(report["file"]).resolve().is_relative_to(venv), report["file"]
     outside = [f for f in report["modules"] if not Path(f).resolve().is_relative_to(venv)]
     assert not outside, f"imported from outside the venv: {outside}"
-    assert Path(report["templates"]).resolve().is_relative_to(venv)
-    shipped = {str(p.relative_to(ROOT / "qattn" / "templates")) for p in (ROOT / "qattn" / "templates").rglob("*.j2")}
+    assert len(report["templates"]) == 4  # the shared device code and one folder per family
+    assert all(Path(d).resolve().is_relative_to(venv) for d in report["templates"])
+    shipped = {str(p.relative_to(ROOT / "qattn")) for p in (ROOT / "qattn").rglob("*.j2")}
     assert set(report["shipped"]) == shipped, "templates missing from the install (setup.cfg package_data)"
     # Every recipe/backend pair with a kernel rendered: f16 on both backends at least.
-    from qattn.codegen.recipes import RECIPES
+    from qattn.engine.registry import RECIPES
     assert set(report["rendered"]) == {f"{n}/{b}" for n, r in RECIPES.items() for b in r.families}
     assert {"f16/cuda", "f16/hip"} <= set(report["rendered"])
     assert report["compiled"] == KernelSpec(recipe="f16", head_dim=64, arch="sm_90a").name

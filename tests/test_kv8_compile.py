@@ -14,18 +14,22 @@ import numpy as np
 import pytest
 from conftest import check_grid_dependency
 
-from qattn.codegen import kv8_families
-from qattn.codegen.fragments import pv_slot_key
-from qattn.codegen.recipes import RECIPES, SMEM_LIMIT, tile_pitch
-from qattn.codegen.render import entry_name, main_entry_name, render
-from qattn.codegen.spec import KernelSpec
-from qattn.codegen.tile import Tile
-from qattn.runtime import packed, quant
-from qattn.runtime.compile import compile_cuda, disassemble, entry_resources
-from qattn.runtime.inspect import warpgroup_mmas
-from qattn.runtime.emulate import IMMA_GROUP
+from qattn.formats.kv8 import recipes as kv8_families
+from qattn.formats.int8qk.fragments import pv_slot_key
+from qattn.engine import registry
+from qattn.engine.registry import RECIPES
+from qattn.engine.family import SMEM_LIMIT
+from qattn.engine.tiling import tile_pitch
+from qattn.engine.render import entry_name, main_entry_name, render
+from qattn.engine.spec import KernelSpec
+from qattn.engine.tile import Tile
+from qattn.engine import packed
+from qattn.check import quant
+from qattn.formats.kv8 import quant as kvquant
+from qattn.engine.compile import compile_cuda, disassemble, entry_resources
+from qattn.engine.inspect import warpgroup_mmas
+from qattn.formats.kv8.emulate import IMMA_GROUP
 
-kv8_families.register(RECIPES)  # idempotent (recipes.py registers them on import)
 
 FORMATS = ("kv8-f32", "kv8-split", "kv8-imma")
 SPECS = [KernelSpec(recipe=f, head_dim=d, causal=c, arch=a)
@@ -75,10 +79,8 @@ def test_families_registered_on_the_kv8_recipes():
 
 
 def test_launcher_registered():
-    from qattn.runtime import kv8
-    from qattn.runtime.launch import LAUNCHERS
-
-    assert kv8_families.LAUNCHER in LAUNCHERS and callable(kv8.prefill_kv8) and callable(kv8.attention_kv8)
+    from qattn.formats.kv8 import host as kv8
+    assert registry.LAUNCHERS[kv8_families.LAUNCHER] is kv8.prefill_kv8 and callable(kv8.attention_kv8)
 
 
 @pytest.mark.parametrize("tile, d, words", [
@@ -114,7 +116,7 @@ def test_render(spec):
     assert f"constexpr bool CAUSAL = {'true' if spec.causal else 'false'};" in src
     assert render(spec) == src
     if spec.recipe in kv8_families.MMA_FORMATS:
-        from qattn.runtime import kv8_launch
+        from qattn.formats.kv8 import launch as kv8_launch
 
         assert entry_name(spec) + "_stat(" in src and entry_name(spec) + kv8_families.MERGE_ENTRY + "(" in src
         assert f"constexpr int MERGE_THREADS = {kv8_launch.MERGE_THREADS};" in src  # the launcher's merge block
@@ -232,18 +234,18 @@ def test_tile_choice():
     assert KernelSpec(recipe="kv8-imma", head_dim=128, arch="sm_90a").tile.stages == 3
     split = kv8_families.LAUNCH_TILES[("kv8-split", 128, "sm_90a")].tile
     assert (split.block_m, split.stages) == (128, 3)
-    choice = kv8_families.launch_choice("kv8-split", 128, "sm_90a", kv8_families.LONG_QUERIES)
+    choice = registry.launch_choice("kv8-split", 128, "sm_90a", kv8_families.LONG_QUERIES)
     assert choice.tile == split and choice.mma is None
-    assert kv8_families.launch_choice("kv8-split", 128, "sm_90a", kv8_families.LONG_QUERIES - 1) is None
+    assert registry.launch_choice("kv8-split", 128, "sm_90a", kv8_families.LONG_QUERIES - 1) is None
     assert RECIPES["kv8-split"].family("cuda").default_tile(128, False, "sm_90a") == Tile(64, 64, 4, 2)
     for d, least in kv8_families.WGMMA_QUERIES.items():
-        wgmma = kv8_families.launch_choice("kv8-imma", d, "sm_90a", least)
+        wgmma = registry.launch_choice("kv8-imma", d, "sm_90a", least)
         assert wgmma.tile == Tile(128, 64, 8, 3) and wgmma.mma == "wgmma"
-        assert kv8_families.launch_choice("kv8-imma", d, "sm_90a", least - 1) is None
-    assert kv8_families.launch_choice("kv8-split", 64, "sm_90a", 4096) is None  # no faster tile measured at d64
+        assert registry.launch_choice("kv8-imma", d, "sm_90a", least - 1) is None
+    assert registry.launch_choice("kv8-split", 64, "sm_90a", 4096) is None  # no faster tile measured at d64
     for fmt in kv8_families.MMA_FORMATS:
-        assert kv8_families.launch_choice(fmt, 128, "sm_80", 4096) is None  # measured on the H200 only
-    assert kv8_families.launch_choice("kv8-f32", 128, "sm_90a", 4096) is None
+        assert registry.launch_choice(fmt, 128, "sm_80", 4096) is None  # measured on the H200 only
+    assert registry.launch_choice("kv8-f32", 128, "sm_90a", 4096) is None
 
 
 def test_three_slots_need_the_second_vt_tile():
@@ -256,7 +258,7 @@ def test_three_slots_need_the_second_vt_tile():
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_writer_compiles(arch):
-    from qattn.runtime import kvcache
+    from qattn.formats.kv8 import cache as kvcache
 
     src = kvcache.writer_source()
     assert "#include" not in src and "{{" not in src
@@ -277,7 +279,7 @@ def test_int32_sums_are_exact_for_the_kernel_chunks(d):
     fam = RECIPES["kv8-imma"].family("cuda")
     chunks = {IMMA_GROUP, fam.default_tiles[d].block_n, 128}  # QK: one channel group; PV: BN keys (<= 128)
     for terms in chunks:
-        bound = quant.partial_sum_bound(terms)
+        bound = kvquant.partial_sum_bound(terms)
         assert bound < 2 ** 31  # no int32 overflow
         assert bound < quant.F32_EXACT_INT  # cvt.rn.f32.s32 is exact: combine3 sees the true sums
     # the extreme operands reach the bound's scale: h = -128 is unreachable (|X| <= 127·65536), but
@@ -614,7 +616,7 @@ def test_split_fragments_give_q_times_k_and_p_times_v():
 def split3_device_model(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """split3() of imma.cuh.j2 in int32 arithmetic (>> arithmetic, & on two's complement)."""
     big = np.rint(np.asarray(x, np.float32) * np.float32(65536)).astype(np.int64)
-    big = np.clip(big, -quant.SPLIT_MAX, quant.SPLIT_MAX).astype(np.int32)
+    big = np.clip(big, -kvquant.SPLIT_MAX, kvquant.SPLIT_MAX).astype(np.int32)
     m = big & 0xFF
     rest = (big - m) >> 8
     low = ((rest + 128) & 0xFF) - 128
@@ -627,7 +629,7 @@ def test_split3_device_arithmetic_matches_quant():
     x = np.concatenate([rng.uniform(-127, 127, 100_000), rng.standard_normal(10_000) * 1e-3,
                         [0.0, 127.0, -127.0, 127.00001, -127.00001, 1 / 65536, -0.5 / 65536, 1.5 / 65536]]).astype(np.float32)
     h, l, m = split3_device_model(x)
-    qh, ql, qm = quant.split3(x)
+    qh, ql, qm = kvquant.split3(x)
     np.testing.assert_array_equal(h, qh)
     np.testing.assert_array_equal(l, ql)
     np.testing.assert_array_equal(m, qm)
@@ -636,7 +638,7 @@ def test_split3_device_arithmetic_matches_quant():
     # combine3's fp32 order on exact sums equals the emulator's
     hs, ls, ms = (rng.integers(-(2 ** 20), 2 ** 20, 1000) for _ in range(3))
     ours = np.float32(np.float32(hs.astype(np.float32) * np.float32(65536)) + np.float32(ls.astype(np.float32) * np.float32(256))) + ms.astype(np.float32)
-    from qattn.runtime.emulate import _combine3
+    from qattn.formats.kv8.emulate import _combine3
 
     np.testing.assert_array_equal(ours, _combine3(np.stack([hs, ls, ms]).astype(np.float64)))
 
@@ -731,7 +733,7 @@ H200_SLOTS = (132, 2)  # SMs, resident kv8-imma d128 blocks per SM (BENCHMARKS: 
 def test_auto_splits_at_the_seed_shapes(monkeypatch, ctx, queries, want):
     from types import SimpleNamespace
 
-    from qattn.runtime import kv8
+    from qattn.formats.kv8 import host as kv8
 
     monkeypatch.setattr(kv8, "device_slots", lambda kernel, device_id: H200_SLOTS)
     for fmt in kv8_families.MMA_FORMATS:
@@ -742,8 +744,8 @@ def test_auto_splits_at_the_seed_shapes(monkeypatch, ctx, queries, want):
 
 
 def test_auto_splits_rule():
-    from qattn.runtime import kv8
-    from qattn.runtime.kv8 import MIN_KEY_BLOCKS_PER_SPLIT, auto_splits
+    from qattn.formats.kv8 import host as kv8
+    from qattn.formats.kv8.host import MIN_KEY_BLOCKS_PER_SPLIT, auto_splits
 
     sms, per_sm = H200_SLOTS
     for blocks in range(sms * per_sm // 2 + 1, 4 * sms * per_sm, 37):  # over half the slots: no split
@@ -761,7 +763,7 @@ def test_auto_splits_rule():
 def test_bad_splits_raise_naming_the_argument(bad):
     from types import SimpleNamespace
 
-    from qattn.runtime import kv8
+    from qattn.formats.kv8 import host as kv8
 
     with pytest.raises(ValueError, match=r"splits: expected None \(automatic\) or an integer 1\.\.256"):
         kv8.check_splits(bad, "kv8-imma")
@@ -771,7 +773,7 @@ def test_bad_splits_raise_naming_the_argument(bad):
 
 
 def test_splits_accepted_and_f32_does_not_split():
-    from qattn.runtime import kv8
+    from qattn.formats.kv8 import host as kv8
 
     assert kv8.check_splits(None, "kv8-split") is None
     assert [kv8.check_splits(n, "kv8-imma") for n in (1, 3, np.int64(4), 256)] == [1, 3, 4, 256]
@@ -783,7 +785,7 @@ def test_splits_accepted_and_f32_does_not_split():
 # ---- format dispatch ------------------------------------------------------------------------------
 
 def test_default_format_and_env_override(monkeypatch):
-    from qattn.runtime import kv8
+    from qattn.formats.kv8 import host as kv8
 
     monkeypatch.delenv(kv8.ENV_VAR, raising=False)
     for arch in ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_120"):

@@ -6,9 +6,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from qattn.codegen.spec import KernelSpec
-from qattn.runtime import int8_launch, packed
-from qattn.runtime.packed import NULL, Pointer
+from qattn.engine.spec import KernelSpec
+from qattn.formats.int8qk import launch as int8_launch
+from qattn.engine import packed
+from qattn.engine.packed import NULL, Pointer
 
 
 def test_plans_are_cached_per_key_and_bounded():
@@ -92,7 +93,7 @@ def test_launches_are_programmatic_from_sm90(monkeypatch, recipe, arch, expected
 
 @pytest.mark.parametrize("fmt,splits", [("kv8-imma", 1), ("kv8-imma", 5), ("kv8-split", 3), ("kv8-f32", 1)])
 def test_kv8_plan_launches_and_workspace(monkeypatch, fmt, splits):
-    from qattn.runtime import kv8_launch
+    from qattn.formats.kv8 import launch as kv8_launch
 
     monkeypatch.setattr(packed, "_launch_kernel_ex", lambda: lambda *args: 0)
     b, hq, hkv, lq, lk, d = 2, 8, 2, 300, 1029, 128

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
 import mma_ceiling  # noqa: E402
 
-from qattn.runtime.compile import compile_cuda  # noqa: E402
+from qattn.engine.compile import compile_cuda  # noqa: E402
 
 
 @pytest.mark.parametrize("shape", sorted(mma_ceiling.SHAPES))

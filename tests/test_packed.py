@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from qattn.runtime.packed import NULL, PackedLaunch, Pointer
+from qattn.engine.packed import NULL, PackedLaunch, Pointer
 
 cupy = pytest.importorskip("cupy")
 
@@ -67,7 +67,7 @@ def test_a_missing_pointer_name_fails_before_the_launch(launches):
 
 
 def test_a_programmatic_launch_passes_the_attribute_and_the_same_parameters(monkeypatch, launches):
-    from qattn.runtime import packed
+    from qattn.engine import packed
 
     seen = []
 
@@ -96,7 +96,7 @@ def test_a_programmatic_launch_passes_the_attribute_and_the_same_parameters(monk
 
 
 def test_a_programmatic_launch_without_the_driver_entry_is_a_plain_one(monkeypatch, launches):
-    from qattn.runtime import packed
+    from qattn.engine import packed
 
     monkeypatch.setattr(packed, "_launch_kernel_ex", lambda: None)
     launch = PackedLaunch(SimpleNamespace(ptr=7), (1, 1, 1), 32, 0, (Pointer("a"),), programmatic=True)
@@ -106,7 +106,7 @@ def test_a_programmatic_launch_without_the_driver_entry_is_a_plain_one(monkeypat
 
 
 def test_a_failed_programmatic_launch_raises(monkeypatch):
-    from qattn.runtime import packed
+    from qattn.engine import packed
 
     monkeypatch.setattr(packed, "_launch_kernel_ex", lambda: lambda *args: 1)  # CUDA_ERROR_INVALID_VALUE
     launch = PackedLaunch(SimpleNamespace(ptr=7), (1, 1, 1), 32, 0, (), programmatic=True)

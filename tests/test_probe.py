@@ -1,4 +1,4 @@
-"""The probe (qattn.runtime.probe and `qattn probe`): mass below the P grids' floors, K channel
+"""The probe (qattn.check.probe and `qattn probe`): mass below the P grids' floors, K channel
 statistics, per-format errors, JSON and the PNG."""
 import json
 import math
@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from qattn import data
 from qattn.cli import main
-from qattn.runtime import probe
+from qattn.check import probe
 
 MINILM = Path(__file__).parent / "data" / "minilm_qkv.npz"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -49,7 +49,8 @@ def test_outliers_preset_smooths_and_loses_more_mass_at_32k(seed):
 def test_key_block_sets_the_emulators_blocks(seed):
     """--key-block reaches the emulators (the errors are emulate(..., block_n=key_block)'s) and the K
     statistics, and is reported; the mass figures do not depend on it."""
-    from qattn.runtime import emulate, metrics
+    from qattn.check import emulate
+    from qattn.check import metrics
 
     tensors = {700: data.preset("outliers", ctx=700, queries=40, head_dim=64, seed=seed)}
     by_block = {kb: probe.run_probe(tensors, formats=("i8-f8",), key_block=kb, seed=seed) for kb in (64, 128)}

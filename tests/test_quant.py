@@ -1,4 +1,4 @@
-"""The quantizers of qattn.runtime.quant against DESIGN §2, on fresh random inputs."""
+"""The quantizers of qattn.check.quant against DESIGN §2, on fresh random inputs."""
 import math
 
 import ml_dtypes
@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 
 from qattn import data
-from qattn.runtime import quant
-from qattn.runtime.reference import attention
+from qattn.check import quant
+from qattn.formats.int8qk import quant as i8quant
+from qattn.formats.kv8 import quant as kvquant
+from qattn.check.reference import attention
 
 INT32_MAX = 2 ** 31 - 1
 
@@ -28,7 +30,7 @@ def test_smoothing_is_exact_in_fp64(rng, causal):
     agrees to 1e-12, and the LSE moves by exactly q·K̄·τ."""
     d = data.outliers(batch=2, heads=4, kv_heads=2, queries=37, ctx=301, head_dim=64, seed=int(rng.integers(1 << 30)))
     q, k, v = (d[name].astype(np.float64) for name in ("q", "k", "v"))
-    smoothed, mean = quant.smooth_k(k)
+    smoothed, mean = i8quant.smooth_k(k)
     assert smoothed.dtype == np.float64 and mean.shape == (2, 2, 1, 64)
     assert np.abs(smoothed.mean(axis=-2)).max() < 1e-12 * np.abs(k).max()
     out, lse = attention(q, k, v, causal=causal, return_lse=True)
@@ -40,7 +42,7 @@ def test_smoothing_is_exact_in_fp64(rng, causal):
 
 def test_smoothing_removes_a_shared_offset(rng):
     k = rng.standard_normal((1, 3, 129, 32), dtype=np.float32) + np.float32(40)
-    smoothed, mean = quant.smooth_k(k)
+    smoothed, mean = i8quant.smooth_k(k)
     assert smoothed.dtype == np.float32
     assert np.allclose(mean, 40, atol=0.5) and np.abs(smoothed).max() < 6
 
@@ -73,7 +75,7 @@ def _groups(length: int, block: int, granularity: str, warps: int, operand: str)
 def test_int8_scale_groups(rng, granularity, operand, block, warps, length):
     row_size = rng.uniform(0.1, 10, (2, 3, length, 1)).astype(np.float32)
     x = rng.standard_normal((2, 3, length, 32), dtype=np.float32) * row_size
-    got = quant.quantize_int8(x, block, granularity=granularity, warps=warps, operand=operand)
+    got = i8quant.quantize_int8(x, block, granularity=granularity, warps=warps, operand=operand)
     assert got.codes.dtype == np.int8 and got.scale.dtype == np.float32 and got.scale.shape == (2, 3, length, 1)
     assert np.abs(got.codes.astype(np.int32)).max() <= 127
     groups = _groups(length, block, granularity, warps, operand)
@@ -95,16 +97,16 @@ def test_int8_scale_groups(rng, granularity, operand, block, warps, length):
 ])
 def test_int8_bad_arguments_name_the_argument(rng, kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
-        quant.quantize_int8(rng.standard_normal((1, 1, 70, 8), dtype=np.float32), **kwargs)
+        i8quant.quantize_int8(rng.standard_normal((1, 1, 70, 8), dtype=np.float32), **kwargs)
 
 
 def test_v_per_channel_int8_and_e4m3(rng):
     v = rng.standard_normal((2, 2, 777, 64), dtype=np.float32) * rng.uniform(0.01, 30, 64).astype(np.float32)
     absmax = np.abs(v).max(axis=-2, keepdims=True)
-    v8 = quant.quantize_v_int8(v)
+    v8 = i8quant.quantize_v_int8(v)
     assert v8.scale.shape == (2, 2, 1, 64) and np.array_equal(v8.scale, (absmax / np.float32(127)).astype(np.float32))
     assert (np.abs(v8.dequantize() - v) <= 0.5001 * v8.scale).all()
-    f8 = quant.quantize_v_e4m3(v)
+    f8 = i8quant.quantize_v_e4m3(v)
     assert f8.codes.dtype == quant.E4M3
     assert np.array_equal(f8.scale, (absmax / np.float32(448)).astype(np.float32))
     assert np.abs(f8.codes.astype(np.float32)).max() == 448
@@ -134,9 +136,9 @@ def test_p_grids_floors():
     smallest = 2.0 ** -9 / 448
     assert abs(smallest - 4.4e-6) < 0.05e-6
     p = np.array([smallest, smallest * 0.51, smallest * 0.49, 1.0, 0.3], np.float32)
-    f8 = quant.quantize_p_e4m3(p).astype(np.float64)
+    f8 = i8quant.quantize_p_e4m3(p).astype(np.float64)
     assert f8[0] == 2.0 ** -9 and f8[1] == 2.0 ** -9 and f8[2] == 0 and f8[3] == 448
-    i8 = quant.quantize_p_int8(np.array([1.0, 0.5 / 127 * 0.99, 0.5 / 127 * 1.01, 2.6 / 127, 0.0], np.float32))
+    i8 = i8quant.quantize_p_int8(np.array([1.0, 0.5 / 127 * 0.99, 0.5 / 127 * 1.01, 2.6 / 127, 0.0], np.float32))
     assert i8.dtype == np.int8 and i8.tolist() == [127, 0, 1, 3, 0]
 
 
@@ -145,7 +147,7 @@ def test_p_grids_floors():
 def test_kv_cache_roundtrip(rng):
     token_size = rng.uniform(0.01, 5, (2, 3, 1025, 1)).astype(np.float32)
     x = rng.standard_normal((2, 3, 1025, 64), dtype=np.float32) * token_size
-    cache = quant.quantize_kv_cache(x)
+    cache = kvquant.quantize_kv_cache(x)
     assert cache.codes.dtype == np.int8 and cache.scales.dtype == np.float32 and cache.scales.shape == (2, 3, 1025)
     assert np.array_equal(cache.scales, (np.abs(x).max(axis=-1) / np.float32(127)).astype(np.float32))
     exact = cache.dequantize()
@@ -158,11 +160,11 @@ def test_kv_cache_roundtrip(rng):
 def test_kv_cache_validates(rng):
     codes = rng.integers(-127, 128, (1, 2, 5, 8)).astype(np.int8)
     with pytest.raises(ValueError, match="^codes:"):
-        quant.Int8Cache(codes.astype(np.int16), np.ones((1, 2, 5), np.float32))
+        kvquant.Int8Cache(codes.astype(np.int16), np.ones((1, 2, 5), np.float32))
     with pytest.raises(ValueError, match="^scales:"):
-        quant.Int8Cache(codes, np.ones((1, 2, 6), np.float32))
+        kvquant.Int8Cache(codes, np.ones((1, 2, 6), np.float32))
     with pytest.raises(ValueError, match="^x:"):
-        quant.quantize_kv_cache(np.ones((2, 5, 8), np.float32))
+        kvquant.quantize_kv_cache(np.ones((2, 5, 8), np.float32))
 
 
 # ---- the exact 3-way split and the fp16 hi + lo split ---------------------------------------------
@@ -172,9 +174,9 @@ def _expected_big(x) -> np.ndarray:
 
 
 def _check_split(x):
-    h, l, m = quant.split3(x)
+    h, l, m = kvquant.split3(x)
     assert (h.dtype, l.dtype, m.dtype) == (np.int8, np.int8, np.uint8)
-    assert np.array_equal(quant.join3(h, l, m), _expected_big(x))
+    assert np.array_equal(kvquant.join3(h, l, m), _expected_big(x))
     return h, l, m
 
 
@@ -190,7 +192,7 @@ def test_split3_edge_values():
                   127 - one, -127 + one, 255 * one, 256 * one, -256 * one, 128 * 256 * one, -128 * 256 * one,
                   127.4, -200.0])
     h, l, m = _check_split(x)
-    big = quant.join3(h, l, m)
+    big = kvquant.join3(h, l, m)
     assert big[:4].tolist() == [127 * 65536, -127 * 65536, 0, 0]
     assert big[4:10].tolist() == [0, 0, 2, -2, 2, -2]  # rint rounds halves to even
     assert big[-2:].tolist() == [127 * 65536, -127 * 65536]  # beyond ±127 clamps
@@ -204,10 +206,10 @@ def test_int32_partial_sums_stay_in_range():
     it fits int32 (and float32's exact-integer range, so cvt to f32 is exact), and the extreme
     operands reach it without overflow; float64 BLAS (the emulators) gives the int64 sums."""
     for terms in (32, 64, 128, 256):
-        bound = quant.partial_sum_bound(terms)
+        bound = kvquant.partial_sum_bound(terms)
         assert bound < quant.F32_EXACT_INT <= INT32_MAX
     worst = np.array([-127 * 65536 + 1, 127 * 65536 - 1, -127.0 * 65536, 127.0 * 65536]) / 65536
-    parts = quant.split3(worst)
+    parts = kvquant.split3(worst)
     assert max(np.abs(p.astype(np.int64)).max() for p in parts[:2]) <= 128 and parts[2].max() <= 255
     for terms in (128, 256):
         codes = np.array([-128, 127], np.int64)
@@ -215,17 +217,17 @@ def test_int32_partial_sums_stay_in_range():
             operand = np.repeat(part.astype(np.int64)[:, None], terms, axis=1)  # [4, terms]
             for code in codes:
                 exact = operand @ np.full(terms, code)
-                assert np.abs(exact).max() <= quant.partial_sum_bound(terms) <= INT32_MAX
+                assert np.abs(exact).max() <= kvquant.partial_sum_bound(terms) <= INT32_MAX
                 blas = operand.astype(np.float64) @ np.full(terms, float(code))
                 assert np.array_equal(blas, exact.astype(np.float64))
         q8 = np.full(terms, -127, np.int64)
-        assert abs(q8 @ np.full(terms, -128)) <= quant.partial_sum_bound(terms)
+        assert abs(q8 @ np.full(terms, -128)) <= kvquant.partial_sum_bound(terms)
     with pytest.raises(ValueError, match="^terms:"):
-        quant.partial_sum_bound(0)
+        kvquant.partial_sum_bound(0)
 
 
 def _split_error(x: np.ndarray) -> np.ndarray:
-    hi, lo = quant.split_f16(x)
+    hi, lo = kvquant.split_f16(x)
     assert hi.dtype == lo.dtype == np.float16 and np.array_equal(hi, x.astype(np.float16))
     return np.abs(hi.astype(np.float64) + lo.astype(np.float64) - x) / np.abs(x)
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import qattn
-from qattn.runtime import reference
-from qattn.runtime.reference import attention, check_shapes, softmax_rows, visible_keys
+from qattn.check import reference
+from qattn.check.reference import attention, check_shapes, softmax_rows, visible_keys
 
 
 @pytest.fixture

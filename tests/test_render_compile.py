@@ -14,13 +14,13 @@ import jinja2
 import pytest
 from conftest import check_grid_dependency
 
-from qattn.codegen import render as render_module
-from qattn.codegen.recipes import RECIPES
-from qattn.codegen.render import entry_name, environment, render
-from qattn.codegen.spec import KernelSpec
-from qattn.runtime import compile as compiler
-from qattn.runtime import packed
-from qattn.runtime.compile import CompileError, compile_cuda, cuda_options, numbered_excerpt, parse_ptxas
+from qattn.engine import render as render_module
+from qattn.engine.registry import RECIPES
+from qattn.engine.render import entry_name, environment, render
+from qattn.engine.spec import KernelSpec
+from qattn.engine import compile as compiler
+from qattn.engine import packed
+from qattn.engine.compile import CompileError, compile_cuda, cuda_options, numbered_excerpt, parse_ptxas
 
 
 def supported(arch: str, launcher: str | None = None) -> list[KernelSpec]:

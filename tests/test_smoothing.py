@@ -16,8 +16,11 @@ import pytest
 
 import qattn
 from qattn import data
-from qattn.runtime import emulate, metrics, quant
+from qattn.check import emulate
+from qattn.check import metrics
+from qattn.check import quant
 
+from qattn.formats.int8qk import quant as i8quant
 I8 = ("i8-f16", "i8-i8", "i8-f8")
 
 
@@ -44,8 +47,8 @@ def test_smooth_k_off_quantizes_k_as_given(rng, fmt):
     q, k, v = (rng.standard_normal(s, dtype=np.float32) for s in ((1, 4, 150, 64), (1, 2, 200, 64), (1, 2, 200, 64)))
     k = k + 3 * rng.standard_normal((1, 2, 1, 64), dtype=np.float32)
     got = emulate.scores(fmt, q, k, v, smooth_k=False)
-    q8 = quant.quantize_int8(quant.fold_softmax_scale(q, 1 / 8), 128, operand="q")
-    k8 = quant.quantize_int8(k, 64, operand="k")
+    q8 = i8quant.quantize_int8(quant.fold_softmax_scale(q, 1 / 8), 128, operand="q")
+    k8 = i8quant.quantize_int8(k, 64, operand="k")
     exact = np.einsum("bhqd,bhkd->bhqk", q8.codes.astype(np.int64), np.repeat(k8.codes.astype(np.int64), 2, axis=1))
     expected = exact.astype(np.float32) * q8.scale * np.repeat(k8.scale, 2, axis=1)[..., 0][:, :, None, :]
     assert np.array_equal(got, expected)
@@ -62,7 +65,7 @@ def test_smooth_k_is_a_no_op_on_zero_mean_k(rng, fmt):
     half = rng.standard_normal((1, 1, 100, 64), dtype=np.float32)
     k = np.concatenate([half, -half], axis=2)
     v = rng.standard_normal(k.shape, dtype=np.float32)
-    assert not quant.smooth_k(k)[1].any()
+    assert not i8quant.smooth_k(k)[1].any()
     on = emulate.emulate(fmt, q, k, v, causal=True, return_lse=True)
     off = emulate.emulate(fmt, q, k, v, causal=True, return_lse=True, smooth_k=False)
     assert all(np.array_equal(a, b) for a, b in zip(on, off))
@@ -112,7 +115,7 @@ def test_smooth_k_only_on_int8_qk_formats(rng, fmt):
 
 
 def test_smooth_k_takes_a_bool(rng):
-    from qattn.runtime import int8
+    from qattn.formats.int8qk import host as int8
 
     q, k, v = (rng.standard_normal((1, 2, 9, 16), dtype=np.float32) for _ in range(3))
     with pytest.raises(ValueError, match="^smooth_k: expected True or False"):

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 import qattn
-from qattn.codegen import spec as spec_module
-from qattn.codegen.recipes import RECIPES
-from qattn.codegen.spec import KernelSpec
-from qattn.codegen.tile import Tile
+from qattn.engine import spec as spec_module
+from qattn.engine.registry import RECIPES
+from qattn.engine.spec import KernelSpec
+from qattn.engine.tile import Tile
 
 REPO = Path(__file__).resolve().parents[1]
 NAME_RE = re.compile(r"^prefill_[a-z0-9-]+_d\d+_m\d+n\d+w\d+s\d+(_causal)?_(sm\d+a?|gfx\d+[a-z]?)$")
@@ -238,7 +238,7 @@ def test_tile_parse_zero_is_rejected_by_tile():
 
 
 def test_every_default_tile_fits_its_arch_shared_memory():
-    from qattn.codegen.recipes import CUDA_ARCHS, HIP_ARCHS, SMEM_PER_BLOCK
+    from qattn.engine.family import CUDA_ARCHS, HIP_ARCHS, SMEM_PER_BLOCK
 
     checked = 0
     for name, rec in RECIPES.items():

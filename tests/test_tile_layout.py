@@ -3,7 +3,7 @@ tile_pitch in recipes.py): ldmatrix reads conflict-free, and every global 32-byt
 brings lands in one aligned smem sector."""
 import pytest
 
-from qattn.codegen.recipes import tile_pitch
+from qattn.engine.tiling import tile_pitch
 
 
 def tile_offset(pitch: int, row: int, chunk: int) -> int:

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from conftest import check_spills
 
-from qattn.codegen.render import environment
-from qattn.runtime.compile import compile_cuda, disassemble
-from qattn.runtime.inspect import warpgroup_mmas
+from qattn.engine.render import environment
+from qattn.engine.compile import compile_cuda, disassemble
+from qattn.engine.inspect import warpgroup_mmas
 
 D_QK = 128  # reduction length of the int8 product (bytes per row)
 KEYS = 64  # reduction length of the e4m3 product
@@ -109,7 +109,7 @@ def test_products_match_numpy():
     import cupy
     import ml_dtypes
 
-    from qattn.codegen.spec import device_arch
+    from qattn.engine.spec import device_arch
 
     if device_arch() != "sm_90a":
         pytest.skip("wgmma needs sm_90a")
@@ -138,8 +138,8 @@ def test_products_match_numpy():
 # ---- the i8-f8 attention kernel on wgmma ------------------------------------------------------
 
 def _wgmma_specs():
-    from qattn.codegen.spec import KernelSpec
-    from qattn.codegen.tile import Tile
+    from qattn.engine.spec import KernelSpec
+    from qattn.engine.tile import Tile
 
     specs = [KernelSpec(recipe="i8-f8", head_dim=d, causal=c, arch="sm_90a", mma="wgmma")
              for d in (64, 128) for c in (False, True)]
@@ -152,7 +152,7 @@ def _wgmma_specs():
 
 
 def test_mma_unit_choice():
-    from qattn.codegen.spec import KernelSpec
+    from qattn.engine.spec import KernelSpec
 
     spec = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma")
     assert spec.family.values == {"pv_operand": "f8", "mma_unit": "wgmma", "q_scale_rows": 1, "k_scale_groups": 4}
@@ -168,7 +168,7 @@ def test_mma_unit_choice():
                 dict(recipe="i8-f8", arch="sm_89"), dict(recipe="f16", arch="sm_90a")):
         with pytest.raises(ValueError, match="mma: "):
             KernelSpec(head_dim=128, mma="wgmma", **bad)
-    from qattn.codegen.tile import Tile
+    from qattn.engine.tile import Tile
 
     for tile in (Tile(128, 64, 4, 2), Tile(256, 64, 16, 2)):
         with pytest.raises(ValueError, match="block_m must be 64, 128 or 192"):
@@ -179,9 +179,9 @@ def test_mma_unit_choice():
 
 @pytest.mark.parametrize("spec", _wgmma_specs(), ids=lambda s: s.name)
 def test_attention_kernel_compiles_on_wgmma(spec):
-    from qattn.codegen.render import entry_name, render
-    from qattn.runtime import int8
-    from qattn.runtime.compile import entry_resources
+    from qattn.engine.render import entry_name, render
+    from qattn.formats.int8qk import host as int8
+    from qattn.engine.compile import entry_resources
 
     binary = compile_cuda(render(spec), spec.arch, spec.name)
     measured = ((spec.head_dim, spec.causal, spec.arch) in spec.family.measured_spills
@@ -226,10 +226,10 @@ def test_d128_on_three_warpgroups_issues_s_after_the_pv_partial(causal):
     """At 160 registers a thread d128 cannot hold S in flight beside the PV partial: the tile
     compiles with S_{j+1} issued after PV_j is added (one wgmma group in flight, never two), spills
     at most a few dozen bytes and keeps its wgmmas unserialized."""
-    from qattn.codegen.render import entry_name, render
-    from qattn.codegen.spec import KernelSpec
-    from qattn.codegen.tile import Tile
-    from qattn.runtime.compile import entry_resources
+    from qattn.engine.render import entry_name, render
+    from qattn.engine.spec import KernelSpec
+    from qattn.engine.tile import Tile
+    from qattn.engine.compile import entry_resources
 
     spec = KernelSpec(recipe="i8-f8", head_dim=128, causal=causal, arch="sm_90a", mma="wgmma",
                       tile=Tile(192, 128, 12, 2))
@@ -245,7 +245,7 @@ def test_d128_on_three_warpgroups_issues_s_after_the_pv_partial(causal):
 def test_tile_layouts_round_trip():
     """untile_k8 / untile_vt invert the stores of the quantizer (transcribed: byte (row, col) of a
     tile at core_offset(row, col / 16) + col % 16), for both tile widths and a key tail."""
-    from qattn.runtime.int8 import untile_k8, untile_vt
+    from qattn.formats.int8qk.host import untile_k8, untile_vt
 
     rng = np.random.default_rng(3)
     for d, keys, lk in ((128, 64, 150), (64, 128, 300)):
@@ -286,8 +286,8 @@ def test_operands_must_match_the_kernel_layout():
     by the wgmma kernel (K8 / V^T tiles), by name, and the other way round."""
     from types import SimpleNamespace
 
-    from qattn.codegen.spec import KernelSpec
-    from qattn.runtime import int8
+    from qattn.engine.spec import KernelSpec
+    from qattn.formats.int8qk import host as int8
 
     wgmma = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a")
     sync = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="mma.sync")
@@ -314,9 +314,9 @@ def test_key_block_is_the_tile_keys():
     quantized with another key block are refused by name."""
     from types import SimpleNamespace
 
-    from qattn.codegen.spec import KernelSpec
-    from qattn.codegen.tile import Tile
-    from qattn.runtime import int8
+    from qattn.engine.spec import KernelSpec
+    from qattn.engine.tile import Tile
+    from qattn.formats.int8qk import host as int8
 
     assert int8.scale_blocks(KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a")) == (1, 128)
     assert int8.scale_blocks(KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", tile=Tile(64, 64, 4, 2))) == (1, 64)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from qattn.runtime.bench import ACCURACY_PRESETS, accuracy_against_fp64  # noqa: E402
+from qattn.bench.prefill import ACCURACY_PRESETS, accuracy_against_fp64  # noqa: E402
 
 PEERS = ("sdpa_cudnn", "sageattn", "sageattn2")
 

@@ -35,8 +35,8 @@ def main() -> int:
     import cupy
 
     import qattn
-    from qattn.runtime import int8
-    from qattn.runtime.bench import attention_flops, time_cuda, time_queued
+    from qattn.formats.int8qk import host as int8
+    from qattn.bench.timing import attention_flops, time_cuda, time_queued
 
     d = args.head_dim
     print("| shape | causal | quant ms (sync / back to back) | attention ms | whole call ms | host ms per call "

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from qattn.runtime.bench import attention_flops, time_interleaved, time_queued  # noqa: E402
+from qattn.bench.timing import attention_flops, time_interleaved, time_queued  # noqa: E402
 
 FORMATS = ("kv8-imma", "kv8-split", "kv8-f32")
 SPLIT_FORMATS = ("kv8-imma", "kv8-split")  # the formats with a split over keys
@@ -48,9 +48,9 @@ def main() -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import qattn
-    from qattn.runtime import kv8
-    from qattn.runtime.api import default_spec
-    from qattn.runtime.kernel import build_kernel
+    from qattn.formats.kv8 import host as kv8
+    from qattn.api import default_spec
+    from qattn.engine.kernel import build_kernel
 
     shapes = [tuple(int(x) for x in s.split("/")) for s in (args.shape or ["32768/2048", "1500/1500"])]
     hkv = args.kv_heads or args.heads
@@ -72,7 +72,7 @@ def main() -> int:
 
         queued, timed = {}, {}  # timed: name -> call, all timed together once the kernels are built
         for fmt in FORMATS:
-            kernel = build_kernel(kv8.call_spec(fmt, d, args.causal, queries, default_spec(fmt, d).arch))
+            kernel = build_kernel(call_spec(fmt, d, args.causal, queries, default_spec(fmt, d).arch))
             row[f"{fmt}_kernel"] = kernel.spec.name
             out = cupy.empty_like(q)
             splits = args.splits if fmt in SPLIT_FORMATS else 1
@@ -83,7 +83,7 @@ def main() -> int:
                 queued[fmt[4:]] = time_queued(timed[fmt])
         for entry in args.unit:
             fmt, _, unit = entry.partition("@")
-            kernel = build_kernel(kv8.call_spec(fmt, d, args.causal, queries, default_spec(fmt, d).arch, mma=unit))
+            kernel = build_kernel(call_spec(fmt, d, args.causal, queries, default_spec(fmt, d).arch, mma=unit))
             row[f"{entry}_kernel"] = kernel.spec.name
             timed[entry] = lambda kernel=kernel, out=cupy.empty_like(q): kernel(q, cache, out=out, splits=args.splits)
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):  # entered once: its cost is not the peer's

@@ -17,8 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from qattn.codegen.tile import Tile  # noqa: E402
-from qattn.runtime.bench import PEERS, bench_prefill  # noqa: E402
+from qattn.engine.tile import Tile  # noqa: E402
+from qattn.bench.peers import PEERS  # noqa: E402
+from qattn.bench.prefill import bench_prefill
 
 
 def _positive(text: str) -> int:

@@ -17,7 +17,7 @@ HBM_TBS = 4.2  # H200 HBM3e, TB/s
 
 
 def step_bytes(fmt: str, b: int, h: int, length: int, d: int, rows: bool) -> int:
-    from qattn.codegen.recipes import recipe
+    from qattn.engine.registry import recipe
 
     n = b * h * length * d
     pv = recipe(fmt).ctype["pv"]
@@ -36,8 +36,8 @@ def main() -> int:
     import cupy
 
     import qattn
-    from qattn.runtime import int8
-    from qattn.runtime.bench import time_cuda
+    from qattn.formats.int8qk import host as int8
+    from qattn.bench.timing import time_cuda
 
     shapes = [tuple(int(x) for x in s.split("x")) for s in (args.shape or ["4x32x4096", "16x32x1024", "1x32x32768"])]
     print(f"| run | format | shape | ms | GB/s | of {HBM_TBS} TB/s |")

@@ -60,7 +60,7 @@ def source(shape: str, shared_operands: bool) -> str:
 
 
 def sass_ops(binary: bytes) -> dict:
-    from qattn.runtime.compile import disassemble
+    from qattn.engine.compile import disassemble
 
     text = disassemble(binary, "cuda")
     if text is None:
@@ -75,8 +75,8 @@ def measure(shape: str, arch: str, shared_operands: bool, iters: int, repeats: i
     import cupy
     import numpy as np
 
-    from qattn.runtime.bench import time_cuda
-    from qattn.runtime.compile import compile_cuda
+    from qattn.bench.timing import time_cuda
+    from qattn.engine.compile import compile_cuda
 
     binary = compile_cuda(source(shape, shared_operands), arch, f"mma_{shape}", entry="mma_loop")
     module = cupy.cuda.Module()
@@ -102,7 +102,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=4096, help="loop iterations per launch")
     ap.add_argument("--repeats", type=int, default=20, help="timed launches (median)")
     args = ap.parse_args()
-    from qattn.codegen.spec import device_arch
+    from qattn.engine.spec import device_arch
 
     arch = args.arch or device_arch()
     if arch is None:

@@ -16,14 +16,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 import qattn  # noqa: E402
-from qattn.runtime import emulate, metrics  # noqa: E402
-from qattn.runtime.arrays import numpy_dtype  # noqa: E402
+from qattn.check import emulate  # noqa: E402
+from qattn.check import metrics  # noqa: E402
+from qattn.engine.arrays import numpy_dtype  # noqa: E402
 
 
 def default_formats() -> list:
     """Every format with a CUDA kernel, then FORMAT@UNIT for the other matrix units this GPU's arch
     builds a format with."""
-    from qattn.codegen.spec import device_arch
+    from qattn.engine.spec import device_arch
 
     arch = device_arch()
     names = [n for n, r in qattn.RECIPES.items() if "cuda" in r.families]

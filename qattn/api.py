@@ -1,0 +1,80 @@
+"""The public entry points: attention() routes a call to its format's family (through the registry)
+or builds the format's kernel and runs it; build() turns a spec description into a Kernel."""
+from __future__ import annotations
+
+from .engine import registry
+from .engine.arrays import as_device_array
+from .engine.kernel import Kernel, build_kernel
+from .engine.spec import KernelSpec, default_spec
+from .engine.tile import Tile
+
+# attention()'s kernels by (format, head_dim, causal, tile, device): a repeated call looks its kernel
+# up instead of building and validating a KernelSpec (microseconds of host time before the GPU starts).
+_CALL_KERNELS: dict[tuple, Kernel] = {}
+
+
+def _spec_from(kind: str, fields: dict) -> KernelSpec:
+    fields = dict(fields)
+    if "format" in fields:
+        if "recipe" in fields:
+            raise ValueError("format: give format or recipe, not both")
+        fields["recipe"] = fields.pop("format")
+    tile = fields.get("tile")
+    if isinstance(tile, (tuple, list)):
+        fields["tile"] = Tile(*tile)
+    return KernelSpec(kind=kind, **fields)
+
+
+def build(kind: str = "prefill", **spec) -> Kernel:
+    """Build (or fetch from the cache) one kernel: build("prefill", format="f16", head_dim=128,
+    causal=True, tile=(128, 64, 8, 2), arch="sm_90a"). The arch defaults to the current GPU's."""
+    return build_kernel(_spec_from(kind, spec))
+
+
+def _check_options(options: dict, format: str | None, k) -> None:
+    """Options such as smooth_k belong to some formats' families only (FormatFamily.options)."""
+    name = "f16" if format is None else format
+    family = registry.family_for_cache(k) or registry.family_of(name)
+    for option in options:
+        if option not in family.options:
+            takers = registry.formats_with_option(option)
+            raise ValueError(f"{option}: format {name!r} does not take it; only {', '.join(takers)} do")
+
+
+def attention(q, k, v=None, *, format: str | None = None, causal: bool = False, scale: float | None = None,
+              return_lse: bool = False, out=None, tile: Tile | None = None, smooth_k: bool | None = None):
+    """softmax(q kᵀ·scale) v on the GPU in the given format (default "f16"). q [B, Hq, Lq, D], k and v
+    [B, Hkv, Lk, D] (any strides on batch, head and sequence; D contiguous), Hq a multiple of
+    Hkv; causal masks are bottom-right aligned. Returns out (and the natural-log LSE [B, Hq, Lq]
+    in fp32 when return_lse). With an int8 KV cache, attention(q, cache, ...) (a qattn.KVCacheInt8)
+    runs a kv8 format: see qattn/formats/kv8/host.py for how it is chosen (format=, $QATTN_PREFILL_KV8).
+    smooth_k (int8-QK formats only, default True): False quantizes K without subtracting its mean."""
+    options = {} if smooth_k is None else {"smooth_k": smooth_k}
+    _check_options(options, format, k)
+    family = registry.family_for_cache(k) or (registry.family_of(format) if format is not None else None)
+    if family is not None and family.call is not None:
+        return family.call(q, k, v, format=format, causal=causal, scale=scale, return_lse=return_lse, out=out,
+                           tile=tile, **options)
+    if v is None:
+        raise ValueError("v: expected V [B, Hkv, Lk, D] (or pass a qattn.KVCacheInt8 as k)")
+    format = "f16" if format is None else format
+    q_dev = as_device_array(q, "q")
+    if q_dev.ndim != 4:
+        raise ValueError(f"q: expected 4 dimensions [batch, heads, seq, head_dim], got shape {q_dev.shape}")
+    return _call_kernel(format, q_dev, causal, tile)(q, k, v, scale=scale, return_lse=return_lse, out=out, **options)
+
+
+def _call_kernel(format: str, q, causal, tile) -> Kernel:
+    try:
+        # causal=1 is refused, not taken for True; a recipe re-registered under the name is looked up anew
+        key = (format, id(registry.RECIPES.get(format)), q.shape[-1], causal, type(causal), tile, q.data.device_id)
+        kernel = _CALL_KERNELS.get(key)
+    except TypeError:  # an unhashable argument: the spec's validation names it
+        kernel, key = None, None
+    if kernel is None:
+        with q.device:
+            spec = default_spec(format, int(q.shape[-1]), causal=causal)
+            kernel = build_kernel(spec if tile is None else spec.with_(tile=tile))
+        if key is not None:
+            _CALL_KERNELS[key] = kernel
+    return kernel

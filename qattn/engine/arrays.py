@@ -1,0 +1,84 @@
+"""Zero-copy interop: accept CuPy arrays and anything exposing DLPack or __cuda_array_interface__
+(torch tensors), and hand results back in the caller's array type."""
+from __future__ import annotations
+
+import contextlib
+
+
+def as_device_array(x, name: str):
+    """A CuPy view of x on the GPU, or TypeError naming the argument."""
+    import cupy
+
+    if isinstance(x, cupy.ndarray):
+        return x
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        device_type = x.__dlpack_device__()[0]
+        if int(device_type) not in (2, 13):  # kDLCUDA, kDLCUDAManaged
+            raise TypeError(f"{name}: expected a CUDA array, got a {type(x).__module__}.{type(x).__name__} "
+                            f"on a non-CUDA device (DLPack device type {int(device_type)})")
+        try:
+            return cupy.from_dlpack(x)
+        except Exception:  # older exporters: fall back to the CUDA array interface below
+            pass
+    if hasattr(x, "__cuda_array_interface__"):
+        return cupy.asarray(x)
+    raise TypeError(f"{name}: expected a CUDA array (CuPy, or an object with DLPack/__cuda_array_interface__ "
+                    f"such as a torch CUDA tensor), got {type(x).__module__}.{type(x).__name__}")
+
+
+def like_input(result, example):
+    """Return result as the array type of example (torch in, torch out); CuPy otherwise."""
+    module = type(example).__module__.split(".")[0]
+    if module == "torch":
+        import torch
+
+        return torch.from_dlpack(result)
+    return result
+
+
+def numpy_dtype(name: str):
+    """np.dtype for a recipe's dtype name; bfloat16 comes from ml_dtypes."""
+    import numpy as np
+
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def on_device(x, stream):
+    """A context running on x's device, with CuPy's own work on stream (when given); nothing to
+    switch in the common case (x on the current device, no stream given)."""
+    from cupy.cuda import runtime
+
+    if stream is None and x.data.device_id == runtime.getDevice():
+        return contextlib.nullcontext()
+    return _switched(x, stream)
+
+
+@contextlib.contextmanager
+def _switched(x, stream):
+    with x.device:
+        if stream is None:
+            yield
+        else:
+            with stream:
+                yield
+
+
+def signature(x) -> tuple:
+    """What a launch plan fixes about an array: shape, byte strides, dtype and device."""
+    return x.shape, x.strides, x.dtype, x.data.device_id
+
+
+def check_view(x, name: str, itemsize: int, align: int, *, pointer: bool = True) -> None:
+    """x's layout (and, with pointer, its data pointer's alignment, which a plan checks per call)."""
+    if x.ndim == 4 and x.strides[-1] != itemsize:
+        raise ValueError(f"{name}: the head_dim axis must be contiguous (stride {itemsize} bytes), "
+                         f"got strides {x.strides}")
+    if pointer and x.data.ptr % align:
+        raise ValueError(f"{name}: data pointer must be {align}-byte aligned")
+    for axis, stride in enumerate(x.strides[:3]):
+        if stride % align and x.shape[axis] > 1:
+            raise ValueError(f"{name}: stride of axis {axis} ({stride} bytes) must be a multiple of {align} bytes")

@@ -1,0 +1,103 @@
+"""The registry the engine reads and the format families write: each folder under ``qattn/formats``
+registers one FormatFamily (its recipes, launchers, templates, emulators and call hooks), so that the
+engine, the checks and the public calls reach every format without importing any family.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .family import LaunchChoice, Recipe
+
+SHARED_TEMPLATES = Path(__file__).resolve().parent.parent / "templates"  # device code several families include
+
+
+@dataclass(frozen=True)
+class FormatFamily:
+    """One format family as the rest of qattn sees it. Only name and recipes are required; every hook
+    left None means the generic behaviour named beside it."""
+
+    name: str
+    recipes: tuple[Recipe, ...]
+    templates: Path | None = None  # its template folder (cuda/, hip/ below it), searched after the shared one
+    launchers: dict = field(default_factory=dict)  # Family.launcher key -> launch(kernel, q, k, v, **options)
+    emulators: dict = field(default_factory=dict)  # recipe name -> tiles builder (check/emulate.py)
+    # keyword options of qattn.attention that its formats take (e.g. smooth_k), passed on as given
+    options: frozenset = frozenset()
+    # qattn.attention for its formats (None: build the format's default kernel and call it); with
+    # call_names, further format names it answers to, and cache_types, cache objects passed as k.
+    call: Callable | None = None
+    call_names: tuple[str, ...] = ()
+    cache_types: tuple[type, ...] = ()
+    # K or V (float) -> the cache its kernels read, with .dequantize() (the values the FP64 reference
+    # and the emulator see); None: K and V are taken as given.
+    kv_cache: Callable | None = None
+    # Kernels that depend on a call's query count, which a spec does not know: (format, head_dim,
+    # arch) -> LaunchChoice, run by calls of at least least_queries rows that name no tile or unit.
+    launch_tiles: dict = field(default_factory=dict)
+    kernel_inputs: Callable | None = None  # (k, v) -> the K/V arguments its kernels take (None: k, v)
+    inspect: Callable | None = None  # spec -> extra fields of `qattn inspect` for its kernels
+
+
+RECIPES: dict[str, Recipe] = {}
+FAMILIES: dict[str, FormatFamily] = {}
+LAUNCHERS: dict[str, Callable] = {}
+_OWNER: dict[str, FormatFamily] = {}  # recipe name (and call name) -> its family
+
+
+def register(family: FormatFamily) -> FormatFamily:
+    """Add a family; a name already taken (family, recipe, launcher or call name) is an error."""
+    if family.name in FAMILIES:
+        raise ValueError(f"family {family.name!r} is already registered")
+    names = [r.name for r in family.recipes] + list(family.call_names)
+    for name in names:
+        if name in _OWNER:
+            raise ValueError(f"family {family.name!r}: format {name!r} is already registered by "
+                             f"{_OWNER[name].name!r}")
+    for key in family.launchers:
+        if key in LAUNCHERS:
+            raise ValueError(f"family {family.name!r}: launcher {key!r} is already registered")
+    unknown = set(family.emulators) - {r.name for r in family.recipes}
+    if unknown:
+        raise ValueError(f"family {family.name!r}: emulators for formats it does not define: {sorted(unknown)}")
+    FAMILIES[family.name] = family
+    LAUNCHERS.update(family.launchers)
+    for r in family.recipes:
+        RECIPES[r.name] = r
+    _OWNER.update({name: family for name in names})
+    return family
+
+
+def recipe(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise ValueError(f"format: unknown {name!r}; known formats: {', '.join(RECIPES)}")
+    return RECIPES[name]
+
+
+def family_of(name: str) -> FormatFamily:
+    """The family that defines format (or call name) `name`."""
+    if name not in _OWNER:
+        recipe(name)  # raises, naming the known formats
+    return _OWNER[name]
+
+
+def family_for_cache(obj) -> FormatFamily | None:
+    """The family whose cache type obj is (qattn.attention(q, cache)), or None."""
+    return next((f for f in FAMILIES.values() if f.cache_types and isinstance(obj, f.cache_types)), None)
+
+
+def launch_choice(fmt: str, head_dim: int, arch: str, queries: int) -> LaunchChoice | None:
+    """What a call of `queries` query rows that names no tile or unit runs: its family's listed
+    kernel where one applies, else None (the arch's default family and its default tile)."""
+    choice = family_of(fmt).launch_tiles.get((fmt, head_dim, arch))
+    return choice if choice is not None and queries >= choice.least_queries else None
+
+
+def formats_with_option(option: str) -> list[str]:
+    return [r.name for f in FAMILIES.values() if option in f.options for r in f.recipes]
+
+
+def template_dirs() -> tuple[Path, ...]:
+    """Where templates are looked up, in order: the shared device code, then each family's folder."""
+    return (SHARED_TEMPLATES, *(f.templates for f in FAMILIES.values() if f.templates is not None))

@@ -1,0 +1,119 @@
+"""KernelSpec: what to build. Frozen, validated at construction, with a readable name and a hash key."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, replace
+
+from .family import BACKENDS, KINDS, SMEM_PER_BLOCK
+from .registry import launch_choice, recipe
+from .tile import Tile
+
+
+def device_arch() -> str | None:
+    """The current CUDA device's arch as NVRTC names it (sm_90 -> sm_90a), or None without a GPU."""
+    try:
+        import cupy
+
+        if not cupy.cuda.is_available():
+            return None
+        major, minor = cupy.cuda.Device().compute_capability[:-1], cupy.cuda.Device().compute_capability[-1]
+    except Exception:  # no driver, no device
+        return None
+    arch = f"sm_{major}{minor}"
+    return "sm_90a" if arch == "sm_90" else arch
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    kind: str = "prefill"
+    recipe: str = "f16"
+    head_dim: int = 128
+    tile: Tile | None = None  # None: the family's tuned default for head_dim, causal and arch
+    causal: bool = False
+    backend: str = "cuda"
+    arch: str | None = None  # None: the current device's (CUDA only)
+    mma: str | None = None  # matrix unit where an arch has a choice ("mma.sync", "wgmma"); None: its default
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind: expected one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        fam = recipe(self.recipe).family(self.backend)
+        if not isinstance(self.head_dim, int) or self.head_dim not in fam.head_dims:
+            raise ValueError(f"head_dim: {self.recipe} on {self.backend} supports "
+                             f"{', '.join(map(str, fam.head_dims))}, got {self.head_dim!r}")
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"causal: expected a bool, got {self.causal!r}")
+        if self.arch is None:
+            arch = device_arch() if self.backend == "cuda" else None
+            if arch is None:
+                raise ValueError(f"arch: no {self.backend} device found to default to; name one of {', '.join(fam.archs)}")
+            object.__setattr__(self, "arch", arch)
+        if self.arch not in fam.archs:
+            raise ValueError(f"arch: {self.recipe} on {self.backend} supports {', '.join(fam.archs)}, got {self.arch!r}")
+        if self.mma is not None:
+            if self.mma == recipe(self.recipe).family(self.backend, self.arch).values.get("mma_unit"):
+                object.__setattr__(self, "mma", None)  # the default, spelled out: one spec, one key
+        fam = self.family
+        if self.tile is None:
+            object.__setattr__(self, "tile", fam.default_tile(self.head_dim, self.causal, self.arch))
+        if not isinstance(self.tile, Tile):
+            raise ValueError(f"tile: expected a qattn.Tile, got {self.tile!r}")
+        problem = fam.tile_problem(self.tile, self.head_dim)
+        if problem:
+            raise ValueError(f"tile {self.tile.name} for {self.recipe} d{self.head_dim} on {self.backend}: {problem}")
+        need, limit = fam.smem_bytes(self.tile, self.head_dim), SMEM_PER_BLOCK[self.arch]
+        if need > limit:
+            raise ValueError(f"tile {self.tile.name} for {self.recipe} d{self.head_dim} needs {need} B of shared "
+                             f"memory per block; {self.arch} allows {limit}: choose a smaller tile")
+
+    @property
+    def family(self):
+        return recipe(self.recipe).family(self.backend, self.arch, self.mma)
+
+    @property
+    def name(self) -> str:
+        """Greppable identifier, e.g. prefill_f16_d128_m128n64w4s2_causal_sm90a; also the cache dir stem."""
+        parts = [self.kind, self.recipe, f"d{self.head_dim}", self.tile.name]
+        if self.causal:
+            parts.append("causal")
+        if self.mma is not None:
+            parts.append(self.mma.replace(".", ""))
+        parts.append(self.arch.replace("_", ""))
+        return "_".join(parts)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["tile"] = asdict(self.tile)
+        return d
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def with_(self, **changes) -> "KernelSpec":
+        return replace(self, **changes)
+
+
+def default_spec(format: str, head_dim: int, *, causal: bool = False, arch: str | None = None) -> KernelSpec:
+    """The prefill kernel a call of format runs by default on arch (default: the current GPU's)."""
+    rec = recipe(format)
+    if "cuda" not in rec.families:
+        raise ValueError(f"format {format!r} has no CUDA kernel yet; its CPU emulator is "
+                         f"qattn.check.emulate.emulate({format!r}, ...)")
+    return KernelSpec(kind="prefill", recipe=format, head_dim=head_dim, causal=causal,
+                      arch=arch or device_arch())
+
+
+def call_spec(format: str, head_dim: int, causal: bool, queries: int, arch: str, tile: Tile | None = None,
+              mma: str | None = None) -> KernelSpec:
+    """The kernel a call of `queries` query rows runs: the given tile and matrix unit (each None: the
+    arch's default), else where neither is named the one its family lists for the query count
+    (registry.launch_choice), else the family's default."""
+    choice = launch_choice(format, head_dim, arch, queries) if tile is None and mma is None else None
+    if choice is not None:
+        tile, mma = choice.tile, choice.mma
+    return KernelSpec(kind="prefill", recipe=format, head_dim=head_dim, causal=causal, arch=arch, mma=mma,
+                      **({"tile": tile} if tile is not None else {}))

@@ -1,0 +1,89 @@
+"""The dense formats' launcher (f16, bf16, f32): check a call's arguments against the kernel's spec,
+allocate the outputs and launch. Errors name the argument and what was expected."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...engine.registry import recipe
+from ...engine.arrays import as_device_array, check_view, like_input, on_device, signature
+from ...engine.packed import NULL, PackedLaunch, Pointer, cached_plan, element_strides, programmatic
+from ...check.reference import check_shapes
+
+
+@dataclass(frozen=True)
+class _PrefillPlan:
+    launch: PackedLaunch
+    lse_shape: tuple
+
+
+def prefill(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, stream=None):
+    """out = softmax(q kᵀ·scale) v for one prefill kernel; returns out or (out, lse). The launch is
+    planned once per signature (shapes, strides, dtypes, options; packed.cached_plan): a repeated
+    call checks its pointers' alignment, allocates and launches."""
+    import cupy
+
+    example = q
+    q, k, v = (as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    out_given = None if out is None else as_device_array(out, "out")
+    scale = None if scale is None else float(scale)
+    key = ("prefill", signature(q), signature(k), signature(v),
+           None if out_given is None else signature(out_given), scale, bool(return_lse))
+    plan = cached_plan(kernel, key, lambda: _plan(kernel, q, k, v, out_given, scale, return_lse))
+    align = kernel.spec.family.align_bytes
+    for x, n in ((q, "q"), (k, "k"), (v, "v"), (out_given, "out")):
+        if x is not None and x.data.ptr % align:
+            raise ValueError(f"{n}: data pointer must be {align}-byte aligned")
+    with on_device(q, stream):
+        out_arr = out_given if out_given is not None else cupy.empty(q.shape, dtype=q.dtype)
+        lse = cupy.empty(plan.lse_shape, dtype=cupy.float32) if return_lse else None
+        plan.launch({"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "out": out_arr.data.ptr,
+                     "lse": lse.data.ptr if lse is not None else 0},
+                    (stream if stream is not None else cupy.cuda.get_current_stream()).ptr)
+    out_arr = like_input(out_arr, example) if out is None else out
+    if return_lse:
+        return out_arr, like_input(lse, example)
+    return out_arr
+
+
+def _plan(kernel, q, k, v, out, scale, return_lse) -> _PrefillPlan:
+    """The full checks of a call signature, then its launch."""
+    spec = kernel.spec
+    allowed = recipe(spec.recipe).input_dtypes
+    for x, n in ((q, "q"), (k, "k"), (v, "v")):
+        if x.dtype.name not in allowed:
+            raise TypeError(f"{n}: format {spec.recipe!r} takes {' or '.join(allowed)}, got {x.dtype.name}")
+        if x.device.id != q.device.id:
+            raise ValueError(f"{n}: on device {x.device.id}, but q is on device {q.device.id}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v: expected one dtype, got {q.dtype.name}, {k.dtype.name}, {v.dtype.name}")
+    b, hq, hkv, lq, lk, d = check_shapes(q.shape, k.shape, v.shape)
+    if d != spec.head_dim:
+        raise ValueError(f"q: head_dim {d} does not match the kernel's {spec.head_dim} ({spec.name})")
+    if b > 65535 or hq > 65535:
+        raise ValueError(f"q: batch and heads must be <= 65535 (grid limits), got batch {b}, heads {hq}")
+    align = spec.family.align_bytes
+    for x, n in ((q, "q"), (k, "k"), (v, "v")):
+        check_view(x, n, q.itemsize, align, pointer=False)
+    if out is None:
+        out_strides = tuple(int(np.prod(q.shape[i + 1:])) * q.itemsize for i in range(4))  # a new C-order array
+    else:
+        if out.shape != q.shape or out.dtype != q.dtype:
+            raise ValueError(f"out: expected shape {q.shape} and dtype {q.dtype.name}, "
+                             f"got {out.shape} {out.dtype.name}")
+        if out.device.id != q.device.id:
+            raise ValueError(f"out: on device {out.device.id}, but q is on device {q.device.id}")
+        check_view(out, "out", q.itemsize, align, pointer=False)
+        out_strides = out.strides
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale: expected a positive finite number, got {scale}")
+    args = (Pointer("q"), Pointer("k"), Pointer("v"), Pointer("out"), Pointer("lse") if return_lse else NULL,
+            *element_strides(q.strides, q.itemsize), *element_strides(k.strides, q.itemsize),
+            *element_strides(v.strides, q.itemsize), *element_strides(out_strides, q.itemsize), np.int64(lq),
+            np.int32(hq), np.int32(hq // hkv), np.int32(lq), np.int32(lk), np.float32(scale * math.log2(math.e)))
+    grid = (math.ceil(lq / spec.tile.block_m), hq, b)
+    launch = PackedLaunch(kernel.function(), grid, kernel.threads, kernel.shared_bytes, args, programmatic(spec))
+    return _PrefillPlan(launch, (b, hq, lq))

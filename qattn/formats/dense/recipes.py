@@ -1,0 +1,95 @@
+"""The dense formats' recipes and kernel families (DESIGN §2): fp16 and bf16 flash attention on
+tensor cores (mma.sync m16n8k16 on CUDA, MFMA/WMMA on HIP) and the fp32 SIMT noise floor."""
+from __future__ import annotations
+
+from ...engine.family import CUDA_ARCHS, HIP_ARCHS, Family, Recipe, Tolerance
+from ...engine.tiling import (first_problem, padded_row_bytes, ring_problem, simt_problem, simt_smem, smem_problem,
+                              tile_pitch, unpipelined_problem, warp_rows_problem)
+from ...engine.tile import Tile
+
+
+# ---- CUDA tensor-core prefill (f16, bf16): each warp owns 16 * MT query rows ----------------
+
+def _mma_smem(tile: Tile, d: int) -> int:
+    return (tile.block_m + 2 * tile.stages * tile.block_n) * tile_pitch(2 * d)
+
+
+def _mma_problem(tile: Tile, d: int) -> str | None:
+    def block_n():
+        if tile.block_n % 16 or not 16 <= tile.block_n <= 128:
+            return f"block_n must be a multiple of 16 in [16, 128], got {tile.block_n}"
+        return None
+
+    return first_problem(lambda: warp_rows_problem(tile, d), block_n, lambda: ring_problem(tile),
+                         lambda: smem_problem(_mma_smem(tile, d), "cuda"))
+
+
+CUDA_MMA = Family(
+    template="cuda/prefill_mma.cu.j2",
+    head_dims=(32, 64, 96, 128, 256),
+    default_tiles={32: Tile(128, 64, 4, 2), 64: Tile(128, 64, 4, 2), 96: Tile(64, 64, 4, 2),
+                   128: Tile(128, 64, 4, 2), 256: Tile(64, 64, 4, 2)},
+    tile_problem=_mma_problem,
+    smem_bytes=_mma_smem,
+    archs=CUDA_ARCHS,
+    # Causal d128 elsewhere keeps the narrower key tile (ptxas kept it in registers where m128n64
+    # spilled); on sm_90a m128n64 measured 13% faster than m128n32 on the H200 (BENCHMARKS.md).
+    tuned={(128, True, arch): Tile(128, 32, 4, 2) for arch in CUDA_ARCHS if arch != "sm_90a"},
+    # d128 on sm_90a: the key loop's second, mask-free softmax copy costs ptxas a few bytes of
+    # spill (4 B non-causal) and measured 1-5% faster than the spill-free single copy on the H200
+    # (BENCHMARKS.md); sm_80 and sm_90 are allowed the same trade (same mma.sync code, unmeasured).
+    measured_spills=frozenset({(128, True, "sm_90a")}
+                              | {(128, False, arch) for arch in ("sm_80", "sm_90", "sm_90a")}),
+    smaller_tiles={128: (Tile(128, 32, 4, 2),), 256: (Tile(64, 32, 4, 2), Tile(32, 32, 2, 2))},
+)
+
+
+CUDA_SIMT = Family(
+    template="cuda/prefill_simt.cu.j2",
+    head_dims=(32, 64, 96, 128, 256),
+    default_tiles={d: Tile(32, 32, 4, 1) for d in (32, 64, 96, 128, 256)},
+    tile_problem=simt_problem,
+    smem_bytes=simt_smem,
+    archs=CUDA_ARCHS,
+    align_bytes=4,
+    smaller_tiles={256: (Tile(16, 32, 4, 1),)},
+)
+
+
+# ---- HIP matrix-core prefill (MFMA on CDNA, WMMA on RDNA); 16 query rows per 32 lanes ------
+# `warps` counts 32-lane warps on every target, so a tile is the same work and the same block of
+# 32*warps threads everywhere: on RDNA (wave32) each wave owns 16 query rows; on CDNA (wave64)
+# each wave is two warps and owns 32 rows. Q and K sit row-major in LDS, V transposed.
+
+def _hip_smem(tile: Tile, d: int) -> int:
+    return (tile.block_m + tile.block_n) * padded_row_bytes(d, 2) + d * padded_row_bytes(tile.block_n, 2)
+
+
+def _hip_problem(tile: Tile, d: int) -> str | None:
+    if tile.warps % 2:
+        return f"warps must be even (a 64-lane CDNA wave is two warps), got {tile.warps}"
+    if tile.block_m != 16 * tile.warps:
+        return f"block_m must be 16 rows per warp (16*warps), got {tile.block_m} with {tile.warps} warps"
+    if tile.block_n % 16 or not 16 <= tile.block_n <= 64:
+        return f"block_n must be a multiple of 16 in [16, 64], got {tile.block_n}"
+    return unpipelined_problem(tile, "HIP") or smem_problem(_hip_smem(tile, d), "hip")
+
+
+HIP_MATRIX = Family(
+    template="hip/prefill_matrix.hip.j2",
+    head_dims=(64, 128),
+    default_tiles={64: Tile(64, 32, 4, 1), 128: Tile(64, 32, 4, 1)},
+    tile_problem=_hip_problem,
+    smem_bytes=_hip_smem,
+    archs=HIP_ARCHS,
+)
+
+
+RECIPES = (
+    Recipe("f16", "fp16 Q/K/V, fp32 accumulation, P rounded to fp16 (tensor cores)", ("float16",),
+           Tolerance(max_rel=2e-2, rel_l2=2e-3), {"cuda": CUDA_MMA, "hip": HIP_MATRIX}, {"mma": "f16", "cvt": "f16x2"}),
+    Recipe("bf16", "bf16 Q/K/V, fp32 accumulation, P rounded to bf16 (tensor cores)", ("bfloat16",),
+           Tolerance(max_rel=1e-1, rel_l2=1e-2), {"cuda": CUDA_MMA}, {"mma": "bf16", "cvt": "bf16x2"}),
+    Recipe("f32", "fp32 SIMT FMAs throughout: the noise floor for the exact formats", ("float32",),
+           Tolerance(max_rel=1e-5, rel_l2=1e-5), {"cuda": CUDA_SIMT}),
+)

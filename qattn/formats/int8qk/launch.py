@@ -1,0 +1,208 @@
+"""The CUDA launches of an int8-QK call, planned once per input signature.
+
+A QuantPlan holds the three quantization launches (column statistics of K and V per chunk of keys,
+their finish into K̄ and s_V, one grid of Q, K and V codes) and where each operand lives in one
+workspace allocation; attention_launch is the attention kernel's launch on operands named by
+Pointers (workspace offsets in a whole call, the arrays of a QuantizedQKV otherwise). Plans are
+cached on the kernel by the shapes, strides and options they were built for, so a repeated call
+spends its host time on the launches alone (int8.py checks the arguments before a plan is built).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...engine.registry import recipe
+from ...check import quant
+from ...engine.packed import NULL, PackedLaunch, Pointer, element_strides, programmatic
+
+# Keys per partial column sum of the K-mean / V-absmax kernels (one fp64 partial per chunk;
+# STATS_CHUNK in quantize_i8.cuh.j2).
+COLSTATS_CHUNK = 256
+# Threads of the quantization kernels (QT in quantize_i8.cuh.j2).
+QUANT_THREADS = 256
+# Channels per block of the kernel that finishes the column statistics.
+FINISH_CHANNELS = 32
+SUFFIX = {"float16": "f16", "bfloat16": "bf16"}
+
+
+@dataclass(frozen=True)
+class Buffer:
+    offset: int  # bytes into the workspace
+    shape: tuple
+    dtype: str
+
+
+# Query rows per block of the Q quantization where each row has its own scale (QBLOCK in prefill_i8.cu.j2).
+ROW_SCALE_BLOCK = 64
+
+
+def scale_blocks(spec) -> tuple[int, int]:
+    """(query rows per Q scale, keys per K scale block and softmax step) of a kernel: its tile's
+    block_m x block_n, unless its family fixes the rows (the wgmma kernels: one scale per row)."""
+    values = spec.family.values
+    return values.get("q_scale_rows", spec.tile.block_m), spec.tile.block_n
+
+
+def k_scale_groups(spec) -> int:
+    """K scales per key block: 1, or 4 (quant's "thread" groups, keys by (key % 8) // 2)."""
+    return spec.family.values.get("k_scale_groups", 1)
+
+
+def q_quant_rows(spec) -> int:
+    """Query rows per block of the Q quantization launches: the Q scale block, or ROW_SCALE_BLOCK."""
+    rows = scale_blocks(spec)[0]
+    return rows if rows > 1 else ROW_SCALE_BLOCK
+
+
+def scale_options(block_m: int, block_n: int, k_groups: int) -> dict:
+    """emulate()'s options for Q scales of block_m rows and K scale blocks of block_n keys in
+    k_groups groups (1 or 4)."""
+    return {"block_m": block_m, "block_n": block_n, "k_granularity": "thread" if k_groups > 1 else "block"}
+
+
+def describe_scales(block_m: int, block_n: int, k_groups: int) -> str:
+    """Words for a scale layout, e.g. "Q scales per row, 4 K scales per 128 keys"."""
+    rows = "per row" if block_m == 1 else f"per {block_m} rows"
+    k = "one K scale" if k_groups == 1 else f"{k_groups} K scales"
+    return f"Q scales {rows}, {k} per {block_n} keys"
+
+
+def emulator_options(spec) -> dict:
+    """The emulate() options under which the emulator computes what the kernel of spec computes."""
+    return scale_options(*scale_blocks(spec), k_scale_groups(spec))
+
+
+def inspect_fields(spec) -> dict:
+    """What `qattn inspect` reports of an int8-QK kernel beside its resources: its scale blocks, the
+    options under which the emulator computes what the kernel computes."""
+    q_rows, keys = scale_blocks(spec)
+    return {"scale_blocks": {"q_rows": q_rows, "k_keys": keys, "k_groups": k_scale_groups(spec),
+                             "emulator": emulator_options(spec)}}
+
+
+def tile_keys(spec) -> int:
+    """Keys per K8 / V^T tile where the kernel reads them as wgmma tiles, else 0."""
+    return spec.tile.block_n if spec.family.values["mma_unit"] == "wgmma" else 0
+
+
+class QuantPlan:
+    """The quantization launches for one signature: q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D] with
+    the given strides (bytes) and input dtype. Launched with pointers q, k, v and ws (the workspace
+    of nbytes); buffers names where each operand lies in it."""
+
+    def __init__(self, kernel, dims, dtype: str, strides, scale: float, with_shift: bool, smooth_k: bool):
+        spec = kernel.spec
+        b, hq, hkv, lq, lk, d = dims
+        q_st, k_st, v_st = (element_strides(s, 2) for s in strides)
+        bn = spec.tile.block_n
+        q_rows, k_keys = scale_blocks(spec)
+        sfx = SUFFIX[dtype]
+        v_stats = recipe(spec.recipe).ctype["pv"] != "f16"  # 8-bit PV: per-channel s_V
+        v_job = v_stats or dtype != "float16"  # fp16 V for the fp16 PV passes through
+        nchunks = -(-lk // COLSTATS_CHUNK)
+        nbk = -(-lk // bn)
+        lk_pad = nbk * bn
+        k_tiles = tile_keys(spec) > 0  # K8 as block tiles of wgmma's layout
+        self.buffers: dict[str, Buffer] = {}
+        self.nbytes = 0
+
+        def place(name, shape, dtype_name):
+            size = int(np.prod(shape)) * np.dtype(dtype_name).itemsize
+            self.buffers[name] = Buffer(self.nbytes, tuple(shape), dtype_name)
+            self.nbytes += -(-size // 256) * 256
+
+        # K̄, s_V and s_V / P_SCALE side by side (one zero fill where nothing computes K̄)
+        place("small", (3 if v_stats else 1, b, hkv, d), "float32")
+        place("q8", (b, hq, lq, d), "int8")
+        place("q_scale", (b, hq, -(-lq // q_rows)), "float32")
+        if with_shift:
+            place("shift", (b, hq, lq), "float32")
+        place("k8", (b, hkv, lk_pad if k_tiles else lk, d), "int8")
+        place("k_scale", (b, hkv, -(-lk // k_keys) * k_scale_groups(spec)), "float32")
+        if v_job:
+            if spec.family.values["pv_operand"] == "f16":  # fp16 rows (of V, or of its e4m3 codes' values)
+                place("v_op", (b, hkv, lk, d), "float16")
+            else:
+                place("v_op", (b, hkv, d, lk_pad), "uint8")
+        if smooth_k:
+            place("part_sum", (b, hkv, nchunks, d), "float64")
+        if v_stats:
+            place("part_max", (b, hkv, nchunks, d), "float32")
+        self.v_stats, self.v_job, self.with_shift = v_stats, v_job, with_shift
+
+        self._plane = plane = b * hkv * d * 4  # bytes of one of K̄, s_V, s_V / P_SCALE
+        ws = self._pointer
+        k_mean, v_scale = ws("small"), ws("small", plane) if v_stats else NULL
+        self.zero_fill = None if smooth_k or v_stats else (self.buffers["small"].offset, plane)
+        self.launches = []
+        pdl = programmatic(spec)
+        if smooth_k or v_stats:
+            self.launches.append(PackedLaunch(
+                kernel.function("_stats_" + sfx), (nchunks, hkv, b), QUANT_THREADS, 0,
+                (Pointer("k") if smooth_k else NULL, *k_st, Pointer("v") if v_stats else NULL, *v_st, np.int32(lk),
+                 ws("part_sum"), ws("part_max")), pdl))
+            self.launches.append(PackedLaunch(
+                kernel.function("_stats_finish"), (-(-d // FINISH_CHANNELS), hkv, b), QUANT_THREADS, 0,
+                (ws("part_sum"), ws("part_max"), np.int32(nchunks), np.int32(lk), k_mean, v_scale,
+                 ws("small", 2 * plane) if v_stats else NULL), pdl))
+        blocks = -(-lq // q_quant_rows(spec)) * hq * b + nbk * hkv * b * (2 if v_job else 1)
+        mul = np.float32(scale * quant.LOG2E)  # as quant.fold_softmax_scale
+        self.launches.append(PackedLaunch(
+            kernel.function("_quant_qkv_" + sfx), (blocks, 1, 1), QUANT_THREADS, 0,
+            (Pointer("q"), *q_st, np.int32(lq), np.int32(hq), np.int32(hq // hkv), mul, ws("q8"), ws("q_scale"),
+             ws("shift"), Pointer("k"), *k_st, Pointer("v"), *v_st, np.int32(lk), np.int32(hkv), np.int32(lk_pad),
+             np.int32(b), k_mean, v_scale, ws("k8"), ws("k_scale"), ws("v_op")), pdl))
+
+    def launch(self, pointers: dict, stream_ptr: int) -> None:
+        if self.zero_fill is not None:
+            from cupy.cuda import runtime
+
+            offset, size = self.zero_fill
+            runtime.memsetAsync(pointers["ws"] + offset, 0, size, stream_ptr)
+        for launch in self.launches:
+            launch(pointers, stream_ptr)
+
+    def _pointer(self, name: str, skip: int = 0) -> Pointer:
+        """Buffer name's place in the workspace (null where the plan has no such buffer)."""
+        return Pointer("ws", self.buffers[name].offset + skip) if name in self.buffers else NULL
+
+    def operands(self) -> dict:
+        """Where the attention kernel finds each operand after launch(): Pointers into the workspace,
+        or to V itself where it passes through unquantized."""
+        ws = self._pointer
+        return {"q8": ws("q8"), "k8": ws("k8"), "v": ws("v_op") if self.v_job else Pointer("v"),
+                "q_scale": ws("q_scale"), "k_scale": ws("k_scale"),
+                "v_out_scale": ws("small", 2 * self._plane) if self.v_stats else NULL, "shift": ws("shift")}
+
+    def arrays(self, memory) -> dict:
+        """CuPy views of the workspace memory (a cupy.cuda.MemoryPointer) per buffer."""
+        import cupy
+
+        return {name: cupy.ndarray(buf.shape, dtype=buf.dtype, memptr=memory + buf.offset)
+                for name, buf in self.buffers.items()}
+
+
+def attention_launch(kernel, dims, dtype: str, operands: dict, v_strides, out_strides, with_lse: bool):
+    """The attention kernel's launch (output dtype = input dtype) on operands (name -> Pointer: q8,
+    k8, v, q_scale, k_scale, v_out_scale, shift) writing Pointer("out") and, with_lse, Pointer("lse").
+    v_strides: bytes of the V operand's first three axes; out_strides: the output's, in elements."""
+    spec = kernel.spec
+    b, hq, hkv, lq, lk, d = dims
+    args = (operands["q8"], operands["k8"], operands["v"], operands["q_scale"], operands["k_scale"],
+            operands["v_out_scale"], Pointer("out"), Pointer("lse") if with_lse else NULL,
+            operands["shift"] if with_lse else NULL, *(np.int64(s) for s in v_strides[:3]),
+            *(np.int64(s) for s in out_strides[:3]), np.int32(hq), np.int32(hq // hkv), np.int32(lq), np.int32(lk))
+    return PackedLaunch(kernel.function("_" + SUFFIX[dtype]), (-(-lq // spec.tile.block_m), hq, b), kernel.threads,
+                        kernel.shared_bytes, args, programmatic(spec))
+
+
+def contiguous_strides(buffer: Buffer) -> tuple:
+    """Byte strides of a workspace buffer (C order)."""
+    itemsize = np.dtype(buffer.dtype).itemsize
+    strides, step = [], itemsize
+    for n in reversed(buffer.shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))

@@ -1,0 +1,203 @@
+"""The int8-QK formats' recipes and kernel families (DESIGN §2): i8-f16, i8-i8 and i8-f8, int8 QK
+with exact K smoothing and PV in fp16, int8 or fp8 e4m3; CUDA (mma.sync, and warp-specialized wgmma
+for i8-f8 on sm_90a) and HIP (int8 MFMA / iu8 WMMA)."""
+from __future__ import annotations
+
+from typing import Callable
+
+from ...engine.family import CUDA_ARCHS, HIP_ARCHS, Family, Recipe, Tolerance
+from ...engine.tiling import (first_problem, padded_row_bytes, ring_problem, smem_problem, tile_pitch,
+                              unpipelined_problem, warp_rows_problem)
+from ...engine.tile import Tile
+
+# ---- CUDA: m16n8k32 s8 QK, PV in fp16, int8 or e4m3 ---------------------------------------------
+# One module per spec also holds the quantization kernels (K mean, Q/K block codes, V codes).
+# Q8 and K8 sit in smem as rows of D + 16 bytes; V either as fp16 rows (tile_pitch(2D)) or,
+# for 8-bit PV, transposed: D channel rows of BN + 16 key bytes. The epilogue stages the
+# 16-bit output rows (D + 8 elements) over the same memory after the key loop.
+
+def _i8_v_tile_bytes(tile: Tile, d: int, pv_operand: str) -> int:
+    return tile.block_n * tile_pitch(2 * d) if pv_operand == "f16" else d * (tile.block_n + 16)
+
+
+def _i8_smem(pv_operand: str) -> Callable[[Tile, int], int]:
+    def smem(tile: Tile, d: int) -> int:
+        loop = (tile.block_m + tile.stages * tile.block_n) * (d + 16) + tile.stages * _i8_v_tile_bytes(tile, d, pv_operand)
+        epilogue = tile.block_m * padded_row_bytes(d, 2)
+        return max(loop, epilogue)
+
+    return smem
+
+
+def _i8_problem(pv_operand: str) -> Callable[[Tile, int], str | None]:
+    def problem(tile: Tile, d: int) -> str | None:
+        def blocks():
+            if tile.block_m % 32:
+                return f"block_m must be a multiple of 32 (rows per pass of the quantization kernels), got {tile.block_m}"
+            if tile.block_n % 32 or not 32 <= tile.block_n <= 128:
+                return f"block_n must be a multiple of 32 in [32, 128] (the int8 MMA's k step), got {tile.block_n}"
+            return None
+
+        return first_problem(lambda: warp_rows_problem(tile, d), blocks, lambda: ring_problem(tile),
+                             lambda: smem_problem(_i8_smem(pv_operand)(tile, d), "cuda"))
+
+    return problem
+
+
+# Where ptxas spills a few bytes of the default tile (its 128-register target for 256 threads): a
+# tile of the same scale blocks that stays in registers. On sm_90a: the fastest tile of a sweep on
+# the H200 (m128n64 w8s3 / w8s2 / w4s2, m128n32 w4s2 / w4s3; B4 H32 L4096 and B1 H32 L32768 at
+# d128, B4 H32 L8192 at d64, causal and not; BENCHMARKS.md). Four warps of 32 rows reuse each K
+# and V fragment twice and win by 10-35% at d128 although ptxas spills a few bytes there.
+_W4, _W8 = Tile(128, 64, 4, 2), Tile(128, 64, 8, 2)
+_I8_TUNED = {
+    "f16": {(128, False, "sm_90a"): _W4, (128, True, "sm_90a"): _W4, (64, True, "sm_90a"): _W4},
+    "i8": {(128, False, "sm_90a"): _W4, (128, True, "sm_90a"): _W4, (64, True, "sm_90a"): _W8},
+    "f8": {(64, True, "sm_100a"): Tile(128, 64, 4, 3), (128, True, "sm_100a"): _W8, (128, True, "sm_120"): _W8},
+}
+_I8_MEASURED_SPILLS = {
+    "f16": {(128, True, "sm_90a")},
+    "i8": {(128, False, "sm_90a")},
+}
+# On Hopper, ptxas lowers mma.sync e4m3 to fp16 HMMAs plus an unpack of both operands in every warp
+# (the i8-f8 SASS holds two HMMA.16816 and five F2FP.F16.E4M3.UNPACK_B per e4m3 MMA). There the
+# i8-f8 kernel carries the same e4m3 values in fp16 instead: V is stored as fp16 rows of its e4m3
+# codes' values, P is rounded to e4m3 and widened in registers, and PV runs on m16n8k16 f16 MMAs.
+# Every product of two e4m3 values is exact in fp32, so the format (and the emulator) is unchanged.
+E4M3_IN_F16_ARCHS = ("sm_90", "sm_90a")
+# Measured on the H200 (BENCHMARKS.md): four warps of 32 rows win at d128 non-causal (16 B spilled,
+# 385 vs 302-326 TOPS for m128n64w8s3/w8s2, m128n32w4s2); elsewhere the default is as fast or faster.
+_I8_TUNED["f8-in-f16"] = {(128, False, "sm_90a"): _W4}
+_I8_MEASURED_SPILLS["f8-in-f16"] = {(128, False, "sm_90a")}
+
+
+def _cuda_i8(pv: str, pv_operand: str | None = None) -> Family:
+    """The int8-QK family for one PV format ("f16", "i8" or "f8"); pv_operand is the type PV's MMA
+    runs on: pv itself, or "f16" for e4m3 values carried in fp16. The e4m3 MMA needs sm_89+."""
+    pv_operand = pv_operand or pv
+    variant = pv if pv_operand == pv else f"{pv}-in-{pv_operand}"
+    archs = CUDA_ARCHS if pv != "f8" else tuple(a for a in CUDA_ARCHS if int(a[3:].rstrip("a")) >= 89)
+    return Family(
+        template="cuda/prefill_i8.cu.j2",
+        head_dims=(64, 128),
+        # 128 query rows per Q scale and 64 keys per K scale (the emulator's defaults). Eight warps
+        # of 16 rows: with four warps of 32 rows ptxas spills at d128.
+        default_tiles={64: Tile(128, 64, 8, 3), 128: Tile(128, 64, 8, 3)},
+        tile_problem=_i8_problem(pv_operand),
+        smem_bytes=_i8_smem(pv_operand),
+        archs=archs,
+        launcher="prefill_i8",
+        main_entry="_f16",
+        tuned=dict(_I8_TUNED.get(variant, {})),
+        measured_spills=frozenset(_I8_MEASURED_SPILLS.get(variant, ())),
+        values={"pv_operand": pv_operand, "mma_unit": "mma.sync"},
+    )
+
+
+CUDA_I8 = {pv: _cuda_i8(pv) for pv in ("f16", "i8", "f8")}
+CUDA_I8_F8_IN_F16 = _cuda_i8("f8", "f16")
+
+
+# ---- CUDA int8 QK prefill on Hopper warpgroup MMAs (i8-f8, sm_90a) --------------------------------
+# Each consumer warpgroup (4 of tile.warps) owns 64 query rows; a producer warpgroup beside them
+# fills the K and V^T rings with bulk copies. Q8, K8 and V^T codes sit in the no-swizzle
+# core-matrix layout wgmma reads through descriptors (rows of D, or BN, bytes: no padding); the
+# output rows are staged in their own region (a warpgroup finishes while the other still reads K/V),
+# and four mbarriers per ring slot follow.
+
+def _wgmma_smem(tile: Tile, d: int) -> int:
+    loop = tile.block_m * d + tile.stages * 2 * tile.block_n * d
+    return loop + tile.block_m * padded_row_bytes(d, 2) + 4 * 8 * tile.stages
+
+
+def _wgmma_problem(tile: Tile, d: int) -> str | None:
+    def shape():
+        if tile.block_m not in (64, 128, 192) or tile.block_m != 16 * tile.warps:
+            return ("block_m must be 64, 128 or 192, 64 rows per consumer warpgroup of 4 warps "
+                    f"(warps = block_m / 16), got {tile.block_m}/{tile.warps}")
+        if tile.block_n not in (64, 128):
+            return f"block_n must be 64 or 128 (the s8 wgmma's n), got {tile.block_n}"
+        return None
+
+    return first_problem(shape, lambda: ring_problem(tile), lambda: smem_problem(_wgmma_smem(tile, d), "cuda"))
+
+
+CUDA_I8_F8_WGMMA = Family(
+    template="cuda/prefill_i8.cu.j2",
+    head_dims=(64, 128),
+    # Whatever the tile, one Q scale per query row and four K scales per key tile (values: quant's
+    # "thread" groups, the keys of one accumulator column quad), as fine as SageAttention2's
+    # per-thread scales and as cheap: a thread applies one scale per row and one per key tile. The
+    # key tile is the format's key block (keys per K scale block and per softmax step). Measured on the H200
+    # (BENCHMARKS.md): 128-key blocks beat 64-key ones by 16-20% at d128 and 5-9% at d64; three
+    # consumer warpgroups of one 192-row block (three warps per scheduler where two 64-row blocks
+    # per SM give two) beat two 64-row blocks by 15% at d64 (causal 11%) and 13% at d128 (S issued
+    # after the PV partial there), though ptxas spills a few bytes at their 160 registers.
+    default_tiles={64: Tile(192, 128, 12, 2), 128: Tile(192, 128, 12, 2)},
+    measured_spills=frozenset((d, causal, "sm_90a") for d in (64, 128) for causal in (False, True)),
+    tile_problem=_wgmma_problem,
+    smem_bytes=_wgmma_smem,
+    archs=("sm_90a",),
+    producer_warps=4,
+    launcher="prefill_i8",
+    main_entry="_f16",
+    values={"pv_operand": "f8", "mma_unit": "wgmma", "q_scale_rows": 1, "k_scale_groups": 4},
+)
+
+
+# ---- HIP int8 QK prefill (i8-f16, i8-i8, i8-f8): int8 MFMA / iu8 WMMA QK, PV in fp16, int8 or e4m3 --
+# Same tile rules as HIP_MATRIX (16 query rows per 32 lanes, no pipelining) and the CUDA module's
+# entry points (attention + quantization kernels). K8 rows of D + 16 bytes in LDS; V as fp16 V^T
+# (BN + 8 elements per channel) or as 8-bit V^T codes (BN + 16 bytes per channel); Q8 stays in
+# registers. The output rows are staged over the same LDS after the key loop.
+
+def _hip_i8(pv: str) -> Family:
+    """The HIP int8-QK family for one PV format ("f16", "i8" or "f8"). e4m3 PV needs an fp8 matrix
+    op: CDNA3 (gfx942, e4m3fnuz MFMA) and RDNA4 (gfx1201, e4m3 WMMA); gfx90a and RDNA3 (gfx1100)
+    have none, so i8-f8 is not offered there."""
+    archs = HIP_ARCHS if pv != "f8" else ("gfx942", "gfx1201")
+
+    def smem(tile: Tile, d: int) -> int:
+        v_tile = d * padded_row_bytes(tile.block_n, 2) if pv == "f16" else d * (tile.block_n + 16)
+        return max(tile.block_n * (d + 16) + v_tile, tile.block_m * padded_row_bytes(d, 2))
+
+    def problem(tile: Tile, d: int) -> str | None:
+        if tile.warps % 2:
+            return f"warps must be even (a 64-lane CDNA wave is two warps), got {tile.warps}"
+        if tile.block_m != 16 * tile.warps:
+            return f"block_m must be 16 rows per warp (16*warps), got {tile.block_m} with {tile.warps} warps"
+        if tile.block_n not in (32, 64):
+            return f"block_n must be 32 or 64 (whole 32-key steps of the 8-bit ops), got {tile.block_n}"
+        return unpipelined_problem(tile, "HIP") or smem_problem(smem(tile, d), "hip")
+
+    return Family(
+        template="hip/prefill_i8.hip.j2",
+        head_dims=(64, 128),
+        # The emulator's scale blocks (128 query rows per Q scale, 64 keys per K scale), as on CUDA.
+        default_tiles={64: Tile(128, 64, 8, 1), 128: Tile(128, 64, 8, 1)},
+        tile_problem=problem,
+        smem_bytes=smem,
+        archs=archs,
+        launcher="prefill_i8",
+        main_entry="_f16",
+        values={"pv_operand": pv},
+    )
+
+
+HIP_I8 = {pv: _hip_i8(pv) for pv in ("f16", "i8", "f8")}
+
+
+# Their CUDA modules also quantize (ctype "pv" names the PV operand format; mma/cvt serve the fp16
+# PV helpers).
+RECIPES = (
+    Recipe("i8-f16", "int8 QK with exact K smoothing, PV in fp16", ("float16", "bfloat16"),
+           Tolerance(max_rel=1e-1, rel_l2=3e-2), {"cuda": CUDA_I8["f16"], "hip": HIP_I8["f16"]},
+           {"mma": "f16", "cvt": "f16x2", "pv": "f16"}),
+    Recipe("i8-i8", "int8 QK with exact K smoothing, PV in int8 (P static 127, V per channel)",
+           ("float16", "bfloat16"), Tolerance(max_rel=2e-1, rel_l2=1e-1), {"cuda": CUDA_I8["i8"], "hip": HIP_I8["i8"]},
+           {"mma": "f16", "cvt": "f16x2", "pv": "i8"}),
+    Recipe("i8-f8", "int8 QK with exact K smoothing, PV in fp8 e4m3 (P static 448, V per channel)",
+           ("float16", "bfloat16"), Tolerance(max_rel=2e-1, rel_l2=6e-2), {"cuda": CUDA_I8["f8"], "hip": HIP_I8["f8"]},
+           {"mma": "f16", "cvt": "f16x2", "pv": "f8"},
+           {("cuda", "sm_90"): (CUDA_I8_F8_IN_F16,), ("cuda", "sm_90a"): (CUDA_I8_F8_WGMMA, CUDA_I8_F8_IN_F16)}),
+)
