@@ -263,7 +263,7 @@ def gen(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, arch, ou
 # ---- inspect: resources and instruction counts ---------------------------------------------
 
 def inspect_spec(spec: KernelSpec) -> dict:
-    """runtime.inspect.inspect_spec, with a missing clang reported as a usage problem."""
+    """engine.inspect.inspect_spec, with a missing clang reported as a usage problem."""
     from .engine.inspect import inspect_spec as inspect_compiled
 
     try:

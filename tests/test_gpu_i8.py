@@ -611,7 +611,7 @@ def test_fused_quantization_is_exact(fmt, dtype, d, lk):
 
 
 def test_accuracy_records_match_a_direct_fp64_check():
-    """runtime.bench.accuracy_against_fp64 (tools/bench_accuracy.py): one record per preset, context,
+    """bench.prefill.accuracy_against_fp64 (tools/bench_accuracy.py): one record per preset, context,
     causal and implementation; qattn's rel_l2 equals a direct FP64 comparison of the same call; a
     context longer than max_queries has no causal row (the peers' masks align top-left)."""
     import cupy

@@ -171,7 +171,7 @@ def _check_compiled(spec: KernelSpec, spills_allowed: int = 0) -> None:
 
 def _measured_spills(spec: KernelSpec) -> int:
     # kv8-imma's three-slot default on sm_90a spills (64 B stored, 104 B reloaded) and still measured
-    # 2-10% faster than the spill-free two-slot tile (BENCHMARKS.md)
+    # 2-10% faster than the spill-free two-slot tile (docs/notes/kv8.md)
     return 112 if (spec.head_dim, spec.causal, spec.arch) in spec.family.measured_spills else 0
 
 

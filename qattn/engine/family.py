@@ -47,7 +47,7 @@ class Family:
     smaller_tiles: dict = field(default_factory=dict)
     # (head_dim, causal, arch) whose default tile ptxas spills a little (<= 64 B; <= 96 B for the
     # wgmma kernels' 160-register consumers) but which measured faster than every spill-free tile
-    # (BENCHMARKS.md); everywhere else defaults must not spill.
+    # (docs/notes/<family>.md); everywhere else defaults must not spill.
     measured_spills: frozenset = frozenset()
     producer_warps: int = 0  # warps beside tile.warps that only load (warp-specialized kernels)
     launcher: str = "prefill"  # key of registry.LAUNCHERS: the function that runs this family's kernels

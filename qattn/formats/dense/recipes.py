@@ -33,11 +33,11 @@ CUDA_MMA = Family(
     smem_bytes=_mma_smem,
     archs=CUDA_ARCHS,
     # Causal d128 elsewhere keeps the narrower key tile (ptxas kept it in registers where m128n64
-    # spilled); on sm_90a m128n64 measured 13% faster than m128n32 on the H200 (BENCHMARKS.md).
+    # spilled); on sm_90a m128n64 measured 13% faster than m128n32 on the H200 (docs/notes/dense.md).
     tuned={(128, True, arch): Tile(128, 32, 4, 2) for arch in CUDA_ARCHS if arch != "sm_90a"},
     # d128 on sm_90a: the key loop's second, mask-free softmax copy costs ptxas a few bytes of
     # spill (4 B non-causal) and measured 1-5% faster than the spill-free single copy on the H200
-    # (BENCHMARKS.md); sm_80 and sm_90 are allowed the same trade (same mma.sync code, unmeasured).
+    # (docs/notes/dense.md); sm_80 and sm_90 are allowed the same trade (same mma.sync code, unmeasured).
     measured_spills=frozenset({(128, True, "sm_90a")}
                               | {(128, False, arch) for arch in ("sm_80", "sm_90", "sm_90a")}),
     smaller_tiles={128: (Tile(128, 32, 4, 2),), 256: (Tile(64, 32, 4, 2), Tile(32, 32, 2, 2))},

@@ -47,7 +47,7 @@ def _i8_problem(pv_operand: str) -> Callable[[Tile, int], str | None]:
 # Where ptxas spills a few bytes of the default tile (its 128-register target for 256 threads): a
 # tile of the same scale blocks that stays in registers. On sm_90a: the fastest tile of a sweep on
 # the H200 (m128n64 w8s3 / w8s2 / w4s2, m128n32 w4s2 / w4s3; B4 H32 L4096 and B1 H32 L32768 at
-# d128, B4 H32 L8192 at d64, causal and not; BENCHMARKS.md). Four warps of 32 rows reuse each K
+# d128, B4 H32 L8192 at d64, causal and not; docs/notes/int8qk.md). Four warps of 32 rows reuse each K
 # and V fragment twice and win by 10-35% at d128 although ptxas spills a few bytes there.
 _W4, _W8 = Tile(128, 64, 4, 2), Tile(128, 64, 8, 2)
 _I8_TUNED = {
@@ -65,7 +65,7 @@ _I8_MEASURED_SPILLS = {
 # codes' values, P is rounded to e4m3 and widened in registers, and PV runs on m16n8k16 f16 MMAs.
 # Every product of two e4m3 values is exact in fp32, so the format (and the emulator) is unchanged.
 E4M3_IN_F16_ARCHS = ("sm_90", "sm_90a")
-# Measured on the H200 (BENCHMARKS.md): four warps of 32 rows win at d128 non-causal (16 B spilled,
+# Measured on the H200 (docs/notes/int8qk.md): four warps of 32 rows win at d128 non-causal (16 B spilled,
 # 385 vs 302-326 TOPS for m128n64w8s3/w8s2, m128n32w4s2); elsewhere the default is as fast or faster.
 _I8_TUNED["f8-in-f16"] = {(128, False, "sm_90a"): _W4}
 _I8_MEASURED_SPILLS["f8-in-f16"] = {(128, False, "sm_90a")}
@@ -129,7 +129,7 @@ CUDA_I8_F8_WGMMA = Family(
     # "thread" groups, the keys of one accumulator column quad), as fine as SageAttention2's
     # per-thread scales and as cheap: a thread applies one scale per row and one per key tile. The
     # key tile is the format's key block (keys per K scale block and per softmax step). Measured on the H200
-    # (BENCHMARKS.md): 128-key blocks beat 64-key ones by 16-20% at d128 and 5-9% at d64; three
+    # (docs/notes/int8qk.md): 128-key blocks beat 64-key ones by 16-20% at d128 and 5-9% at d64; three
     # consumer warpgroups of one 192-row block (three warps per scheduler where two 64-row blocks
     # per SM give two) beat two 64-row blocks by 15% at d64 (causal 11%) and 13% at d128 (S issued
     # after the PV partial there), though ptxas spills a few bytes at their 160 registers.

@@ -33,7 +33,7 @@ MMA_FORMATS = ("kv8-split", "kv8-imma")
 
 
 # kv8-imma at d128 on sm_90a runs three slots, which transpose V a block ahead and wait at one
-# barrier a block instead of two: 2-10% faster at every seed shape on the H200 (BENCHMARKS.md).
+# barrier a block instead of two: 2-10% faster at every seed shape on the H200 (docs/notes/kv8.md).
 # It takes 108 KB of shared memory (two blocks per SM; 99 KB archs cannot hold it) and ptxas parks
 # 64 B on the stack, which MEASURED_SPILLS admits.
 IMMA_TUNED = {(128, causal, "sm_90a"): Tile(64, 64, 4, 3) for causal in (False, True)}
@@ -45,7 +45,7 @@ MEASURED_SPILLS = {"kv8-imma": frozenset(IMMA_TUNED), "kv8-split": frozenset()}
 # third more shared memory than kv8-imma's bytes, would hold one 64-row block per SM on three
 # slots; from LONG_QUERIES rows it runs 128-row blocks of three slots (one block's K/V tiles and V
 # transpose serve eight warps; with fewer rows half the block idles). kv8-imma runs its wgmma
-# kernel's 128-row blocks from WGMMA_QUERIES[head_dim] rows (measured on the H200, BENCHMARKS.md:
+# kernel's 128-row blocks from WGMMA_QUERIES[head_dim] rows (measured on the H200, docs/notes/kv8.md:
 # at d128 1.03-1.13x the mma.sync kernel from 256 queries, at d64 1.34-1.43x at 32768/2048 but
 # 0.78-0.91x at 1500/1500, where its one block per SM fills the GPU worse; with 64 queries
 # 0.6-0.7x at both).
@@ -120,7 +120,7 @@ def _mma_family(fmt: str) -> Family:
 
 # kv8-imma on warpgroup MMAs. A warpgroup owns 64 query rows; QK_N keys per S wgmma and PV_N
 # channels per PV wgmma bound the part sums live at once (3 x n/2 registers a thread). Measured on
-# the H200 (BENCHMARKS.md): 64-key and 64-channel products beat 32-wide ones by 2-4% at d128; one
+# the H200 (docs/notes/kv8.md): 64-key and 64-channel products beat 32-wide ones by 2-4% at d128; one
 # 128-row block per SM (eight warps) beats two 64-row blocks by 10-20% at 32768/2048. It beats the
 # mma.sync kernel only for many queries, so the default unit stays mma.sync and such calls run the
 # wgmma kernel (LAUNCH_TILES).
