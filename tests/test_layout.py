@@ -137,3 +137,17 @@ def test_ls_qattn_shows_the_architecture():
     init = textwrap.dedent((PACKAGE / "formats" / "__init__.py").read_text())
     for family in families:  # one registry line per family folder
         assert family in init.split("import", 1)[1], f"formats/{family} is not registered in formats/__init__.py"
+
+
+def test_template_names_are_unique_across_folders():
+    """A template is found by name in the shared folder, then in each family's: a name in two
+    folders would be shadowed without a word."""
+    from qattn.engine import registry
+
+    seen = {}
+    for folder in registry.template_dirs():
+        for path in folder.rglob("*.j2"):
+            name = str(path.relative_to(folder))
+            assert name not in seen, f"template {name} is in both {seen[name]} and {folder}"
+            seen[name] = folder
+    assert "cuda/common.cuh.j2" in seen and "cuda/prefill_mma.cu.j2" in seen
