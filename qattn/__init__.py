@@ -8,10 +8,11 @@ from .engine.compile import CompileError
 from .engine.registry import RECIPES, recipe
 from .engine.spec import KernelSpec
 from .engine.tile import Tile
+from .formats.decode import PagedKVCache, decode
 from .formats.kv8 import KVCacheInt8
 from .version import __version__
 
 __all__ = [
     "__version__", "attention", "build", "default_spec", "KernelSpec", "Tile", "RECIPES", "recipe",
-    "reference", "metrics", "CompileError", "KernelNotCached", "KVCacheInt8",
+    "reference", "metrics", "CompileError", "KernelNotCached", "KVCacheInt8", "PagedKVCache", "decode",
 ]

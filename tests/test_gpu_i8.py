@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import qattn
-from qattn.formats.int8qk.fragments import pv_key_slot
+from qattn.engine.fragments import pv_key_slot
 from qattn.engine.registry import recipe
 from qattn.check import emulate
 from qattn.check import metrics

@@ -223,7 +223,7 @@ def test_auto_splits_on_this_gpu():
 
     for fmt in SPLIT_FORMATS:
         kernel = _kv8_kernel(fmt, 128, False)
-        sms, per_sm = kv8.device_slots(kernel, 0)
+        sms, per_sm = kernel.resident(0)
         assert sms >= 1 and per_sm >= 1
         few = kv8.choose_splits(kernel, 1, 8, 64, 65536)  # 8 query blocks
         assert 1 < few and 8 * few <= sms * per_sm, (fmt, few, sms, per_sm)
@@ -231,7 +231,7 @@ def test_auto_splits_on_this_gpu():
     q, k, v = _data(rng, 2, 8, 2, 777, 2100, 128)
     cache = _cache(k, v)
     kernel, qd = _kv8_kernel("kv8-imma", 128, True), cupy.asarray(q)
-    sms, per_sm = kv8.device_slots(kernel, 0)
+    sms, per_sm = kernel.resident(0)
     blocks = 13 * 8 * 2  # query blocks x heads x batch
     if 2 * blocks > sms * per_sm:
         assert kv8.choose_splits(kernel, 2, 8, 777, 2100) == 1

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import check_grid_dependency, check_spills, entry_ptx
 
-from qattn.formats.int8qk.fragments import pv_key_slot, pv_slot_key
+from qattn.engine.fragments import pv_key_slot, pv_slot_key
 from qattn.engine.registry import RECIPES
 from qattn.engine.family import SMEM_LIMIT
 from qattn.engine.render import entry_name, main_entry_name, render

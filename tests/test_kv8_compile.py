@@ -15,7 +15,7 @@ import pytest
 from conftest import check_grid_dependency
 
 from qattn.formats.kv8 import recipes as kv8_families
-from qattn.formats.int8qk.fragments import pv_slot_key
+from qattn.engine.fragments import pv_slot_key
 from qattn.engine import registry
 from qattn.engine.registry import RECIPES
 from qattn.engine.family import SMEM_LIMIT
@@ -730,14 +730,14 @@ H200_SLOTS = (132, 2)  # SMs, resident kv8-imma d128 blocks per SM (BENCHMARKS: 
     (65536, 64, 33),                    # 8 blocks: 33 splits, 264 blocks
     (100, 64, 1),                       # 2 key blocks: not worth a split
 ])
-def test_auto_splits_at_the_seed_shapes(monkeypatch, ctx, queries, want):
+def test_auto_splits_at_the_seed_shapes(ctx, queries, want):
     from types import SimpleNamespace
 
     from qattn.formats.kv8 import host as kv8
 
-    monkeypatch.setattr(kv8, "device_slots", lambda kernel, device_id: H200_SLOTS)
     for fmt in kv8_families.MMA_FORMATS:
-        kernel = SimpleNamespace(spec=KernelSpec(recipe=fmt, head_dim=128, arch="sm_90a"))
+        kernel = SimpleNamespace(spec=KernelSpec(recipe=fmt, head_dim=128, arch="sm_90a"),
+                                 resident=lambda device_id: H200_SLOTS)
         assert kv8.choose_splits(kernel, 1, 8, queries, ctx) == want
     f32 = SimpleNamespace(spec=KernelSpec(recipe="kv8-f32", head_dim=128, arch="sm_90a"))
     assert kv8.choose_splits(f32, 1, 8, queries, ctx) == 1

@@ -82,3 +82,21 @@ def check_view(x, name: str, itemsize: int, align: int, *, pointer: bool = True)
     for axis, stride in enumerate(x.strides[:3]):
         if stride % align and x.shape[axis] > 1:
             raise ValueError(f"{name}: stride of axis {axis} ({stride} bytes) must be a multiple of {align} bytes")
+
+
+def launch_stream(stream, example) -> int:
+    """The stream a call launches on, as a pointer: the one given (a CuPy or torch stream, or a raw
+    pointer), else torch's current stream when the caller passes torch tensors (so a torch.cuda.graph
+    capture sees the launches), else CuPy's current stream."""
+    if stream is not None:
+        for attr in ("ptr", "cuda_stream"):
+            if hasattr(stream, attr):
+                return int(getattr(stream, attr))
+        return int(stream)
+    if type(example).__module__.split(".")[0] == "torch":
+        import torch
+
+        return int(torch.cuda.current_stream(example.device).cuda_stream)
+    import cupy
+
+    return int(cupy.cuda.get_current_stream().ptr)

@@ -14,7 +14,7 @@ from .tile import Tile
 CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100a", "sm_120")
 HIP_ARCHS = ("gfx90a", "gfx942", "gfx1100", "gfx1201")
 BACKENDS = ("cuda", "hip")
-KINDS = ("prefill",)
+KINDS = ("prefill", "decode")
 SMEM_LIMIT = {"cuda": 227 * 1024, "hip": 64 * 1024}  # the most any arch of the backend has
 # Shared memory (LDS) one block may opt into, by arch: a tile over it cannot launch there.
 SMEM_PER_BLOCK = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024,
@@ -55,6 +55,8 @@ class Family:
     # for templates whose module holds several kernels.
     main_entry: str = ""
     values: dict = field(default_factory=dict)  # extra template constants of this family
+    # template constants a spec chooses (KernelSpec.options): name -> allowed values, the default first
+    options: dict = field(default_factory=dict)
 
     def default_tile(self, head_dim: int, causal: bool, arch: str) -> Tile:
         """The tuned tile for (head_dim, causal, arch), else the head dim's default; where the arch
@@ -89,6 +91,7 @@ class Recipe:
     # (backend, arch) -> the Families that arch builds the format with, the default first, where
     # it differs from families[backend] (another template variant or matrix unit)
     arch_families: dict = field(default_factory=dict)
+    kind: str = "prefill"  # the kernel kind the format is for; names are unique within a kind
 
     def arch_options(self, backend: str, arch: str | None) -> tuple:
         if backend not in self.families:

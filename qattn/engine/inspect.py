@@ -98,7 +98,7 @@ def inspect_spec(spec: KernelSpec) -> dict:
               "instructions": dict(counts, listing=listing)}
     if listing == "sass" and (wgmma := warpgroup_mmas(binary.ptx, text)):
         report["instructions"]["warpgroup_mmas"] = wgmma
-    extra = registry.family_of(spec.recipe).inspect
+    extra = registry.family_of(spec.recipe, spec.kind).inspect
     if extra is not None:  # e.g. the int8-QK scale blocks: what the emulator needs to match the kernel
         report.update(extra(spec))
     return report

@@ -28,6 +28,7 @@ class Kernel:
     meta: dict = field(default_factory=dict)
     _functions: dict = field(default_factory=dict, repr=False)  # entry suffix -> loaded function
     _module: object = field(default=None, repr=False)
+    _resident: dict = field(default_factory=dict, repr=False)  # (device, entry) -> (SMs, blocks per SM)
     # launch plans by call signature (packed.cached_plan), least recently used first
     plans: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
@@ -64,6 +65,19 @@ class Kernel:
                                         self.shared_bytes)
             self._functions[suffix] = fn
         return fn
+
+    def resident(self, device_id: int, suffix: str = "") -> tuple[int, int]:
+        """The device's SM count and how many blocks of entry `suffix` one SM holds (the driver's
+        occupancy figure for its registers and shared memory)."""
+        key = (device_id, suffix)
+        if key not in self._resident:
+            from cupy.cuda import driver, runtime
+
+            sms = runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id)
+            per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(self.function(suffix).ptr, self.threads,
+                                                                      self.shared_bytes)
+            self._resident[key] = (sms, max(1, per_sm))
+        return self._resident[key]
 
     def __call__(self, *args, **kwargs):
         return registry.LAUNCHERS[self.spec.family.launcher](self, *args, **kwargs)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .family import LaunchChoice, Recipe
+from .family import KINDS, LaunchChoice, Recipe
 
 SHARED_TEMPLATES = Path(__file__).resolve().parent.parent / "templates"  # device code several families include
 
@@ -40,21 +40,24 @@ class FormatFamily:
     inspect: Callable | None = None  # spec -> extra fields of `qattn inspect` for its kernels
 
 
-RECIPES: dict[str, Recipe] = {}
+KIND_RECIPES: dict[str, dict[str, Recipe]] = {}  # kind -> format name -> Recipe
+RECIPES = KIND_RECIPES.setdefault("prefill", {})  # the prefill formats: what qattn.attention runs
 FAMILIES: dict[str, FormatFamily] = {}
 LAUNCHERS: dict[str, Callable] = {}
-_OWNER: dict[str, FormatFamily] = {}  # recipe name (and call name) -> its family
+_OWNER: dict[tuple[str, str], FormatFamily] = {}  # (kind, format or call name) -> its family
 
 
 def register(family: FormatFamily) -> FormatFamily:
     """Add a family; a name already taken (family, recipe, launcher or call name) is an error."""
     if family.name in FAMILIES:
         raise ValueError(f"family {family.name!r} is already registered")
-    names = [r.name for r in family.recipes] + list(family.call_names)
-    for name in names:
-        if name in _OWNER:
-            raise ValueError(f"family {family.name!r}: format {name!r} is already registered by "
-                             f"{_OWNER[name].name!r}")
+    names = [(r.kind, r.name) for r in family.recipes] + [("prefill", n) for n in family.call_names]
+    for kind, name in names:
+        if kind not in KINDS:
+            raise ValueError(f"family {family.name!r}: format {name!r} has kind {kind!r}; kinds: {', '.join(KINDS)}")
+        if (kind, name) in _OWNER:
+            raise ValueError(f"family {family.name!r}: {kind} format {name!r} is already registered by "
+                             f"{_OWNER[kind, name].name!r}")
     for key in family.launchers:
         if key in LAUNCHERS:
             raise ValueError(f"family {family.name!r}: launcher {key!r} is already registered")
@@ -64,22 +67,31 @@ def register(family: FormatFamily) -> FormatFamily:
     FAMILIES[family.name] = family
     LAUNCHERS.update(family.launchers)
     for r in family.recipes:
-        RECIPES[r.name] = r
-    _OWNER.update({name: family for name in names})
+        KIND_RECIPES.setdefault(r.kind, {})[r.name] = r
+    _OWNER.update({key: family for key in names})
     return family
 
 
-def recipe(name: str) -> Recipe:
-    if name not in RECIPES:
-        raise ValueError(f"format: unknown {name!r}; known formats: {', '.join(RECIPES)}")
-    return RECIPES[name]
+def recipes(kind: str = "prefill") -> dict[str, Recipe]:
+    """The formats of a kernel kind, by name, in registration order."""
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
+    return KIND_RECIPES.get(kind, {})
 
 
-def family_of(name: str) -> FormatFamily:
-    """The family that defines format (or call name) `name`."""
-    if name not in _OWNER:
-        recipe(name)  # raises, naming the known formats
-    return _OWNER[name]
+def recipe(name: str, kind: str = "prefill") -> Recipe:
+    known = recipes(kind)
+    if name not in known:
+        what = "formats" if kind == "prefill" else f"{kind} formats"
+        raise ValueError(f"format: unknown {name!r}; known {what}: {', '.join(known) or 'none'}")
+    return known[name]
+
+
+def family_of(name: str, kind: str = "prefill") -> FormatFamily:
+    """The family that defines format (or call name) `name` of a kind."""
+    if (kind, name) not in _OWNER:
+        recipe(name, kind)  # raises, naming the known formats
+    return _OWNER[kind, name]
 
 
 def family_for_cache(obj) -> FormatFamily | None:
@@ -95,7 +107,7 @@ def launch_choice(fmt: str, head_dim: int, arch: str, queries: int) -> LaunchCho
 
 
 def formats_with_option(option: str) -> list[str]:
-    return [r.name for f in FAMILIES.values() if option in f.options for r in f.recipes]
+    return [r.name for f in FAMILIES.values() if option in f.options for r in f.recipes if r.kind == "prefill"]
 
 
 def template_dirs() -> tuple[Path, ...]:

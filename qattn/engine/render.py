@@ -52,7 +52,7 @@ def context(spec: KernelSpec) -> dict:
         "name": entry_name(spec),
         "kind": spec.kind,
         "fmt": spec.recipe,
-        "ctype": registry.recipe(spec.recipe).ctype,
+        "ctype": registry.recipe(spec.recipe, spec.kind).ctype,
         "head_dim": spec.head_dim,
         "block_m": spec.tile.block_m,
         "block_n": spec.tile.block_n,

@@ -34,13 +34,16 @@ class KernelSpec:
     backend: str = "cuda"
     arch: str | None = None  # None: the current device's (CUDA only)
     mma: str | None = None  # matrix unit where an arch has a choice ("mma.sync", "wgmma"); None: its default
+    # template constants the family lets a spec choose (Family.options), as a dict or (name, value)
+    # pairs; held as pairs in the family's order, every option given (defaults filled in)
+    options: tuple = ()
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"kind: expected one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        fam = recipe(self.recipe).family(self.backend)
+        fam = recipe(self.recipe, self.kind).family(self.backend)
         if not isinstance(self.head_dim, int) or self.head_dim not in fam.head_dims:
             raise ValueError(f"head_dim: {self.recipe} on {self.backend} supports "
                              f"{', '.join(map(str, fam.head_dims))}, got {self.head_dim!r}")
@@ -54,8 +57,10 @@ class KernelSpec:
         if self.arch not in fam.archs:
             raise ValueError(f"arch: {self.recipe} on {self.backend} supports {', '.join(fam.archs)}, got {self.arch!r}")
         if self.mma is not None:
-            if self.mma == recipe(self.recipe).family(self.backend, self.arch).values.get("mma_unit"):
+            if self.mma == recipe(self.recipe, self.kind).family(self.backend, self.arch).values.get("mma_unit"):
                 object.__setattr__(self, "mma", None)  # the default, spelled out: one spec, one key
+        object.__setattr__(self, "options", self._checked_options(recipe(self.recipe, self.kind).family(
+            self.backend, self.arch, self.mma)))
         fam = self.family
         if self.tile is None:
             object.__setattr__(self, "tile", fam.default_tile(self.head_dim, self.causal, self.arch))
@@ -69,9 +74,24 @@ class KernelSpec:
             raise ValueError(f"tile {self.tile.name} for {self.recipe} d{self.head_dim} needs {need} B of shared "
                              f"memory per block; {self.arch} allows {limit}: choose a smaller tile")
 
+    def _checked_options(self, fam) -> tuple:
+        given = dict(self.options) if isinstance(self.options, (dict, tuple, list)) else None
+        if given is None:
+            raise ValueError(f"options: expected a dict of template options, got {self.options!r}")
+        unknown = set(given) - set(fam.options)
+        if unknown:
+            have = ", ".join(fam.options) or "none"
+            raise ValueError(f"options: {self.recipe} takes {have}, got {', '.join(sorted(map(str, unknown)))}")
+        for name, allowed in fam.options.items():
+            if name in given and given[name] not in allowed:
+                raise ValueError(f"{name}: {self.recipe} takes one of {', '.join(map(str, allowed))}, "
+                                 f"got {given[name]!r}")
+        return tuple((name, given.get(name, allowed[0])) for name, allowed in fam.options.items())
+
     @property
     def family(self):
-        return recipe(self.recipe).family(self.backend, self.arch, self.mma)
+        fam = recipe(self.recipe, self.kind).family(self.backend, self.arch, self.mma)
+        return replace(fam, values={**fam.values, **dict(self.options)}) if self.options else fam
 
     @property
     def name(self) -> str:
@@ -81,12 +101,17 @@ class KernelSpec:
             parts.append("causal")
         if self.mma is not None:
             parts.append(self.mma.replace(".", ""))
+        parts += [_option_tag(name, value) for name, value in self.options]
         parts.append(self.arch.replace("_", ""))
         return "_".join(parts)
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["tile"] = asdict(self.tile)
+        if self.options:
+            d["options"] = dict(self.options)
+        else:
+            del d["options"]  # the prefill specs' dicts (and keys) stay as they were
         return d
 
     @property
@@ -95,6 +120,11 @@ class KernelSpec:
 
     def with_(self, **changes) -> "KernelSpec":
         return replace(self, **changes)
+
+
+def _option_tag(name: str, value) -> str:
+    """An option in a spec name: page_size 32 -> p32, other values as they are."""
+    return f"p{value}" if name == "page_size" else str(value)
 
 
 def default_spec(format: str, head_dim: int, *, causal: bool = False, arch: str | None = None) -> KernelSpec:

@@ -139,30 +139,13 @@ def auto_splits(blocks: int, key_blocks: int, sms: int, blocks_per_sm: int) -> i
     return max(1, min(one_wave, worth_it, MAX_SPLITS))
 
 
-_SLOTS: dict = {}  # (kernel name, device id) -> (SMs, resident blocks per SM)
-
-
-def device_slots(kernel, device_id: int) -> tuple[int, int]:
-    """The device's SM count and how many blocks of the kernel one SM holds (the driver's
-    occupancy figure for its registers and shared memory)."""
-    key = (kernel.name, device_id)
-    if key not in _SLOTS:
-        from cupy.cuda import driver, runtime
-
-        sms = runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id)
-        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.function().ptr, kernel.threads,
-                                                                  kernel.shared_bytes)
-        _SLOTS[key] = (sms, max(1, per_sm))
-    return _SLOTS[key]
-
-
 def choose_splits(kernel, b: int, hq: int, lq: int, lk: int, device_id: int = 0) -> int:
     """The launcher's automatic choice for batch b, hq query heads, lq queries and lk keys on a
     device: auto_splits on its figures (1 for kv8-f32)."""
     if kernel.spec.recipe not in MMA_FORMATS:
         return 1
     blocks = math.ceil(lq / kernel.spec.tile.block_m) * hq * b
-    return auto_splits(blocks, math.ceil(lk / kernel.spec.tile.block_n), *device_slots(kernel, device_id))
+    return auto_splits(blocks, math.ceil(lk / kernel.spec.tile.block_n), *kernel.resident(device_id))
 
 
 def prefill_kv8(kernel, q, k, v=None, *, scale: float | None = None, return_lse: bool = False, out=None,

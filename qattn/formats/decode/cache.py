@@ -1,0 +1,199 @@
+"""A paged K-V cache on the GPU (DESIGN §2 "FP8/INT8 KV-cache decode") and its one-launch writer.
+
+K and V are each stored 16-bit (f16 / bf16) or 8-bit (e4m3 / i8) in pages of page_size tokens, in
+the layouts the decode kernel reads (K rows per token; V transposed per page, tokens of every
+16-token group in fragments.pv_key_slot order); 8-bit sides carry one fp32 scale per (token, kv head)
+(scale="token", dynamic) or one per kv head (scale="head", static: given, or calibrated from the first
+write). ``write(k, v, slots)`` quantizes and scatters new tokens (slot = page * page_size + offset,
+vLLM's slot mapping; negative slots are padding) in one kernel launch::
+
+    cache = qattn.PagedKVCache(num_pages=1024, page_size=32, kv_heads=8, head_dim=128, k="e4m3", v="e4m3")
+    cache.write(k_new, v_new, slots)          # [T, 8, 128] fp16, slots [T] int32 or int64
+    out = qattn.decode(q, cache, block_table, seq_lens)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...engine.arrays import as_device_array, launch_stream
+from ...engine.fragments import pv_key_slot
+from ...engine.packed import PackedLaunch, Pointer
+from .quant import QMAX, HostPagedCache
+from .recipes import EIGHT_BIT, FORMATS, HALF, HEAD_DIMS, PAGE_SIZES, SCALE_MODES
+
+WRITE_WARPS, WRITE_TOKENS = 8, 16  # the writer's block: 8 warps over 16 tokens of one kv head
+DTYPES = {"f16": "float16", "bf16": "bfloat16"}
+
+
+def _positive(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return int(value)
+
+
+class PagedKVCache:
+    """num_pages pages of page_size tokens for kv_heads heads of head_dim channels; k and v each one of
+    "f16", "bf16", "e4m3", "i8" (a 16-bit side is the queries' type; both 16-bit sides alike)."""
+
+    def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, *, k: str = "f16",
+                 v: str = "f16", scale: str = "token", k_scale=None, v_scale=None, device: int | None = None):
+        import cupy
+
+        self.num_pages = _positive(num_pages, "num_pages")
+        self.kv_heads = _positive(kv_heads, "kv_heads")
+        if page_size not in PAGE_SIZES:
+            raise ValueError(f"page_size: expected one of {', '.join(map(str, sorted(PAGE_SIZES)))}, got {page_size!r}")
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim: expected one of {', '.join(map(str, HEAD_DIMS))}, got {head_dim!r}")
+        for side, name in ((k, "k"), (v, "v")):
+            if side not in HALF + EIGHT_BIT:
+                raise ValueError(f"{name}: expected one of {', '.join(HALF + EIGHT_BIT)}, got {side!r}")
+        self.format = f"{k}-{v}"
+        if self.format not in FORMATS:
+            raise ValueError(f"k, v: {self.format} is not a decode format; formats: {', '.join(FORMATS)}")
+        if scale not in SCALE_MODES:
+            raise ValueError(f"scale: expected one of {', '.join(SCALE_MODES)}, got {scale!r}")
+        self.page_size, self.head_dim, self.scale = int(page_size), int(head_dim), scale
+        self.k_dtype, self.v_dtype = k, v
+        with cupy.cuda.Device(device if device is not None else cupy.cuda.Device().id) as dev:
+            self.device = dev.id
+            shape = (self.num_pages, self.kv_heads, self.page_size, self.head_dim)
+            self.k_pool = cupy.zeros(shape[:3] + (self.head_dim * (2 if k in HALF else 1),), dtype=cupy.uint8)
+            self.v_pool = cupy.zeros((self.num_pages, self.kv_heads, self.head_dim,
+                                      self.page_size * (2 if v in HALF else 1)), dtype=cupy.uint8)
+            self.k_scale = self._scale_buffer(k, k_scale, "k_scale")
+            self.v_scale = self._scale_buffer(v, v_scale, "v_scale")
+        # head scales left to the first write (token scales are the writer's, per token)
+        self._calibrated = {name: scale != "head" or given is not None or side in HALF
+                            for name, side, given in (("k", k, k_scale), ("v", v, v_scale))}
+        self._launches: dict = {}
+
+    def _scale_buffer(self, side: str, given, name: str):
+        import cupy
+
+        if side in HALF:
+            if given is not None:
+                raise ValueError(f"{name}: the {side} side stores no scale")
+            return None
+        if self.scale == "token":
+            if given is not None:
+                raise ValueError(f"{name}: token scales are computed per token; give a scale with scale='head'")
+            return cupy.zeros((self.num_pages, self.kv_heads, self.page_size), dtype=cupy.float32)
+        if given is None:
+            return cupy.zeros(self.kv_heads, dtype=cupy.float32)  # calibrated by the first write
+        scale = cupy.asarray(given, dtype=cupy.float32).reshape(-1)
+        if scale.size == 1:
+            scale = cupy.full(self.kv_heads, float(scale[0]), dtype=cupy.float32)
+        if scale.shape != (self.kv_heads,) or not bool(cupy.all(cupy.isfinite(scale) & (scale > 0))):
+            raise ValueError(f"{name}: expected one positive finite scale per kv head ({self.kv_heads}), got {given!r}")
+        return scale
+
+    # ---- the kernel module -----------------------------------------------------------------------
+    def spec(self, arch: str | None = None, tile=None):
+        """The decode kernel spec of this cache (its module also holds the writer)."""
+        from ...engine.spec import KernelSpec, device_arch
+
+        if arch is None:
+            import cupy
+
+            with cupy.cuda.Device(self.device):
+                arch = device_arch()
+        return KernelSpec(kind="decode", recipe=self.format, head_dim=self.head_dim, arch=arch,
+                          options={"page_size": self.page_size, "scale_mode": self.scale},
+                          **({"tile": tile} if tile is not None else {}))
+
+    def kernel(self, tile=None):
+        from ...engine.kernel import build_kernel
+
+        return build_kernel(self.spec(tile=tile))
+
+    # ---- writing ---------------------------------------------------------------------------------
+    def write(self, k, v, slots, *, stream=None) -> None:
+        """Quantize and scatter new tokens k, v [T, kv_heads, head_dim] (fp16 or bf16, any token and
+        head strides, channels contiguous) into slots [T] (int32 or int64, on the same GPU), in one
+        launch on the caller's stream (torch's current stream for torch tensors). With head scales
+        not given, the first write also computes them from its k and v (a few more launches, once)."""
+        example = k
+        k, v, slots = as_device_array(k, "k"), as_device_array(v, "v"), as_device_array(slots, "slots")
+        for x, name in ((k, "k"), (v, "v")):
+            if x.ndim != 3 or x.shape[1:] != (self.kv_heads, self.head_dim):
+                raise ValueError(f"{name}: expected [tokens, {self.kv_heads}, {self.head_dim}], got shape {x.shape}")
+            if x.dtype.name not in ("float16", "bfloat16"):
+                raise TypeError(f"{name}: expected float16 or bfloat16, got {x.dtype.name}")
+            if x.strides[-1] != 2 or any(s % 2 for s in x.strides):
+                raise ValueError(f"{name}: the head_dim axis must be contiguous, got strides {x.strides}")
+            if x.data.device_id != self.device:
+                raise ValueError(f"{name}: on device {x.data.device_id}, the cache on {self.device}")
+        if k.dtype != v.dtype or k.shape[0] != v.shape[0]:
+            raise ValueError(f"k, v: expected the same dtype and token count, got {k.dtype.name} {k.shape[0]} and "
+                             f"{v.dtype.name} {v.shape[0]}")
+        for side, name in ((self.k_dtype, "k"), (self.v_dtype, "v")):
+            if side in HALF and k.dtype.name != DTYPES[side]:
+                raise TypeError(f"{name}: the cache stores {side}; got {k.dtype.name}")
+        if slots.ndim != 1 or slots.shape[0] != k.shape[0] or slots.dtype.name not in ("int32", "int64"):
+            raise ValueError(f"slots: expected int32 or int64 [{k.shape[0]}], got {slots.dtype.name} {slots.shape}")
+        if slots.data.device_id != self.device:
+            raise ValueError(f"slots: on device {slots.data.device_id}, the cache on {self.device}")
+        tokens = int(k.shape[0])
+        if tokens == 0:
+            return
+        self._calibrate(k, v)
+        key = (k.dtype.name, slots.dtype.name, k.strides, v.strides, tokens)
+        launch = self._launches.get(key)
+        if launch is None:
+            launch = self._write_launch(k, v, slots, tokens)
+            self._launches[key] = launch
+        pointers = {"k": k.data.ptr, "v": v.data.ptr, "slots": slots.data.ptr, "kp": self.k_pool.data.ptr,
+                    "vp": self.v_pool.data.ptr, "ks": 0 if self.k_scale is None else self.k_scale.data.ptr,
+                    "vs": 0 if self.v_scale is None else self.v_scale.data.ptr}
+        launch(pointers, launch_stream(stream, example))
+
+    def _write_launch(self, k, v, slots, tokens: int) -> PackedLaunch:
+        kernel = self.kernel()
+        suffix = f"_write_{'bf16' if k.dtype.name == 'bfloat16' else 'f16'}_{'i64' if slots.dtype.name == 'int64' else 'i32'}"
+        head = self.scale == "head"
+        args = (Pointer("k"), Pointer("v"), Pointer("slots"), Pointer("kp"), Pointer("vp"),
+                Pointer("ks") if not head else Pointer(None), Pointer("vs") if not head else Pointer(None),
+                Pointer("ks") if head else Pointer(None), Pointer("vs") if head else Pointer(None),
+                np.int64(k.strides[0] // 2), np.int64(k.strides[1] // 2), np.int64(v.strides[0] // 2),
+                np.int64(v.strides[1] // 2), np.int32(tokens), np.int32(self.kv_heads))
+        return PackedLaunch(kernel.function(suffix), (-(-tokens // WRITE_TOKENS), self.kv_heads, 1), 32 * WRITE_WARPS, 0,
+                            args)
+
+    def _calibrate(self, k, v) -> None:
+        """Head scales not given: max|x| / QMAX over the first write's tokens and channels."""
+        import cupy
+
+        for name, x, side in (("k", k, self.k_dtype), ("v", v, self.v_dtype)):
+            if self._calibrated[name]:
+                continue
+            absmax = cupy.abs(x.astype(cupy.float32)).max(axis=(0, 2))
+            scale = (absmax / np.float32(QMAX[side])).astype(cupy.float32)
+            getattr(self, f"{name}_scale")[...] = cupy.where(scale > 0, scale, cupy.float32(1))
+            self._calibrated[name] = True
+
+    # ---- reading back ----------------------------------------------------------------------------
+    def host(self) -> HostPagedCache:
+        """The cache on the host in natural layout (the emulator's input): stored values per token."""
+        import cupy
+
+        from ...check.quant import E4M3
+
+        def values(raw, side, transposed):
+            raw = cupy.asnumpy(raw)
+            if side in HALF:
+                data = raw.view(np.uint16)
+                values = (data.astype(np.uint32) << 16).view(np.float32) if side == "bf16" else \
+                    data.view(np.float16).astype(np.float32)
+            else:
+                values = raw.view(E4M3 if side == "e4m3" else np.int8).astype(np.float32)
+            if transposed:  # [P, H, D, page] in slot order -> [P, H, page, D] in token order
+                slot = pv_key_slot(np.arange(self.page_size)) + (np.arange(self.page_size) & ~15)
+                values = values[..., slot].transpose(0, 1, 3, 2)
+            return np.ascontiguousarray(values)
+
+        def scales(buffer):
+            return None if buffer is None else cupy.asnumpy(buffer)
+
+        return HostPagedCache(self.format, self.page_size, values(self.k_pool, self.k_dtype, False),
+                              values(self.v_pool, self.v_dtype, True), scales(self.k_scale), scales(self.v_scale))

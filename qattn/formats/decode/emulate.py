@@ -1,0 +1,140 @@
+"""The decode kernels' CPU emulator and FP64 references (DESIGN §2, §3): NumPy that runs what the
+transform-path kernel computes, key group by key group in the kernel's own partition, so that P is
+rounded against the same running maxima.
+
+Per split of keys_per_split keys and per warp (keys [16w, 16w + 16) of every step of 16 * warps keys):
+S = (q · K codes) in fp32, times (s_K · τ·log2 e); an online softmax in fp32 (exp2); P times the
+token's V scale in fp32, rounded to the query's type; O += that P · V codes in fp32. The warps' states
+merge in warp order, the splits' in split order; a head V scale multiplies O once. Causal masks are
+bottom-right aligned within each sequence's Lq new tokens; rows that see no key come out as zeros.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ...check.quant import LOG2E
+from ...check.reference import attention as reference_attention
+from ...engine.arrays import numpy_dtype
+from .quant import HostPagedCache
+
+F32 = np.float32
+GROUP = 16  # keys per warp per step
+
+
+def _merge(states):
+    """Combine (m, l, acc) states in order: m, l [R], acc [R, D]."""
+    big = np.max([m for m, _, _ in states], axis=0)
+    total_l = np.zeros_like(states[0][1])
+    total = np.zeros_like(states[0][2])
+    for m, l, acc in states:
+        weight = np.where(m == -np.inf, F32(0), np.exp2(m - np.where(np.isfinite(big), big, F32(0)))).astype(F32)
+        total_l = (total_l + l * weight).astype(F32)
+        total = (total + acc * weight[..., None]).astype(F32)
+    return big.astype(F32), total_l, total
+
+
+def _warp_state(q16, k, ks, v, vs, groups, limits, scale_log2, half):
+    """One warp's online softmax over its key groups: q16 [R, D] (rounded query values), k, v
+    [L, D] stored values, ks, vs [L] per-key scales (token) or scalars; returns (m, l, acc)."""
+    rows, d = q16.shape
+    m = np.full(rows, -np.inf, F32)
+    l = np.zeros(rows, F32)
+    acc = np.zeros((rows, d), F32)
+    for j0, j1 in groups:
+        keys = np.arange(j0, j1)
+        raw = (q16.astype(np.float64) @ k[j0:j1].astype(np.float64).T).astype(F32)
+        kscale = (np.asarray(ks, F32)[j0:j1] if np.ndim(ks) else F32(ks)) * F32(scale_log2)
+        x = (raw * kscale.astype(F32)).astype(F32)
+        x = np.where(keys[None, :] > limits[:, None], F32(-np.inf), x)
+        m_new = np.maximum(m, x.max(axis=1))
+        shift = np.where(m_new == -np.inf, F32(0), m_new)
+        rescale = np.exp2(m - shift).astype(F32)
+        p = np.exp2(x - shift[:, None]).astype(F32)
+        l = (l * rescale + p.sum(axis=1, dtype=F32)).astype(F32)
+        vscale = np.asarray(vs, F32)[j0:j1] if np.ndim(vs) else F32(1)
+        w = np.where(p == 0, F32(0), p * vscale).astype(half).astype(np.float64)
+        acc = (acc * rescale[:, None] + (w @ v[j0:j1].astype(np.float64)).astype(F32)).astype(F32)
+        m = m_new.astype(F32)
+    return m, l, acc
+
+
+def emulate(q, cache: HostPagedCache, block_table, seq_lens, *, splits: int = 1, keys_per_split: int | None = None,
+            warps: int = 4, scale: float | None = None, return_lse: bool = False):
+    """What the decode kernel computes: out [B, Hq, Lq, D] in q's dtype (and the natural-log LSE
+    [B, Hq, Lq] when return_lse). q holds fp16/bf16 values (any float array; it is rounded to
+    q.dtype's 16-bit type: float16 unless q is bfloat16)."""
+    q = np.asarray(q)
+    half = q.dtype if q.dtype in (np.float16, numpy_dtype("bfloat16")) else np.dtype(np.float16)
+    b_count, hq, lq, d = q.shape
+    hkv = cache.k.shape[1]
+    group = hq // hkv
+    table, lens = np.asarray(block_table), np.asarray(seq_lens)
+    step = GROUP * warps
+    bound = table.shape[1] * cache.page_size
+    kps = keys_per_split or -(-bound // splits // step) * step
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    scale_log2 = F32(scale * LOG2E)
+    out = np.zeros((b_count, hq, lq, d), half)
+    lse = np.full((b_count, hq, lq), -np.inf, F32)
+    for b in range(b_count):
+        length = int(lens[b])
+        k_vals, k_scale = cache.gather("k", table[b], length)
+        v_vals, v_scale = cache.gather("v", table[b], length)
+        for h in range(hkv):
+            heads = q[b, h * group:(h + 1) * group].astype(half)  # [g, Lq, D]
+            q16 = heads.reshape(group * lq, d)
+            limits = np.tile(length - lq + np.arange(lq), group)
+            ks = 1.0 if k_scale is None else k_scale[h]  # [L] token scales, or the head's one
+            vs = 1.0 if v_scale is None or v_scale.ndim == 1 else v_scale[h]
+            split_states = []
+            for s in range(splits):
+                begin, end = s * kps, min(length, (s + 1) * kps)
+                warp_states = []
+                for w in range(warps):
+                    groups = [(j, min(j + GROUP, end)) for j in range(begin + GROUP * w, end, step)]
+                    warp_states.append(_warp_state(q16, k_vals[h], ks, v_vals[h], vs, groups, limits,
+                                                   scale_log2, half))
+                m, l, acc = _merge(warp_states)
+                if v_scale is not None and v_scale.ndim == 1:
+                    acc = (acc * F32(v_scale[h])).astype(F32)
+                split_states.append((m, l, acc))
+            m, l, acc = _merge(split_states) if splits > 1 else split_states[0]
+            value = np.where(l[:, None] > 0, acc / np.where(l > 0, l, F32(1))[:, None], F32(0))
+            out[b, h * group:(h + 1) * group] = value.reshape(group, lq, d).astype(half)
+            with np.errstate(divide="ignore"):
+                row_lse = np.where(l > 0, (m + np.log2(np.where(l > 0, l, F32(1)))) * F32(math.log(2.0)), -np.inf)
+            lse[b, h * group:(h + 1) * group] = row_lse.reshape(group, lq)
+    return (out, lse) if return_lse else out
+
+
+def reference(q, cache: HostPagedCache, block_table, seq_lens, *, scale: float | None = None,
+              return_lse: bool = False):
+    """FP64 attention on the dequantized cache (stored value x scale, exactly): the kernel's
+    arithmetic alone is measured against it."""
+    table, lens = np.asarray(block_table), np.asarray(seq_lens)
+    return _per_sequence(q, lambda b, name: cache.dequantize(name, table[b], int(lens[b])), scale, return_lse)
+
+
+def reference_dense(q, k_seqs, v_seqs, *, scale: float | None = None, return_lse: bool = False):
+    """FP64 attention on the original K and V (a list of [kv heads, L_b, D] per sequence): the
+    format's own cost (the cache's rounding) is measured against it."""
+    return _per_sequence(q, lambda b, name: np.asarray((k_seqs if name == "k" else v_seqs)[b], np.float64),
+                         scale, return_lse)
+
+
+def _per_sequence(q, side, scale, return_lse):
+    q = np.asarray(q, np.float64)
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        k, v = side(b, "k"), side(b, "v")
+        if k.shape[1] == 0:
+            outs.append(np.zeros(q.shape[1:]))
+            lses.append(np.full(q.shape[1:3], -np.inf))
+            continue
+        result = reference_attention(q[b:b + 1], k[None], v[None], causal=True, scale=scale, return_lse=True)
+        outs.append(result[0][0])
+        lses.append(result[1][0])
+    out, lse = np.stack(outs), np.stack(lses)
+    return (out, lse) if return_lse else out

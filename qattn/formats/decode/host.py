@@ -1,0 +1,223 @@
+"""Decode over a paged K-V cache on the GPU: ``qattn.decode`` checks a call, picks the split of the
+keys, and launches the decode kernel (and, with splits, the merge) on the caller's stream.
+
+A call allocates nothing when given ``out=`` (and, with more than one split, ``workspace=``, of
+``workspace_bytes(...)`` bytes) and never synchronizes the host, so a decode step (cache writes and
+decode) can be captured in a CUDA graph. The split count depends only on shapes known on the host (the
+batch, heads, the block table's width times the page size, the GPU's SM count), never on the lengths
+in ``seq_lens``, which stay on the GPU.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from ...engine.arrays import as_device_array, launch_stream, like_input, signature
+from ...engine.packed import NULL, PackedLaunch, Pointer, cached_plan, programmatic
+from ...engine.registry import recipe
+from .cache import PagedKVCache
+from .recipes import MAX_ROWS, QK_PATHS, TABLE_SLOTS
+
+MAX_QUERIES = 16  # new tokens per sequence and step (speculative decoding)
+MAX_SPLITS = 128
+MIN_STEPS_PER_SPLIT = 4  # each split pays its Q load, pipeline fill and partial: keep it a few steps long
+
+
+def auto_splits(blocks: int, key_steps: int, sms: int, blocks_per_sm: int, least: int = 1) -> int:
+    """Splits of each block's key range for `blocks` blocks (kv heads x row chunks x batch) over at
+    most `key_steps` steps, on `sms` SMs holding `blocks_per_sm` each: the fewest (from `least`) whose
+    grid fills its last wave of resident blocks to 90% or more (a partial last wave costs a whole
+    block's time), else the best filled; at most one split per MIN_STEPS_PER_SPLIT steps."""
+    slots = sms * blocks_per_sm
+    most = max(least, min(MAX_SPLITS, key_steps // MIN_STEPS_PER_SPLIT))
+
+    def filled(splits: int) -> float:
+        total = blocks * splits
+        return total / (slots * -(-total // slots))
+
+    candidates = range(least, most + 1)
+    good = [s for s in candidates if filled(s) >= 0.9]
+    return good[0] if good else max(candidates, key=filled)
+
+
+def keys_per_split(bound: int, splits: int, step: int) -> int:
+    """Keys of each split: the bound (table width x page size) spread over splits, whole steps."""
+    return -(-bound // splits // step) * step
+
+
+def least_splits(bound: int, step: int, page_size: int) -> int:
+    """The fewest splits whose key ranges each span at most TABLE_SLOTS pages."""
+    splits = 1
+    while keys_per_split(bound, splits, step) // page_size + 1 > TABLE_SLOTS:
+        splits += 1
+    return splits
+
+
+def workspace_bytes(batch: int, heads: int, queries: int, head_dim: int, splits: int) -> int:
+    """Bytes of the partials of a call with splits > 1: O rows (fp32) and (m, l) per split."""
+    return 0 if splits <= 1 else splits * batch * heads * queries * (head_dim + 2) * 4
+
+
+def _check_splits(splits) -> int | None:
+    if splits is None:
+        return None
+    if isinstance(splits, bool) or not isinstance(splits, numbers.Integral) or not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits: expected None (automatic) or an integer 1..{MAX_SPLITS}, got {splits!r}")
+    return int(splits)
+
+
+def _resolve_qk(qk: str) -> str:
+    if qk == "auto":
+        return QK_PATHS[0]
+    if qk not in QK_PATHS:
+        raise ValueError(f"qk: expected 'auto' or one of {', '.join(QK_PATHS)}, got {qk!r} (the 8-bit-MMA paths "
+                         "'fp8' and 'int8' are not built yet)")
+    return qk
+
+
+class _Plan:
+    """A call signature's launches: the decode kernel and, with splits, the merge."""
+
+    def __init__(self, decode: PackedLaunch, merge: PackedLaunch | None, splits: int, ws_bytes: int, lse_shape):
+        self.decode, self.merge, self.splits, self.ws_bytes, self.lse_shape = decode, merge, splits, ws_bytes, lse_shape
+
+
+def _plan(kernel, cache: PagedKVCache, q, table, lens, out, scale, return_lse, splits) -> _Plan:
+    spec = kernel.spec
+    b, hq, lq, d = q.shape
+    allowed = recipe(spec.recipe, "decode").input_dtypes
+    if q.dtype.name not in allowed:
+        raise TypeError(f"q: format {spec.recipe} takes {' or '.join(allowed)} queries, got {q.dtype.name}")
+    if d != cache.head_dim:
+        raise ValueError(f"q: head_dim {d} does not match the cache's {cache.head_dim}")
+    if hq % cache.kv_heads:
+        raise ValueError(f"q: {hq} heads is not a multiple of the cache's {cache.kv_heads} kv heads")
+    if not 1 <= lq <= MAX_QUERIES:
+        raise ValueError(f"q: expected 1..{MAX_QUERIES} new tokens per sequence, got {lq}")
+    if q.strides[-1] != 2 or any(s % 8 for s in q.strides[:3]) or q.data.ptr % 8:
+        raise ValueError(f"q: channels must be contiguous and the other strides multiples of 4 elements, got "
+                         f"strides {q.strides}")
+    if table.ndim != 2 or table.shape[0] != b or table.dtype != np.int32 or table.strides[1] != 4:
+        raise ValueError(f"block_table: expected int32 [{b}, max_pages] with contiguous rows, got "
+                         f"{table.dtype.name} {table.shape}")
+    if lens.shape != (b,) or lens.dtype != np.int32:
+        raise ValueError(f"seq_lens: expected int32 [{b}], got {lens.dtype.name} {lens.shape}")
+    for x, name in ((q, "q"), (table, "block_table"), (lens, "seq_lens")):
+        if x.data.device_id != cache.device:
+            raise ValueError(f"{name}: on device {x.data.device_id}, the cache on {cache.device}")
+    if out is not None:
+        if out.shape != q.shape or out.dtype != q.dtype or out.strides[-1] != 2 or any(s % 2 for s in out.strides):
+            raise ValueError(f"out: expected {q.dtype.name} {q.shape} with contiguous channels, got "
+                             f"{out.dtype.name} {out.shape}")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale: expected a positive finite number, got {scale}")
+    group = hq // cache.kv_heads
+    chunks = -(-(group * lq) // MAX_ROWS)
+    blocks = cache.kv_heads * chunks * b
+    if blocks > 65535 * 65535 or b > 65535 or cache.kv_heads * chunks > 65535:
+        raise ValueError(f"q: batch {b} x {cache.kv_heads * chunks} row blocks exceed the grid")
+    step = spec.tile.block_n
+    bound = table.shape[1] * cache.page_size
+    least = least_splits(bound, step, cache.page_size)
+    if splits is None:
+        splits = auto_splits(blocks, -(-bound // step), *kernel.resident(cache.device, _entry(q)), least=least)
+    elif splits < least:
+        raise ValueError(f"splits: a table of {table.shape[1]} pages of {cache.page_size} needs at least {least} "
+                         f"splits (each split stages at most {TABLE_SLOTS} page ids), got {splits}")
+    kps = keys_per_split(bound, splits, step)
+    o_strides = (out.strides if out is not None else
+                 tuple(int(np.prod(q.shape[i + 1:])) * 2 for i in range(4)))
+    ws_rows = splits * b * hq * lq
+    args = (Pointer("q"), Pointer("kp"), Pointer("vp"), Pointer("ks"), Pointer("vs"), Pointer("table"),
+            Pointer("lens"), Pointer("out"), Pointer("lse") if return_lse and splits == 1 else NULL,
+            Pointer("ws") if splits > 1 else NULL, Pointer("ws", ws_rows * d * 4) if splits > 1 else NULL,
+            *(np.int64(s // 2) for s in q.strides[:3]), *(np.int64(s // 2) for s in o_strides[:3]),
+            np.int32(b), np.int32(hq), np.int32(cache.kv_heads), np.int32(lq), np.int32(table.strides[0] // 4),
+            np.int32(kps), np.float32(scale * math.log2(math.e)))
+    fast = programmatic(spec)
+    decode = PackedLaunch(kernel.function(_entry(q)), (splits, cache.kv_heads * chunks, b), kernel.threads,
+                          kernel.shared_bytes, args, fast)
+    merge = None
+    if splits > 1:
+        merge_args = (Pointer("ws"), Pointer("ws", ws_rows * d * 4), Pointer("out"),
+                      Pointer("lse") if return_lse else NULL, *(np.int64(s // 2) for s in o_strides[:3]),
+                      np.int32(b), np.int32(hq), np.int32(lq), np.int32(splits))
+        merge = PackedLaunch(kernel.function(f"_merge{_entry(q)}"), (b * hq * lq, 1, 1), d, 0, merge_args, fast)
+    return _Plan(decode, merge, splits, workspace_bytes(b, hq, lq, d, splits), (b, hq, lq))
+
+
+def _entry(q) -> str:
+    return "_bf16" if q.dtype.name == "bfloat16" else "_f16"
+
+
+def decode(q, cache: PagedKVCache, block_table, seq_lens, *, qk: str = "auto", splits: int | None = None,
+           scale: float | None = None, out=None, return_lse: bool = False, workspace=None, stream=None, tile=None):
+    """softmax(q Kᵀ·scale) V over each sequence's cached tokens. q [B, Hq, Lq, D] fp16 or bf16 (Lq
+    1..16 new tokens, bottom-right causal among them; Hq a multiple of the cache's kv heads);
+    block_table int32 [B, max_pages] (page ids of each sequence, in order); seq_lens int32 [B] (tokens
+    cached per sequence, the new ones included). Returns out [B, Hq, Lq, D] (and the natural-log LSE
+    [B, Hq, Lq] fp32 when return_lse). splits: None picks from the shapes and the GPU (see the module
+    docstring); qk: "auto" or "transform" (K8 converted on chip to the query's type)."""
+    import cupy
+
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache: expected a qattn.PagedKVCache, got {type(cache).__name__}")
+    _resolve_qk(qk)
+    splits = _check_splits(splits)
+    example = q
+    q = as_device_array(q, "q")
+    if q.ndim != 4:
+        raise ValueError(f"q: expected [batch, heads, new tokens, head_dim], got shape {q.shape}")
+    table, lens = as_device_array(block_table, "block_table"), as_device_array(seq_lens, "seq_lens")
+    out_given = None if out is None else as_device_array(out, "out")
+    kernel = cache.kernel(tile)
+    key = ("decode", cache.kv_heads, signature(q), signature(table), signature(lens),
+           None if out_given is None else signature(out_given), scale, bool(return_lse), splits)
+    plan = cached_plan(kernel, key, lambda: _plan(kernel, cache, q, table, lens, out_given, scale, return_lse, splits))
+    ws_ptr = 0
+    if plan.ws_bytes:
+        if workspace is not None:
+            ws = as_device_array(workspace, "workspace")
+            if ws.nbytes < plan.ws_bytes or ws.data.ptr % 16:
+                raise ValueError(f"workspace: expected at least {plan.ws_bytes} bytes, 16-byte aligned, got "
+                                 f"{ws.nbytes}")
+        else:
+            with cupy.cuda.Device(cache.device):
+                ws = cupy.empty(plan.ws_bytes, dtype=cupy.uint8)
+        ws_ptr = ws.data.ptr
+    with cupy.cuda.Device(cache.device):
+        out_arr = out_given if out_given is not None else cupy.empty(q.shape, dtype=q.dtype)
+        lse = cupy.empty(plan.lse_shape, dtype=cupy.float32) if return_lse else None
+    pointers = {"q": q.data.ptr, "kp": cache.k_pool.data.ptr, "vp": cache.v_pool.data.ptr,
+                "ks": 0 if cache.k_scale is None else cache.k_scale.data.ptr,
+                "vs": 0 if cache.v_scale is None else cache.v_scale.data.ptr, "table": table.data.ptr,
+                "lens": lens.data.ptr, "out": out_arr.data.ptr, "lse": 0 if lse is None else lse.data.ptr,
+                "ws": ws_ptr}
+    stream_ptr = launch_stream(stream, example)
+    plan.decode(pointers, stream_ptr)
+    if plan.merge is not None:
+        plan.merge(pointers, stream_ptr)
+    out_arr = like_input(out_arr, example) if out is None else out
+    return (out_arr, like_input(lse, example)) if return_lse else out_arr
+
+
+def splits_for(cache: PagedKVCache, batch: int, heads: int, queries: int, max_pages: int, tile=None) -> int:
+    """The split count decode(...) picks for these shapes on the cache's GPU (for sizing a workspace)."""
+    kernel = cache.kernel(tile)
+    chunks = -(-(heads // cache.kv_heads * queries) // MAX_ROWS)
+    step, bound = kernel.spec.tile.block_n, max_pages * cache.page_size
+    return auto_splits(cache.kv_heads * chunks * batch, -(-bound // step),
+                       *kernel.resident(cache.device, "_f16" if "bf16" not in cache.format else "_bf16"),
+                       least=least_splits(bound, step, cache.page_size))
+
+
+def launch(kernel, q, cache: PagedKVCache, block_table, seq_lens, **options):
+    """kernel(q, cache, block_table, seq_lens, ...): decode with this kernel (its tile), which must be
+    the cache's (format, head dim, page size, scale granularity)."""
+    want = cache.spec(kernel.spec.arch, kernel.spec.tile)
+    if kernel.spec != want:
+        raise ValueError(f"kernel: {kernel.spec.name} does not read this cache ({want.name})")
+    return decode(q, cache, block_table, seq_lens, tile=kernel.spec.tile, **options)

@@ -1,0 +1,134 @@
+"""The decode cache on the host: its quantizer in NumPy, exactly as the GPU writer computes it, and a
+paged cache in natural layout that the emulator reads (DESIGN §2). An 8-bit
+side takes one fp32 scale per (token, kv head), s = max|x| / QMAX (127 for i8, 448 for e4m3), or a
+given scale per kv head, and codes rint(x / s) clamped to ±127 or e4m3(x / s) (RNE, saturating); a
+16-bit side is stored as given. A NaN or Inf in a token row makes its scale non-finite (int8 has no
+NaN code), so the token dequantizes to non-finite values, as the kernel reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from ...check.quant import E4M3, E4M3_MAX, INT8_MAX, to_e4m3
+
+QMAX = {"e4m3": E4M3_MAX, "i8": float(INT8_MAX)}
+CODE_DTYPES = {"e4m3": E4M3, "i8": np.int8}
+
+
+class TokenCodes(NamedTuple):
+    """Codes of token rows [..., D] (int8 or float8_e4m3fn) and their scales ([...] for token scales)."""
+
+    codes: np.ndarray
+    scale: np.ndarray
+
+    def dequantize(self) -> np.ndarray:
+        scale = np.asarray(self.scale, np.float64)
+        return self.codes.astype(np.float64) * (scale[..., None] if scale.ndim else scale)
+
+
+def token_scales(x: np.ndarray, code: str) -> np.ndarray:
+    """One fp32 scale per row of x [..., D]: max|x| / QMAX (NaN if the row holds one)."""
+    absmax = np.abs(np.asarray(x, np.float32)).max(axis=-1)
+    return (absmax / np.float32(QMAX[code])).astype(np.float32)
+
+
+def head_scales(x: np.ndarray, code: str) -> np.ndarray:
+    """One fp32 scale per kv head from x [T, Hkv, D] (a calibration write): max over tokens and channels."""
+    absmax = np.abs(np.asarray(x, np.float32)).max(axis=(0, 2))
+    scale = (absmax / np.float32(QMAX[code])).astype(np.float32)
+    return np.where(scale > 0, scale, np.float32(1))  # an all-zero head keeps a usable scale
+
+
+def quantize_tokens(x: np.ndarray, code: str, scale: np.ndarray | None = None) -> TokenCodes:
+    """Rows x [..., D] as the writer stores them: with scale None, token scales; else scale broadcast
+    against x's leading axes (e.g. [Hkv] per kv head for x [T, Hkv, D])."""
+    if code not in QMAX:
+        raise ValueError(f"code: expected one of {', '.join(QMAX)}, got {code!r}")
+    x = np.asarray(x, np.float32)
+    if scale is None:
+        s = token_scales(x, code)
+    else:  # one scale per kv head: x [T, Hkv, D] against scale [Hkv]
+        s = np.broadcast_to(np.asarray(scale, np.float32), x.shape[:-1])
+    safe = np.where(s > 0, s, np.float32(1))[..., None]  # NaN > 0 is False: a NaN scale divides by 1
+    y = (x / safe).astype(np.float32)
+    if code == "e4m3":
+        codes = to_e4m3(y)
+    else:  # fmax/fmin take the number over a NaN, as the kernel's fmaxf/fminf
+        codes = np.rint(np.fmin(np.fmax(y, np.float32(-INT8_MAX)), np.float32(INT8_MAX))).astype(np.int8)
+    return TokenCodes(codes, np.array(s, np.float32))
+
+
+@dataclass
+class HostPagedCache:
+    """A paged K-V cache on the host in natural layout: k, v [pages, kv heads, page_size, D] float32
+    holding each token's stored values (8-bit codes as their exact values, or the 16-bit values);
+    k_scale, v_scale [pages, kv heads, page_size] (token scales), [kv heads] (head scales) or None (a
+    16-bit side). A token's value is stored value x scale."""
+
+    fmt: str
+    page_size: int
+    k: np.ndarray
+    v: np.ndarray
+    k_scale: np.ndarray | None
+    v_scale: np.ndarray | None
+
+    @classmethod
+    def empty(cls, fmt: str, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
+              scale: str = "token", k_scale=None, v_scale=None) -> "HostPagedCache":
+        sides = fmt.split("-")
+        shape = (num_pages, kv_heads, page_size, head_dim)
+
+        def side_scale(code, given):
+            if code not in QMAX:
+                return None
+            if scale == "head":
+                return None if given is None else np.asarray(given, np.float32).reshape(kv_heads)
+            return np.zeros(shape[:3], np.float32)
+
+        return cls(fmt, page_size, np.zeros(shape, np.float32), np.zeros(shape, np.float32),
+                   side_scale(sides[0], k_scale), side_scale(sides[1], v_scale))
+
+    def write(self, k: np.ndarray, v: np.ndarray, slots: np.ndarray, *, scale: str = "token") -> None:
+        """Store new tokens k, v [T, kv heads, D] at slots [T] (page * page_size + offset; negative:
+        skipped), quantized as the GPU writer does. Head scales not yet set are calibrated from k, v."""
+        slots = np.asarray(slots).astype(np.int64)
+        keep = slots >= 0
+        pages, offsets = slots[keep] // self.page_size, slots[keep] % self.page_size
+        for name, x, code in (("k", k, self.fmt.split("-")[0]), ("v", v, self.fmt.split("-")[1])):
+            x = np.asarray(x, np.float32)[keep]
+            store = getattr(self, name)
+            if code not in QMAX:
+                store[pages, :, offsets] = x
+                continue
+            if scale == "head":
+                if getattr(self, f"{name}_scale") is None:
+                    setattr(self, f"{name}_scale", head_scales(x, code))
+                q = quantize_tokens(x, code, getattr(self, f"{name}_scale"))
+            else:
+                q = quantize_tokens(x, code)
+                getattr(self, f"{name}_scale")[pages, :, offsets] = q.scale
+            store[pages, :, offsets] = q.codes.astype(np.float32)
+
+    def gather(self, name: str, table_row: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """One sequence's stored values [kv heads, length, D] and its scales ([kv heads, length],
+        [kv heads] or None) of side name ("k" or "v")."""
+        keys = np.arange(length)
+        pages = np.asarray(table_row, np.int64)[keys // self.page_size]
+        offsets = keys % self.page_size
+        values = getattr(self, name)[pages, :, offsets].transpose(1, 0, 2)
+        scale = getattr(self, f"{name}_scale")
+        if scale is not None and scale.ndim == 3:
+            scale = scale[pages, :, offsets].T
+        return values, scale
+
+    def dequantize(self, name: str, table_row: np.ndarray, length: int) -> np.ndarray:
+        """One sequence's side as float64 [kv heads, length, D]: stored value x scale, exactly."""
+        values, scale = self.gather(name, table_row, length)
+        values = values.astype(np.float64)
+        if scale is None:
+            return values
+        scale = np.asarray(scale, np.float64)
+        return values * (scale[:, :, None] if scale.ndim == 2 else scale[:, None, None])

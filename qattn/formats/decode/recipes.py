@@ -1,0 +1,112 @@
+"""The decode formats' recipes and CUDA kernel family (DESIGN §2 "FP8/INT8 KV-cache decode"): a
+format is named K-V by its two cache dtypes, each 16-bit (f16 or bf16: the query's type) or 8-bit
+(e4m3 or i8), e.g. e4m3-e4m3 (K8/V8), e4m3-f16 (K8/V16), f16-e4m3 (K16/V8), f16-f16 (K16/V16)."""
+from __future__ import annotations
+
+from ...engine.family import CUDA_ARCHS, Family, Recipe, Tolerance
+from ...engine.tile import Tile
+from ...engine.tiling import smem_problem
+
+TEMPLATE = "cuda/decode_paged.cu.j2"
+LAUNCHER = "decode"
+HEAD_DIMS = (64, 128, 256)
+PAGE_SIZES = (32, 16, 64, 128)  # the first is the default
+SCALE_MODES = ("token", "head")  # one fp32 scale per (token, kv head), or one per kv head (static)
+QK_PATHS = ("transform",)  # K8 converted on chip to the query's type; the 8-bit MMA paths are not built yet
+HALF = ("f16", "bf16")
+EIGHT_BIT = ("e4m3", "i8")
+QMAX = {"e4m3": 448.0, "i8": 127.0}
+MAX_ROWS = 16  # packed query rows (query heads of a kv head x new tokens) per block
+TABLE_SLOTS = 512  # page ids of one split the kernel stages in shared memory (the host splits to fit)
+
+
+def _formats() -> list[str]:
+    names = []
+    for half in HALF:
+        names.append(f"{half}-{half}")
+        for eight in EIGHT_BIT:
+            names += [f"{eight}-{half}", f"{half}-{eight}"]
+    return names + [f"{eight}-{eight}" for eight in EIGHT_BIT]
+
+
+FORMATS = tuple(_formats())
+
+
+def sides(fmt: str) -> tuple[str, str]:
+    """(K dtype, V dtype) of a format name."""
+    k, _, v = fmt.partition("-")
+    return k, v
+
+
+def query_dtypes(fmt: str) -> tuple[str, ...]:
+    """NumPy dtype names a format's queries may have: a 16-bit side fixes it."""
+    halves = {side for side in sides(fmt) if side in HALF}
+    names = {"f16": "float16", "bf16": "bfloat16"}
+    return tuple(names[h] for h in sorted(halves)) if halves else ("float16", "bfloat16")
+
+
+def stage_bytes(fmt: str, tile: Tile, d: int) -> int:
+    """One pipeline slot: K rows, V^T channel rows and the 8-bit sides' token scales."""
+    k, v = sides(fmt)
+    kb, vb = (2 if side in HALF else 1 for side in (k, v))
+    k_tile = tile.block_n * (d * kb + (16 if kb == 1 else 32))
+    v_tile = d * (tile.block_n * vb + (16 if vb == 1 else 32))
+    return k_tile + v_tile + 4 * tile.block_n * sum(side in EIGHT_BIT for side in (k, v))
+
+
+def smem_bytes(fmt: str):
+    def smem(tile: Tile, d: int) -> int:
+        merge = tile.warps * MAX_ROWS * (d + 2) * 4  # the warps' O rows and (m, l) after the key loop
+        return max(tile.stages * stage_bytes(fmt, tile, d) + 4 * TABLE_SLOTS, merge)
+
+    return smem
+
+
+def _problem(fmt: str):
+    def problem(tile: Tile, d: int) -> str | None:
+        if tile.block_m != MAX_ROWS:
+            return f"block_m must be {MAX_ROWS} (packed query rows per block), got {tile.block_m}"
+        if not 1 <= tile.warps <= 8 or tile.block_n != 16 * tile.warps:
+            return f"block_n must be 16 keys per warp (16*warps, 1..8 warps), got {tile.block_n} with {tile.warps} warps"
+        if not 2 <= tile.stages <= 4:
+            return f"stages must be 2..4 (K/V slots in the cp.async ring), got {tile.stages}"
+        return smem_problem(smem_bytes(fmt)(tile, d), "cuda")
+
+    return problem
+
+
+def family(fmt: str) -> Family:
+    """The decode kernel family of a format; a spec picks its page size and scale granularity
+    (KernelSpec.options: page_size, scale_mode)."""
+    k, v = sides(fmt)
+    e4m3 = "e4m3" in (k, v)
+    return Family(
+        template=TEMPLATE,
+        head_dims=HEAD_DIMS,
+        # Four warps of 16 keys a step; three slots where both sides are 8-bit (three blocks per SM at
+        # d128), two where a 16-bit side doubles a slot's bytes.
+        default_tiles={d: Tile(MAX_ROWS, 64, 4, 3 if k in EIGHT_BIT and v in EIGHT_BIT else 2) for d in HEAD_DIMS},
+        tile_problem=_problem(fmt),
+        smem_bytes=smem_bytes(fmt),
+        # cvt.rn.f16x2.e4m3x2 needs sm_89
+        archs=tuple(a for a in CUDA_ARCHS if not e4m3 or int(a[3:].rstrip("a")) >= 89),
+        launcher=LAUNCHER,
+        main_entry="_f16" if "bf16" not in (k, v) else "_bf16",
+        values={"k_code": "16" if k in HALF else k, "v_code": "16" if v in HALF else v, "table_slots": TABLE_SLOTS},
+        options={"page_size": PAGE_SIZES, "scale_mode": SCALE_MODES},
+    )
+
+
+def _summary(fmt: str) -> str:
+    k, v = sides(fmt)
+    return f"paged decode, K cache {k}, V cache {v} (K{8 if k in EIGHT_BIT else 16}/V{8 if v in EIGHT_BIT else 16})"
+
+
+# Against FP64 on the dequantized cache: what the kernel's arithmetic adds (P rounded to the query's
+# type, V scaled per token into P); the cache's own rounding is measured against the fp16 K/V.
+_TOLERANCE = {"float16": Tolerance(max_rel=2e-2, rel_l2=3e-3), "bfloat16": Tolerance(max_rel=1e-1, rel_l2=1.5e-2)}
+
+RECIPES = tuple(
+    Recipe(fmt, _summary(fmt), query_dtypes(fmt), _TOLERANCE[query_dtypes(fmt)[0]], {"cuda": family(fmt)},
+           kind="decode")
+    for fmt in FORMATS)

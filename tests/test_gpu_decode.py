@@ -1,0 +1,215 @@
+"""Decode over paged K-V caches on the GPU: the writer's bytes against the host model, every format
+against its emulator (rel_l2 1e-3) and FP64, splits, GQA, speculative rows, page sizes, NaN-poisoned
+outputs, and a decode step (write + decode) captured in a CUDA graph."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import qattn
+from qattn.check import metrics
+from qattn.formats.decode import emulate as emu
+from qattn.formats.decode.quant import HostPagedCache
+from qattn.formats.decode.recipes import FORMATS
+
+pytestmark = pytest.mark.gpu
+EMU_REL_L2 = 1e-3
+
+
+def _dtype(fmt: str):
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16 if "bf16" in fmt else np.float16
+
+
+def _filled(fmt, *, batch, kv_heads, head_dim, lens, page_size=32, scale="token", seed=0, spare_pages=7):
+    """A GPU cache and its host model, written with the same tokens (pages shuffled), plus the table
+    and the original K/V per sequence."""
+    import cupy
+
+    rng = np.random.default_rng(seed)
+    k_side, v_side = fmt.split("-")
+    max_pages = max(-(-int(n) // page_size) for n in lens) + 1
+    num_pages = batch * max_pages + spare_pages
+    cache = qattn.PagedKVCache(num_pages, page_size, kv_heads, head_dim, k=k_side, v=v_side, scale=scale)
+    host = HostPagedCache.empty(fmt, num_pages, page_size, kv_heads, head_dim, scale)
+    table = rng.permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+    dtype = _dtype(fmt)
+    ks, vs = [], []
+    for b, n in enumerate(lens):
+        k = (rng.standard_normal((n, kv_heads, head_dim)) * 1.5).astype(dtype)
+        v = rng.standard_normal((n, kv_heads, head_dim)).astype(dtype)
+        slots = (table[b, np.arange(n) // page_size] * page_size + np.arange(n) % page_size).astype(np.int64)
+        for lo in range(0, n, 700):  # a prompt, then pieces, as an engine fills it
+            part = slice(lo, min(n, lo + 700))
+            cache.write(cupy.asarray(k[part]), cupy.asarray(v[part]), cupy.asarray(slots[part]))
+            host.write(k[part], v[part], slots[part], scale=scale)
+        ks.append(k.astype(np.float64).transpose(1, 0, 2))
+        vs.append(v.astype(np.float64).transpose(1, 0, 2))
+    return cache, host, table, np.asarray(lens, np.int32), ks, vs
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("scale", ["token", "head"])
+def test_writer_stores_what_the_host_model_stores(fmt, scale):
+    if fmt.count("16") == 2 and scale == "head":
+        pytest.skip("no 8-bit side: no scales")
+    cache, host, *_ = _filled(fmt, batch=2, kv_heads=2, head_dim=64, lens=[45, 130], page_size=16, scale=scale)
+    got = cache.host()
+    for side in ("k", "v"):
+        np.testing.assert_array_equal(getattr(got, side), getattr(host, side))
+        want = getattr(host, f"{side}_scale")
+        if want is not None:
+            np.testing.assert_array_equal(getattr(got, f"{side}_scale"), want)
+
+
+@pytest.mark.parametrize("fmt", ["f16-f16", "bf16-bf16", "e4m3-e4m3", "i8-i8", "e4m3-f16", "f16-e4m3", "i8-bf16",
+                                 "bf16-i8"])
+@pytest.mark.parametrize("head_dim, group, lq, page_size", [(128, 4, 1, 32), (64, 8, 2, 16), (128, 1, 5, 64),
+                                                            (256, 4, 1, 128), (128, 8, 4, 32)])
+def test_decode_matches_emulator_and_fp64(fmt, head_dim, group, lq, page_size):
+    import cupy
+
+    lens = [1 + lq, 777, 2100]
+    cache, host, table, lens, ks, vs = _filled(fmt, batch=3, kv_heads=2, head_dim=head_dim, lens=lens,
+                                               page_size=page_size)
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((3, 2 * group, lq, head_dim)).astype(_dtype(fmt))
+    qd, td, ld = cupy.asarray(q), cupy.asarray(table), cupy.asarray(lens)
+    tol = qattn.recipe(fmt, "decode").tolerance
+    ref = emu.reference(q, host, table, lens)
+    for splits in (1, 3, None):
+        out = cupy.full(q.shape, np.nan, dtype=qd.dtype)
+        got, lse = qattn.decode(qd, cache, td, ld, splits=splits, out=out, return_lse=True)
+        got = cupy.asnumpy(got).astype(np.float32)
+        assert not np.isnan(got).any(), "an output element was left unwritten"
+        used = splits if splits is not None else qattn.formats.decode.host.splits_for(cache, 3, 2 * group, lq,
+                                                                                       table.shape[1])
+        want, want_lse = emu.emulate(q, host, table, lens, splits=used, return_lse=True)
+        assert metrics.compare(got, want).rel_l2 <= EMU_REL_L2, (splits, metrics.compare(got, want))
+        err = metrics.compare(got, ref)
+        assert err.rel_l2 <= tol.rel_l2 and err.max_rel <= tol.max_rel, (splits, err)
+        np.testing.assert_allclose(cupy.asnumpy(lse), want_lse, rtol=2e-3, atol=2e-3)
+
+
+def test_decode_format_cost_is_measured_against_the_original_kv():
+    """The K8/V8 format's own error (the cache's rounding) against FP64 on the original fp16 K/V:
+    e4m3 costs a few percent, int8 with token scales about 1%."""
+    import cupy
+
+    errors = {}
+    for fmt in ("f16-f16", "i8-i8", "e4m3-e4m3"):
+        cache, host, table, lens, ks, vs = _filled(fmt, batch=2, kv_heads=2, head_dim=128, lens=[900, 3000])
+        q = np.random.default_rng(2).standard_normal((2, 8, 1, 128)).astype(np.float16)
+        got = cupy.asnumpy(qattn.decode(cupy.asarray(q), cache, cupy.asarray(table), cupy.asarray(lens)))
+        errors[fmt] = metrics.compare(got.astype(np.float32), emu.reference_dense(q, ks, vs)).rel_l2
+    assert errors["f16-f16"] < 1e-3 < errors["i8-i8"] < 2e-2 < errors["e4m3-e4m3"] < 6e-2, errors
+
+
+def test_empty_and_short_sequences_and_padding_slots():
+    import cupy
+
+    cache, host, table, lens, *_ = _filled("e4m3-e4m3", batch=3, kv_heads=2, head_dim=128, lens=[0, 1, 40])
+    q = np.random.default_rng(3).standard_normal((3, 8, 1, 128)).astype(np.float16)
+    got, lse = qattn.decode(cupy.asarray(q), cache, cupy.asarray(table), cupy.asarray(lens), return_lse=True)
+    got, lse = cupy.asnumpy(got), cupy.asnumpy(lse)
+    assert (got[0] == 0).all() and np.isneginf(lse[0]).all()  # nothing cached: zeros, LSE -inf
+    assert np.isfinite(got[1:]).all()
+    before = cupy.asnumpy(cache.k_pool).copy()
+    pad = cupy.asarray(np.full(4, -1, np.int32))
+    cache.write(cupy.ones((4, 2, 128), cupy.float16), cupy.ones((4, 2, 128), cupy.float16), pad)
+    assert (cupy.asnumpy(cache.k_pool) == before).all()  # negative slots write nothing
+
+
+def test_non_finite_tokens_stay_non_finite():
+    import cupy
+
+    cache, host, table, lens, *_ = _filled("i8-i8", batch=1, kv_heads=1, head_dim=64, lens=[50])
+    slot = int(table[0, 0]) * 32 + 3
+    bad = cupy.ones((1, 1, 64), cupy.float16)
+    bad[0, 0, 5] = np.nan
+    cache.write(bad, cupy.ones((1, 1, 64), cupy.float16), cupy.asarray([slot], cupy.int32))
+    q = cupy.ones((1, 1, 1, 64), cupy.float16)
+    out = cupy.asnumpy(qattn.decode(q, cache, cupy.asarray(table), cupy.asarray(lens)))
+    assert np.isnan(out).all()  # a NaN key reaches every score of the row
+
+
+def test_cuda_graph_capture_of_a_decode_step():
+    """write + decode captured on a CuPy stream with out= and workspace= given: a replay after the
+    inputs change in place equals a fresh call."""
+    import cupy
+
+    from qattn.formats.decode import workspace_bytes
+    from qattn.formats.decode.host import splits_for
+
+    fmt, b, hkv, d = "e4m3-e4m3", 2, 2, 128
+    cache, host, table, lens, *_ = _filled(fmt, batch=b, kv_heads=hkv, head_dim=d, lens=[300, 1000])
+    table_d = cupy.asarray(table)
+    lens_d = cupy.asarray(lens + 1)  # the new token included
+    slots = cupy.asarray((table[np.arange(b), lens // 32] * 32 + lens % 32).astype(np.int32))
+    k_new, v_new = cupy.zeros((b, hkv, d), cupy.float16), cupy.zeros((b, hkv, d), cupy.float16)
+    q = cupy.zeros((b, 8, 1, d), cupy.float16)
+    out = cupy.zeros_like(q)
+    splits = splits_for(cache, b, 8, 1, table.shape[1])
+    ws = cupy.zeros(max(1, workspace_bytes(b, 8, 1, d, splits)), cupy.uint8)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    qattn.decode(q, cache, table_d, lens_d, out=out, workspace=ws, stream=stream, splits=splits)  # builds, plans
+    stream.synchronize()
+    with stream:
+        stream.begin_capture()
+        cache.write(k_new, v_new, slots, stream=stream)
+        qattn.decode(q, cache, table_d, lens_d, out=out, workspace=ws, stream=stream, splits=splits)
+        graph = stream.end_capture()
+    rng = np.random.default_rng(4)
+    for _ in range(2):
+        q[...] = cupy.asarray(rng.standard_normal(q.shape).astype(np.float16))
+        k_new[...] = cupy.asarray(rng.standard_normal(k_new.shape).astype(np.float16))
+        v_new[...] = cupy.asarray(rng.standard_normal(v_new.shape).astype(np.float16))
+        graph.launch(stream)
+        stream.synchronize()
+        replayed = cupy.asnumpy(out)
+        fresh = cupy.asnumpy(qattn.decode(q, cache, table_d, lens_d, splits=splits))
+        np.testing.assert_array_equal(replayed, fresh)
+
+
+def test_torch_graph_capture_and_tensors():
+    torch = pytest.importorskip("torch")
+    cache = qattn.PagedKVCache(8, 32, 2, 128, k="e4m3", v="e4m3")
+    table = torch.arange(8, dtype=torch.int32, device="cuda").reshape(2, 4)
+    lens = torch.tensor([40, 100], dtype=torch.int32, device="cuda")
+    k = torch.randn(256, 2, 128, device="cuda", dtype=torch.float16)
+    cache.write(k, torch.randn_like(k), torch.arange(256, device="cuda"))
+    q = torch.randn(2, 8, 1, 128, device="cuda", dtype=torch.float16)
+    out = torch.empty_like(q)
+    qattn.decode(q, cache, table, lens, out=out, splits=1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qattn.decode(q, cache, table, lens, out=out, splits=1)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh = qattn.decode(q, cache, table, lens, splits=1)
+    assert isinstance(fresh, torch.Tensor) and torch.equal(out, fresh)
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda c, q, t, n: qattn.decode(q[..., :64], c, t, n), "head_dim"),
+    (lambda c, q, t, n: qattn.decode(q[:, :3], c, t, n), "multiple"),
+    (lambda c, q, t, n: qattn.decode(q, c, t.astype("int64"), n), "block_table"),
+    (lambda c, q, t, n: qattn.decode(q, c, t, n[:1]), "seq_lens"),
+    (lambda c, q, t, n: qattn.decode(q.astype("float32"), c, t, n), "q:"),
+    (lambda c, q, t, n: qattn.decode(q, c, t, n, splits=0), "splits"),
+    (lambda c, q, t, n: qattn.decode(q, c, t, n, qk="fp8"), "qk"),
+    (lambda c, q, t, n: qattn.decode(q, "cache", t, n), "cache"),
+    (lambda c, q, t, n: qattn.decode(q, c, t, n, out=q[:1]), "out"),
+    (lambda c, q, t, n: c.write(q[0, :, 0], q[0, :, 0], t[0]), "k:"),
+])
+def test_bad_calls_name_the_argument(call, words):
+    import cupy
+
+    cache = qattn.PagedKVCache(8, 32, 2, 128, k="e4m3", v="e4m3")
+    q = cupy.ones((2, 8, 1, 128), cupy.float16)
+    table = cupy.arange(8, dtype=cupy.int32).reshape(2, 4)
+    lens = cupy.asarray([3, 9], cupy.int32)
+    with pytest.raises((ValueError, TypeError), match=words):
+        call(cache, q, table, lens)
