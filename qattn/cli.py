@@ -29,6 +29,7 @@ from .engine.compile import CompileError
 from .bench.peers import PEERS
 
 FALLBACK_ARCH = {"cuda": "sm_90a", "hip": "gfx942"}
+ALL_FORMATS = list(dict.fromkeys(name for kind in KINDS for name in registry.recipes(kind)))
 HELP = {"help_option_names": ["-h", "--help"]}
 
 # The leading word of a ValueError raised by the library names the field it is about.
@@ -36,7 +37,7 @@ _OPTION_OF_FIELD = {
     "kind": "KIND", "format": "--format", "backend": "--backend", "head_dim": "--head-dim", "arch": "--arch",
     "causal": "--causal", "mma": "--mma", "tile": "--tile", "tile.warps": "--warps", "tile.stages": "--stages",
     "shape": "--shape", "heads": "--heads", "kv_heads": "--kv-heads", "ctx": "--ctx", "preset": "--preset",
-    "npz": "--npz",
+    "npz": "--npz", "page_size": "--page-size", "scale_mode": "--scale", "options": "--page-size / --scale",
 }
 _FIELD = re.compile(r"^([a-z_]+(?:\.[a-z_]+)?)\b")
 
@@ -138,11 +139,31 @@ class _Progress:
 
 # ---- kernel specs ---------------------------------------------------------------------------
 
-def make_spec(kind: str, fmt: str, head_dim: int, tile: str | None, warps: int | None, stages: int | None,
-              causal: bool, backend: str, arch: str, mma: str | None = None) -> KernelSpec:
+DEFAULT_FORMAT = {"prefill": "f16", "decode": "f16-f16"}
+
+
+def decode_options(kind: str, page_size: int | None, scale: str | None, qk: str | None) -> dict:
+    """The spec options of --page-size, --scale and --qk: decode kernels only."""
+    given = {name: value for name, value in (("--page-size", page_size), ("--scale", scale), ("--qk", qk))
+             if value is not None}
+    if kind != "decode":
+        if given:
+            raise click.BadParameter(f"{kind} kernels take no {', '.join(given)}; they are decode options",
+                                     param_hint=" / ".join(f"'{name}'" for name in given))
+        return {}
+    if qk not in (None, "auto", "transform"):
+        raise click.BadParameter(f"{qk!r}: the decode kernels build the transform path (K8 converted on chip); "
+                                 "the 8-bit-MMA paths fp8 and int8 are not built yet", param_hint="'--qk'")
+    options = {"page_size": page_size, "scale_mode": scale}
+    return {name: value for name, value in options.items() if value is not None}
+
+
+def make_spec(kind: str, fmt: str | None, head_dim: int, tile: str | None, warps: int | None, stages: int | None,
+              causal: bool, backend: str, arch: str, mma: str | None = None, options: dict | None = None) -> KernelSpec:
     """A validated KernelSpec from command-line values. Without --tile the family's tuned tile is
     used; --warps and --stages override its warps and stages."""
-    spec = KernelSpec(kind=kind, recipe=fmt, head_dim=head_dim, causal=causal, backend=backend, arch=arch, mma=mma)
+    spec = KernelSpec(kind=kind, recipe=fmt or DEFAULT_FORMAT[kind], head_dim=head_dim, causal=causal,
+                      backend=backend, arch=arch, mma=mma, options=options or {})
     given = [name for name, value in (("--tile", tile), ("--warps", warps), ("--stages", stages)) if value is not None]
     if not given:
         return spec
@@ -160,9 +181,8 @@ def spec_options(repeatable: bool = False):
     many = "; repeatable" if repeatable else ""
     decorators = [
         click.argument("kind", type=click.Choice(KINDS), default="prefill", required=False, metavar="[KIND]"),
-        click.option("--format", "-f", "fmt", type=click.Choice(list(RECIPES)), multiple=repeatable,
-                     default=None if repeatable else "f16", show_default=not repeatable,
-                     help=f"operand format (see `qattn list`){many}"),
+        click.option("--format", "-f", "fmt", type=click.Choice(ALL_FORMATS), multiple=repeatable, default=None,
+                     help=f"operand format (see `qattn list`; default: f16, or f16-f16 for decode){many}"),
         click.option("--head-dim", "-d", type=int, multiple=repeatable, default=None if repeatable else 128,
                      show_default=not repeatable, help=f"head dimension D{many}"),
         click.option("--tile", metavar="BMxBN", help="BLOCK_M x BLOCK_N, e.g. 128x64 (default: the tuned tile)"),
@@ -175,6 +195,10 @@ def spec_options(repeatable: bool = False):
                      help="code generator and compiler: cuda (NVRTC) or hip (clang, offline)"),
         click.option("--mma", metavar="UNIT", help="matrix unit where the arch offers a choice, e.g. wgmma for "
                                                    "i8-f8 on sm_90a (default: the arch's default)"),
+        click.option("--page-size", type=int, help="decode: tokens per cache page (default 32)"),
+        click.option("--scale", type=click.Choice(("token", "head")),
+                     help="decode: scales of an 8-bit cache side, per token or per kv head (default token)"),
+        click.option("--qk", metavar="PATH", help="decode: the K8 path, transform (the one built; default)"),
         click.option("--arch", "arch", multiple=repeatable, metavar="ARCH",
                      help=f"target, e.g. sm_90a or gfx942 (default: the current GPU's, else "
                           f"{FALLBACK_ARCH['cuda']} / {FALLBACK_ARCH['hip']}){many}"),
@@ -206,6 +230,17 @@ def list_():
     console.print(formats)
     console.print("Every format runs on its CPU emulator (parity --backend numpy); "
                   "'kernels' lists the backends with generated kernels.")
+    decode = _table("decode formats (K-V: the cache's K and V dtypes)", "format", "summary", "queries", "kernels",
+                    "max_rel / rel_l2")
+    for name, rec in registry.recipes("decode").items():
+        family = rec.families.get("cuda")
+        decode.add_row(name, rec.summary, ", ".join(rec.input_dtypes), ", ".join(rec.families) or "-",
+                       f"{rec.tolerance.max_rel:g} / {rec.tolerance.rel_l2:g}")
+    console.print(decode)
+    if family is not None:
+        console.print(f"decode kernels: head dims {', '.join(map(str, family.head_dims))}; "
+                      + "; ".join(f"{k} {', '.join(map(str, v))}" for k, v in family.options.items())
+                      + f"; archs {', '.join(family.archs)} (e4m3 sides from sm_89)")
     # One row per Family object: formats share a row only where they share head dims, tiles and archs.
     # A family that some archs build instead of the backend's (Recipe.arch_families) lists those archs.
     families: dict[tuple, tuple] = {}  # (backend, id(family)) -> (family, formats using it, archs or None)
@@ -247,11 +282,12 @@ def list_():
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="write the source to FILE instead of printing it")
 @user_errors
-def gen(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, arch, output):
-    """Print the rendered kernel source of one spec (KIND: prefill)."""
+def gen(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, arch, output):
+    """Print the rendered kernel source of one spec (KIND: prefill or decode)."""
     from .engine.render import render
 
-    spec = make_spec(kind, fmt, head_dim, tile, warps, stages, bool(causal), backend, arch or _default_arch(backend), mma)
+    spec = make_spec(kind, fmt, head_dim, tile, warps, stages, bool(causal), backend, arch or _default_arch(backend), mma,
+                     decode_options(kind, page_size, scale, qk))
     source = render(spec)
     if output is None:
         click.echo(source, nl=False)
@@ -305,14 +341,15 @@ def _resource_rows(backend: str, res: dict) -> list[tuple[str, object]]:
 @spec_options()
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @user_errors
-def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, arch, as_json):
+def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, arch, as_json):
     """Compile one spec and show its resources (CUDA: registers, shared memory, stack, spills,
     blocks/SM; HIP: VGPRs, SGPRs, LDS, scratch, spills, waves/SIMD) and its matrix and conversion
     instructions."""
-    spec = make_spec(kind, fmt, head_dim, tile, warps, stages, bool(causal), backend, arch or _default_arch(backend), mma)
+    spec = make_spec(kind, fmt, head_dim, tile, warps, stages, bool(causal), backend, arch or _default_arch(backend), mma,
+                     decode_options(kind, page_size, scale, qk))
     report = inspect_spec(spec)
     named_tile = tile is not None or warps is not None or stages is not None
-    listed = None if named_tile or backend != "cuda" else registry.family_of(fmt).launch_tiles.get((fmt, spec.head_dim, spec.arch))
+    listed = None if named_tile or backend != "cuda" else registry.family_of(spec.recipe, kind).launch_tiles.get((spec.recipe, spec.head_dim, spec.arch))
     if listed is not None and spec.mma is None:  # what qattn.attention runs instead of the default shown here
         report["launch_tile"] = {"tile": listed.tile.name, "least_queries": listed.least_queries,
                                  "mma": listed.mma or spec.family.values.get("mma_unit")}
@@ -353,25 +390,26 @@ def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, arch
 # ---- compile: a matrix of specs ---------------------------------------------------------------
 
 def compile_matrix(kind, formats, head_dims, tile, warps, stages, causal, backend, archs, every,
-                   mma=None) -> list[KernelSpec]:
+                   mma=None, options=None) -> list[KernelSpec]:
     """The specs of `qattn compile`. With every (--all), an option left out means all its supported
     values (formats with a kernel, the family's head dims and archs, both causal settings), and a
     format that --all picked is built for those of the given head dims and archs it supports."""
     picked = every and not formats
     if not formats:
-        formats = [n for n, r in RECIPES.items() if backend in r.families] if every else ["f16"]
+        formats = ([n for n, r in registry.recipes(kind).items() if backend in r.families] if every
+                   else [DEFAULT_FORMAT[kind]])
     if not archs and not every:
         archs = [_default_arch(backend)]
     causals = [causal] if causal is not None else [False, True] if every else [False]
     specs = []
     for fmt in formats:
-        family = recipe(fmt).family(backend)
+        family = recipe(fmt, kind).family(backend)
         dims, targets = head_dims or (family.head_dims if every else [128]), archs or family.archs
         if picked:  # e.g. --all --arch sm_80 skips a format whose kernel needs sm_89
             dims = [d for d in dims if d in family.head_dims]
             targets = [a for a in targets if a in family.archs]
         for d, arch, c in itertools.product(dims, targets, causals):
-            specs.append(make_spec(kind, fmt, d, tile, warps, stages, c, backend, arch, mma))
+            specs.append(make_spec(kind, fmt, d, tile, warps, stages, c, backend, arch, mma, options))
     if not specs:
         given = {"--head-dim": ", ".join(map(str, head_dims)), "--arch": ", ".join(archs)}
         given = {option: values for option, values in given.items() if values}
@@ -400,11 +438,12 @@ def _first_error_line(exc: Exception) -> str:
 @click.option("--all", "every", is_flag=True,
               help="every supported combination of the formats with a kernel (options given narrow it)")
 @user_errors
-def compile_(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, arch, every):
+def compile_(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, arch, every):
     """Compile a matrix of specs x archs into the kernel cache (no GPU needed); exit 1 if any fails."""
     from .engine.kernel import build_kernel
 
-    specs = compile_matrix(kind, list(fmt), list(head_dim), tile, warps, stages, causal, backend, list(arch), every, mma)
+    specs = compile_matrix(kind, list(fmt), list(head_dim), tile, warps, stages, causal, backend, list(arch), every, mma,
+                           decode_options(kind, page_size, scale, qk))
     regs, spills = ("regs", "spills (B)") if backend == "cuda" else ("VGPRs", "spilled regs")
     summary = _table(None, "spec", "status", "s", regs, "smem (B)", spills, right=("s", regs, "smem (B)", spills))
     failed, start = [], time.perf_counter()

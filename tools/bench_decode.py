@@ -60,7 +60,7 @@ def main() -> int:
         print(f"{r['batch']:>5}x{r['ctx']:<6} {r['impl']:>18} {r['ms']:>8.4f} {r['gbs']:>7.0f} {r['of_copy']:>7.2f} "
               f"{cells} {err}")
     for w in writes:
-        print(f"write {w['format']:>10} {w['tokens']} tokens: {w['write_ms']:.4f} ms, copy of the same bytes "
+        print(f"write {w['format']:>10} {w['slots']:>6} {w['tokens']} tokens: {w['write_ms']:.4f} ms, copy of the same bytes "
               f"{w['copy_ms']:.4f} ms ({w['ratio']:.2f}x)")
     if args.json:
         args.json.write_text(json.dumps({"decode": records, "write": writes}, indent=1))

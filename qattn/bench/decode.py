@@ -116,25 +116,33 @@ def bench_decode(shapes, formats=("f16-f16", "e4m3-e4m3", "i8-i8"), *, heads: in
 def bench_write(tokens: int = 65536, formats=("e4m3-e4m3", "i8-i8", "f16-f16"), *, kv_heads: int = 8,
                 head_dim: int = 128, page_size: int = 32, scale: str = "token", seed: int = 0) -> list[dict]:
     """The fused write of `tokens` new tokens against a plain copy of the same bytes (the fp16 K and V
-    it reads and the codes and scales it writes), each timed alone: one record per format."""
+    it reads and the codes and scales it writes), each timed alone. Two slot patterns per format: a
+    prompt (pages shuffled, tokens in order within each page) and decode steps (every token on a page
+    of its own, as one new token per sequence lands)."""
     import cupy
 
     from ..formats.decode import PagedKVCache
 
     crng = cupy.random.default_rng(seed)
+    rng = np.random.default_rng(seed)
     k, v = (crng.standard_normal((tokens, kv_heads, head_dim), dtype=cupy.float32).astype(cupy.float16)
             for _ in range(2))
-    slots = cupy.asarray(np.random.default_rng(seed).permutation(tokens).astype(np.int64))
+    pages = -(-tokens // page_size)
+    prompt = (rng.permutation(pages)[np.arange(tokens) // page_size] * page_size + np.arange(tokens) % page_size)
+    patterns = {"prompt": prompt, "steps": rng.permutation(tokens)}
     records = []
     for fmt in formats:
         k_side, v_side = fmt.split("-")
-        cache = PagedKVCache(-(-tokens // page_size), page_size, kv_heads, head_dim, k=k_side, v=v_side, scale=scale)
-        written = kv_bytes(fmt, 1, kv_heads, tokens, head_dim, page_size, scale) - -(-tokens // page_size) * 4
+        cache = PagedKVCache(pages, page_size, kv_heads, head_dim, k=k_side, v=v_side, scale=scale)
+        written = kv_bytes(fmt, 1, kv_heads, tokens, head_dim, page_size, scale) - pages * 4
         moved = 2 * k.nbytes + written  # read fp16 K and V, write codes and scales
         src = cupy.empty(moved // 2, dtype=cupy.uint8)
         dst = cupy.empty_like(src)
-        write_ms = time_cuda(lambda: cache.write(k, v, slots)).median_ms
         copy_ms = time_cuda(lambda: cupy.copyto(dst, src)).median_ms
-        records.append({"format": fmt, "tokens": tokens, "kv_heads": kv_heads, "head_dim": head_dim,
-                        "bytes": moved, "write_ms": write_ms, "copy_ms": copy_ms, "ratio": write_ms / copy_ms})
+        for name, slots in patterns.items():
+            slots_d = cupy.asarray(slots.astype(np.int64))
+            write_ms = time_cuda(lambda: cache.write(k, v, slots_d)).median_ms
+            records.append({"format": fmt, "slots": name, "tokens": tokens, "kv_heads": kv_heads,
+                            "head_dim": head_dim, "bytes": moved, "write_ms": write_ms, "copy_ms": copy_ms,
+                            "ratio": write_ms / copy_ms})
     return records

@@ -11,6 +11,8 @@ def as_device_array(x, name: str):
 
     if isinstance(x, cupy.ndarray):
         return x
+    if type(x).__module__.split(".")[0] == "torch" and getattr(x, "is_cuda", False):
+        return _torch_view(x)
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
         device_type = x.__dlpack_device__()[0]
         if int(device_type) not in (2, 13):  # kDLCUDA, kDLCUDAManaged
@@ -100,3 +102,19 @@ def launch_stream(stream, example) -> int:
     import cupy
 
     return int(cupy.cuda.get_current_stream().ptr)
+
+
+def _torch_view(t):
+    """A CuPy view of a CUDA torch tensor made from its pointer, shape and strides: no stream
+    handshake (DLPack makes the consumer's stream wait on torch's, and the legacy stream it would
+    use invalidates a CUDA graph capture), so a call inside torch.cuda.graph captures cleanly."""
+    import cupy
+    import numpy as np
+
+    dtype = numpy_dtype(str(t.dtype).removeprefix("torch."))
+    itemsize = dtype.itemsize
+    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1 if t.numel() else 0
+    memory = cupy.cuda.UnownedMemory(t.data_ptr(), extent * itemsize, t, t.device.index)
+    return cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(memory, 0),
+                        strides=tuple(s * itemsize for s in t.stride())) if t.numel() else \
+        cupy.empty(tuple(t.shape), dtype=np.dtype(dtype))

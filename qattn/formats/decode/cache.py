@@ -53,6 +53,11 @@ class PagedKVCache:
             raise ValueError(f"k, v: {self.format} is not a decode format; formats: {', '.join(FORMATS)}")
         if scale not in SCALE_MODES:
             raise ValueError(f"scale: expected one of {', '.join(SCALE_MODES)}, got {scale!r}")
+        for side, given, name in ((k, k_scale, "k_scale"), (v, v_scale, "v_scale")):
+            if given is not None and side in HALF:
+                raise ValueError(f"{name}: the {side} side stores no scale")
+            if given is not None and scale == "token":
+                raise ValueError(f"{name}: token scales are computed per token; give a scale with scale='head'")
         self.page_size, self.head_dim, self.scale = int(page_size), int(head_dim), scale
         self.k_dtype, self.v_dtype = k, v
         with cupy.cuda.Device(device if device is not None else cupy.cuda.Device().id) as dev:
@@ -72,12 +77,8 @@ class PagedKVCache:
         import cupy
 
         if side in HALF:
-            if given is not None:
-                raise ValueError(f"{name}: the {side} side stores no scale")
             return None
         if self.scale == "token":
-            if given is not None:
-                raise ValueError(f"{name}: token scales are computed per token; give a scale with scale='head'")
             return cupy.zeros((self.num_pages, self.kv_heads, self.page_size), dtype=cupy.float32)
         if given is None:
             return cupy.zeros(self.kv_heads, dtype=cupy.float32)  # calibrated by the first write

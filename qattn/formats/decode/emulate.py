@@ -101,10 +101,12 @@ def emulate(q, cache: HostPagedCache, block_table, seq_lens, *, splits: int = 1,
                     acc = (acc * F32(v_scale[h])).astype(F32)
                 split_states.append((m, l, acc))
             m, l, acc = _merge(split_states) if splits > 1 else split_states[0]
-            value = np.where(l[:, None] > 0, acc / np.where(l > 0, l, F32(1))[:, None], F32(0))
+            live = (l > 0) | np.isnan(l)  # a NaN sum stays NaN, as in the kernel
+            with np.errstate(invalid="ignore"):
+                value = np.where(live[:, None], acc / np.where(live, l, F32(1))[:, None], F32(0))
             out[b, h * group:(h + 1) * group] = value.reshape(group, lq, d).astype(half)
             with np.errstate(divide="ignore"):
-                row_lse = np.where(l > 0, (m + np.log2(np.where(l > 0, l, F32(1)))) * F32(math.log(2.0)), -np.inf)
+                row_lse = np.where(live, (m + np.log2(np.where(live, l, F32(1)))) * F32(math.log(2.0)), -np.inf)
             lse[b, h * group:(h + 1) * group] = row_lse.reshape(group, lq)
     return (out, lse) if return_lse else out
 

@@ -1,0 +1,165 @@
+"""The decode family on the CPU: its formats and specs, every kernel compiling for the archs it names,
+the host model of the cache writer, the emulator against FP64, the split choice, and bad arguments
+refused by name before anything reaches a GPU."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import qattn
+from qattn.check import metrics
+from qattn.engine import registry
+from qattn.engine.compile import compile_cuda
+from qattn.engine.render import main_entry_name, render
+from qattn.engine.spec import KernelSpec
+from qattn.formats.decode import emulate as emu
+from qattn.formats.decode.host import auto_splits, keys_per_split, least_splits, workspace_bytes
+from qattn.formats.decode.quant import HostPagedCache, quantize_tokens
+from qattn.formats.decode.recipes import FORMATS, PAGE_SIZES, TABLE_SLOTS, sides
+
+
+def test_formats_live_in_their_own_kind():
+    decode = registry.recipes("decode")
+    assert list(decode) == list(FORMATS) and {"f16-f16", "e4m3-e4m3", "i8-i8", "e4m3-f16", "f16-e4m3"} <= set(decode)
+    # i8-i8 names a prefill format (int8 QK, int8 PV) and a decode format (int8 K and V caches)
+    assert qattn.recipe("i8-i8").kind == "prefill" and qattn.recipe("i8-i8", "decode").kind == "decode"
+    assert "e4m3-e4m3" not in qattn.RECIPES
+    with pytest.raises(ValueError, match="known decode formats"):
+        qattn.recipe("f16", "decode")
+    assert decode["f16-e4m3"].input_dtypes == ("float16",) and decode["e4m3-e4m3"].input_dtypes == ("float16", "bfloat16")
+
+
+def test_spec_options_name_and_validate():
+    spec = KernelSpec(kind="decode", recipe="e4m3-e4m3", head_dim=128, arch="sm_90a", options={"page_size": 16})
+    assert spec.options == (("page_size", 16), ("scale_mode", "token"))
+    assert spec.name == "decode_e4m3-e4m3_d128_m16n64w4s3_p16_token_sm90a"
+    assert spec.family.values["page_size"] == 16 and spec.as_dict()["options"] == {"page_size": 16, "scale_mode": "token"}
+    assert KernelSpec(recipe="f16", arch="sm_90a").as_dict().keys() == {
+        "kind", "recipe", "head_dim", "tile", "causal", "backend", "arch", "mma"}  # prefill keys unchanged
+    with pytest.raises(ValueError, match="^page_size: e4m3-e4m3 takes one of"):
+        KernelSpec(kind="decode", recipe="e4m3-e4m3", arch="sm_90a", options={"page_size": 24})
+    with pytest.raises(ValueError, match="^options: f16 takes none"):
+        KernelSpec(recipe="f16", arch="sm_90a", options={"page_size": 16})
+    with pytest.raises(ValueError, match="^arch: e4m3-e4m3 on cuda supports"):  # e4m3 conversions need sm_89
+        KernelSpec(kind="decode", recipe="e4m3-e4m3", arch="sm_80")
+    assert KernelSpec(kind="decode", recipe="i8-f16", arch="sm_80").arch == "sm_80"
+    with pytest.raises(ValueError, match="block_n must be 16 keys per warp"):
+        KernelSpec(kind="decode", recipe="f16-f16", arch="sm_90a", tile=qattn.Tile(16, 32, 4, 2))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_compiles_without_spills(fmt):
+    archs = ("sm_89", "sm_90a", "sm_120") if "e4m3" in fmt else ("sm_80", "sm_90a")
+    for arch in archs:
+        for d, page, scale in ((128, 32, "token"), (64, 16, "head")):
+            spec = KernelSpec(kind="decode", recipe=fmt, head_dim=d, arch=arch,
+                              options={"page_size": page, "scale_mode": scale})
+            binary = compile_cuda(render(spec), arch, spec.name, entry=main_entry_name(spec))
+            assert binary.resources["spill_stores"] == 0 and binary.resources["spill_loads"] == 0, spec.name
+            for entry in ("_f16", "_bf16", "_merge_f16", "_write_f16_i32", "_write_bf16_i64"):
+                assert f"qattn_{spec.name.replace('-', '_')}{entry}(" in binary.ptx or \
+                    f".entry qattn_{spec.name.replace('-', '_')}{entry}" in binary.ptx
+
+
+def test_quantize_tokens_int8_e4m3_and_non_finite_rows():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 2, 64)).astype(np.float32) * 3
+    for code, qmax in (("i8", 127), ("e4m3", 448)):
+        q = quantize_tokens(x, code)
+        assert q.scale.shape == (5, 2) and np.allclose(q.scale, np.abs(x).max(-1) / qmax)
+        err = np.abs(q.dequantize() - x) / np.abs(x).max(-1, keepdims=True)
+        assert err.max() <= (0.5 / 127 if code == "i8" else 2.0 ** -4) * 1.0001
+    x[1, 0, 3] = np.nan
+    q = quantize_tokens(x, "i8")
+    assert np.isnan(q.scale[1, 0]) and np.isnan(q.dequantize()[1, 0]).all()  # int8 has no NaN: the scale carries it
+    head = quantize_tokens(x[:, 1], "e4m3", np.float32(0.01))
+    assert head.scale.shape == (5,) and np.all(head.scale == np.float32(0.01))
+
+
+def _host_cache(fmt, rng, *, lens, kv_heads=2, head_dim=64, page=16, scale="token"):
+    max_pages = max(-(-n // page) for n in lens) + 1
+    cache = HostPagedCache.empty(fmt, len(lens) * max_pages + 3, page, kv_heads, head_dim, scale)
+    table = rng.permutation(len(lens) * max_pages + 3)[:len(lens) * max_pages].reshape(len(lens), max_pages)
+    ks, vs = [], []
+    for b, n in enumerate(lens):
+        k = rng.standard_normal((n, kv_heads, head_dim)).astype(np.float16)
+        v = rng.standard_normal((n, kv_heads, head_dim)).astype(np.float16)
+        cache.write(k, v, table[b, np.arange(n) // page] * page + np.arange(n) % page, scale=scale)
+        ks.append(k.astype(np.float64).transpose(1, 0, 2))
+        vs.append(v.astype(np.float64).transpose(1, 0, 2))
+    return cache, table.astype(np.int32), np.asarray(lens, np.int32), ks, vs
+
+
+@pytest.mark.parametrize("fmt", ["f16-f16", "e4m3-e4m3", "i8-i8", "e4m3-f16", "f16-i8"])
+@pytest.mark.parametrize("scale", ["token", "head"])
+def test_emulator_against_fp64_on_the_cache_and_on_the_original(fmt, scale):
+    rng = np.random.default_rng(1)
+    cache, table, lens, ks, vs = _host_cache(fmt, rng, lens=[3, 150, 333], scale=scale)
+    q = rng.standard_normal((3, 8, 3, 64)).astype(np.float16)  # GQA 4, three new tokens each
+    out = emu.emulate(q, cache, table, lens, splits=2)
+    assert metrics.compare(out, emu.reference(q, cache, table, lens)).rel_l2 < 1e-3  # the kernel's arithmetic
+    cost = metrics.compare(out, emu.reference_dense(q, ks, vs)).rel_l2  # the format's own rounding
+    assert cost < {"f16": 1e-3, "i8": 2.5e-2, "e4m3": 6e-2}[max(sides(fmt), key=lambda s: ("f16", "i8", "e4m3").index(s))]
+
+
+def test_emulator_splits_change_only_roundings_and_causal_rows_see_fewer_keys():
+    rng = np.random.default_rng(2)
+    cache, table, lens, *_ = _host_cache("e4m3-e4m3", rng, lens=[40, 300])
+    q = rng.standard_normal((2, 2, 4, 64)).astype(np.float16)
+    one, lse = emu.emulate(q, cache, table, lens, splits=1, return_lse=True)
+    many = emu.emulate(q, cache, table, lens, splits=5)
+    assert 0 < metrics.compare(one, many).rel_l2 < 1e-3
+    # the first new token sees three keys fewer than the last: without the causal mask it would differ
+    full = emu.reference(q, cache, table, lens)
+    lq_last = emu.reference(q[:, :, 3:], cache, table, lens)
+    np.testing.assert_allclose(full[:, :, 3:], lq_last, rtol=1e-12, atol=1e-12)
+    assert metrics.compare(full[:, :, :1], emu.reference(q[:, :, :1], cache, table, lens)).rel_l2 > 1e-3
+    ref, ref_lse = emu.reference(q, cache, table, lens, return_lse=True)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-3, atol=1e-3)
+
+
+def test_split_choice_fills_waves_and_fits_the_page_table():
+    assert auto_splits(64, 512, 132, 3) == 6  # 384 blocks: one wave of 396 slots
+    assert auto_splits(512, 64, 132, 3) == 3  # 1536 blocks: four waves, the last nearly full
+    assert auto_splits(8, 2048, 132, 3) * 8 <= 396
+    assert auto_splits(4, 7, 132, 3) == 1  # too few steps to split
+    assert least_splits(4096 * 32, 64, 32) >= math.ceil(4096 / (TABLE_SLOTS - 1))
+    kps = keys_per_split(4096 * 16, least_splits(4096 * 16, 64, 16), 64)
+    assert kps % 64 == 0 and kps // 16 + 1 <= TABLE_SLOTS
+    assert workspace_bytes(2, 8, 1, 128, 1) == 0 and workspace_bytes(2, 8, 1, 128, 3) == 3 * 16 * 130 * 4
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"page_size": 24}, "page_size"),
+    ({"head_dim": 96}, "head_dim"),
+    ({"k": "e5m2"}, "^k:"),
+    ({"k": "f16", "v": "bf16"}, "not a decode format"),
+    ({"scale": "channel"}, "^scale"),
+    ({"k": "e4m3", "scale": "token", "k_scale": 0.1}, "^k_scale"),
+    ({"num_pages": 0}, "^num_pages"),
+])
+def test_cache_arguments_are_checked_first(kwargs, words):
+    args = {"num_pages": 4, "page_size": 32, "kv_heads": 2, "head_dim": 128, **kwargs}
+    with pytest.raises(ValueError, match=words):
+        qattn.PagedKVCache(args.pop("num_pages"), args.pop("page_size"), args.pop("kv_heads"), args.pop("head_dim"),
+                           **args)
+
+
+def test_cli_generates_and_lists_decode_kernels():
+    from qattn.cli import main
+
+    runner = CliRunner()
+    out = runner.invoke(main, ["gen", "decode", "-f", "e4m3-e4m3", "-d", "128", "--page-size", "16", "--arch", "sm_90a"])
+    assert out.exit_code == 0 and "decode_e4m3-e4m3_d128_m16n64w4s3_p16_token_sm90a" in out.output
+    refused = runner.invoke(main, ["gen", "-f", "f16", "--page-size", "16", "--arch", "sm_90a"])
+    assert refused.exit_code == 2 and "decode options" in refused.output
+    refused = runner.invoke(main, ["gen", "decode", "--qk", "fp8", "--arch", "sm_90a"])
+    assert refused.exit_code == 2 and "not built yet" in refused.output
+    listing = runner.invoke(main, ["list"])
+    assert listing.exit_code == 0 and "e4m3-f16" in listing.output and "page_size" in listing.output
+    built = runner.invoke(main, ["compile", "decode", "-f", "i8-f16", "-d", "64", "--scale", "head", "--arch", "sm_80"])
+    assert built.exit_code == 0 and "1 of 1 compiled" in built.output
+    assert all(p in PAGE_SIZES for p in (16, 32, 64, 128))
