@@ -606,7 +606,8 @@ def _parse_bench_shapes(ctx, param, values):
     return shapes
 
 
-@main.command()
+@main.group(invoke_without_command=True)
+@click.pass_context
 @click.option("--format", "-f", "formats", multiple=True, callback=_split_formats, metavar="FORMAT[,FORMAT...]",
               help="qattn formats to time; repeatable, comma lists allowed [default: f16]")
 @click.option("--shape", "shapes", multiple=True, callback=_parse_bench_shapes, metavar="BATCH/HEADS/SEQ",
@@ -629,9 +630,12 @@ def _parse_bench_shapes(ctx, param, values):
               help="idle the GPU this long before each implementation's timing, so that none is timed in the "
                    "wake of a power-hungry one")
 @user_errors
-def bench(formats, shapes, head_dim, causal, peers, json_path, seed, rounds, sustained, settle):
+def bench(ctx, formats, shapes, head_dim, causal, peers, json_path, seed, rounds, sustained, settle):
     """Time qattn prefill kernels and their peers (torch SDPA flash and cuDNN, SageAttention) on the
-    same inputs in the same run; rel_l2 is each one's error against FP64 on the first heads."""
+    same inputs in the same run; rel_l2 is each one's error against FP64 on the first heads.
+    `qattn bench decode` times the paged decode instead (its own options)."""
+    if ctx.invoked_subcommand is not None:
+        return
     from .bench import prefill as timing
 
     if device_arch() is None:
@@ -650,6 +654,78 @@ def bench(formats, shapes, head_dim, causal, peers, json_path, seed, rounds, sus
     _console().print(table)
     if json_path is not None:
         write_json(json_path, records)
+
+
+def _parse_decode_shapes(ctx, param, values):
+    shapes = []
+    for value in values:
+        match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", value)
+        if not match or min(int(match.group(1)), int(match.group(2))) < 1:
+            raise click.BadParameter(f"expected BATCHxCTX with positive integers, e.g. 8x32768, got {value!r}")
+        shapes.append((int(match.group(1)), int(match.group(2))))
+    return shapes
+
+
+@bench.command("decode")
+@click.option("--shape", "shapes", multiple=True, callback=_parse_decode_shapes, metavar="BATCHxCTX",
+              help="sequences x cached tokens each (repeatable) [default: 8x32768, 64x4096, 1x131072]")
+@click.option("--format", "-f", "formats", multiple=True, type=click.Choice(list(registry.recipes("decode"))),
+              help="decode format K-V (repeatable) [default: f16-f16, e4m3-e4m3, i8-i8, e4m3-f16, f16-e4m3]")
+@click.option("--heads", type=click.IntRange(min=1), default=32, show_default=True, help="query heads")
+@click.option("--kv-heads", type=click.IntRange(min=1), default=8, show_default=True, help="kv heads")
+@click.option("--head-dim", "-d", type=click.Choice(["64", "128"]), default="128", show_default=True)
+@click.option("--queries", type=click.IntRange(1, 16), default=1, show_default=True,
+              help="new tokens per sequence (the peers run only for 1)")
+@click.option("--page-size", type=click.Choice(["16", "32", "64", "128"]), default="32", show_default=True)
+@click.option("--scale", type=click.Choice(("token", "head")), default="token", show_default=True,
+              help="scales of the 8-bit sides")
+@click.option("--splits", type=click.IntRange(1, 128), help="split count [default: chosen per shape]")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True, help="interleaved timing rounds")
+@click.option("--write-tokens", type=click.IntRange(min=0), default=65536, show_default=True,
+              help="tokens of the cache-write timing (0: skip it)")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, path_type=Path),
+              help="also write the records as JSON to FILE")
+@user_errors
+def bench_decode(shapes, formats, heads, kv_heads, head_dim, queries, page_size, scale, splits, rounds, write_tokens,
+                 json_path):
+    """Time the paged decode in each cache format beside torch SDPA (flash, cuDNN) on the same queries
+    over the same K/V in fp16, and the one-launch cache write beside a copy of the same bytes; GB/s
+    of the bytes a step must read, as a fraction of the copy bandwidth measured in the same run."""
+    from .bench import decode as timing
+
+    if device_arch() is None:
+        raise click.ClickException("bench decode: no CUDA GPU found; timing needs one")
+    if heads % kv_heads:
+        raise click.BadParameter(f"{heads} is not a multiple of --kv-heads {kv_heads}", param_hint="'--heads'")
+    records = timing.bench_decode(shapes or [(8, 32768), (64, 4096), (1, 131072)],
+                                  formats or ("f16-f16", "e4m3-e4m3", "i8-i8", "e4m3-f16", "f16-e4m3"), heads=heads,
+                                  kv_heads=kv_heads, head_dim=int(head_dim), queries=queries,
+                                  page_size=int(page_size), scale=scale, rounds=rounds, splits=splits)
+    writes = timing.bench_write(write_tokens, kv_heads=kv_heads, head_dim=int(head_dim), page_size=int(page_size),
+                                scale=scale) if write_tokens else []
+    ratios = sorted({k for r in records for k in r if k.startswith("vs_")})
+    copy = records[0]["copy_gbs"] if records else float("nan")
+    table = _table(f"decode, {heads}/{kv_heads} heads, D {head_dim}, page {page_size}, copy {copy:.0f} GB/s",
+                   "batch x ctx", "impl", "ms", "GB/s", "of copy", *ratios, "rel_l2 vs fp16",
+                   right=("ms", "GB/s", "of copy", *ratios, "rel_l2 vs fp16"))
+    for r in records:
+        if "error" in r:
+            table.add_row(f"{r['batch']}x{r['ctx']}", r["impl"], r["error"], *[""] * (4 + len(ratios)))
+            continue
+        table.add_row(f"{r['batch']}x{r['ctx']}", r["impl"], _fmt(r["ms"], ".4f"), _fmt(r["gbs"], ".0f"),
+                      _fmt(r["of_copy"], ".2f"), *[_fmt(r.get(k), ".2f") for k in ratios],
+                      _fmt(r.get("rel_l2_vs_fp16"), ".2e"))
+    console = _console()
+    console.print(table)
+    if writes:
+        wtable = _table("cache write", "format", "slots", "tokens", "write ms", "copy ms", "ratio",
+                        right=("tokens", "write ms", "copy ms", "ratio"))
+        for w in writes:
+            wtable.add_row(w["format"], w["slots"], str(w["tokens"]), _fmt(w["write_ms"], ".4f"),
+                           _fmt(w["copy_ms"], ".4f"), _fmt(w["ratio"], ".2f"))
+        console.print(wtable)
+    if json_path is not None:
+        write_json(json_path, {"decode": records, "write": writes})
 
 
 # ---- probe ------------------------------------------------------------------------------------
