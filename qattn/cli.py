@@ -27,6 +27,7 @@ from .engine.tile import Tile
 from .engine.cache import KernelCache, KernelNotCached
 from .engine.compile import CompileError
 from .bench.peers import PEERS
+from .data import PRESETS
 
 FALLBACK_ARCH = {"cuda": "sm_90a", "hip": "gfx942"}
 ALL_FORMATS = list(dict.fromkeys(name for kind in KINDS for name in registry.recipes(kind)))
@@ -484,8 +485,8 @@ def _split_formats(ctx, param, values):
                     for fam in options if "mma_unit" in fam.values})
     for f in formats:
         name, at, unit = f.partition("@")
-        if name not in RECIPES:
-            raise click.BadParameter(f"unknown format {name!r}; known formats: {', '.join(RECIPES)}")
+        if name not in ALL_FORMATS:  # which kind a name belongs to is checked where the kind is known
+            raise click.BadParameter(f"unknown format {name!r}; known formats: {', '.join(ALL_FORMATS)}")
         if at and unit not in units:
             raise click.BadParameter(f"{f!r}: unknown matrix unit {unit!r}; units: {', '.join(units)}")
     return formats
@@ -555,16 +556,32 @@ def write_json(path: Path, records) -> None:
               callback=_json_path, help="also write the records as JSON to FILE")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the random inputs")
 @click.option("--time/--no-time", "time_it", default=True, show_default=True, help="time each kernel (GPU only)")
+@click.option("--kind", type=click.Choice(KINDS), default="prefill", show_default=True,
+              help="prefill formats, or decode formats over a paged cache (CTX/QUERIES: cached / new tokens)")
+@click.option("--page-size", type=click.Choice(["16", "32", "64", "128"]), help="decode: tokens per page [default: 32]")
+@click.option("--scale", type=click.Choice(("token", "head")), help="decode: scales of 8-bit sides [default: token]")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), help="decode: K/V from a qattn.data preset "
+                                                                  "[default: N(0,1)]")
 @user_errors
-def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, json_path, seed, time_it):
+def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, json_path, seed, time_it, kind, page_size,
+           scale, preset):
     """Check formats against FP64 on fresh random inputs and time their kernels; exit 1 if any
-    check fails its format's tolerance."""
+    check fails its format's tolerance. With --kind decode, each format's paged decode against FP64
+    on the dequantized cache (its tolerance) and on the original K/V (format_rel_l2: the format's cost)."""
     from .check import parity as job
 
     if kv_heads is not None and heads % kv_heads:
         raise click.BadParameter(f"{kv_heads} does not divide --heads {heads}", param_hint="'--kv-heads'")
+    options = {}
+    if kind == "decode":
+        if causal:
+            raise click.BadParameter("decode rows are always bottom-right causal among the new tokens",
+                                     param_hint="'--causal'")
+        options = {"page_size": int(page_size or 32), "scale": scale or "token", "preset": preset}
+    elif page_size or scale or preset:
+        raise click.BadParameter("--page-size, --scale and --preset are decode options", param_hint="'--kind'")
     gpu = device_arch() is not None
-    checks = job.plan(formats, shapes, backend=backend, head_dim=head_dim, causal=causal, gpu=gpu)
+    checks = job.plan(formats, shapes, backend=backend, head_dim=head_dim, causal=causal, gpu=gpu, kind=kind)
     if backend == "auto":
         if not gpu:
             _note("no CUDA GPU found: running the CPU emulators (backend numpy); nothing is timed")
@@ -572,19 +589,30 @@ def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, j
             _note(f"no CUDA kernel for {', '.join(emulated)}: running the CPU emulator there; not timed")
     with _Progress("parity", len(checks)) as progress:
         records = job.run_parity(formats, shapes, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                                 causal=causal, backend=backend, seed=seed, time_it=time_it,
+                                 causal=causal, backend=backend, seed=seed, time_it=time_it, kind=kind,
                                  progress=lambda r: progress.done(f"{r['format']} {r['ctx']}/{r['queries']} "
-                                                                  f"{r['backend']}: {_verdict(r)}"))
+                                                                  f"{r['backend']}: {_verdict(r)}"), **options)
     kv = heads if kv_heads is None else kv_heads
-    title = f"parity vs FP64: batch {batch}, heads {heads}/{kv}, D {head_dim}, {'causal' if causal else 'non-causal'}"
-    table = _table(title, "format", "ctx/queries", "backend", "max_rel", "rel_l2", "failures", "ms", "TFLOPS",
-                   "tolerance", "result", right=("max_rel", "rel_l2", "failures", "ms", "TFLOPS", "tolerance"))
+    if kind == "decode":
+        title = (f"decode parity vs FP64: batch {batch}, heads {heads}/{kv}, D {head_dim}, page {options['page_size']}, "
+                 f"{options['scale']} scales, {preset or 'N(0,1)'} K/V")
+        speed = ("GB/s", "gbs", ".0f")
+        extra = ("format rel_l2",)
+    else:
+        title = f"parity vs FP64: batch {batch}, heads {heads}/{kv}, D {head_dim}, {'causal' if causal else 'non-causal'}"
+        speed = ("TFLOPS", "tflops", ".1f")
+        extra = ()
+    table = _table(title, "format", "ctx/queries", "backend", "max_rel", "rel_l2", *extra, "failures", "ms", speed[0],
+                   "tolerance", "result",
+                   right=("max_rel", "rel_l2", *extra, "failures", "ms", speed[0], "tolerance"))
     for r in records:
         tol = r["tolerance"]
         verdict = _verdict(r)
+        cells = [_fmt(r["format_rel_l2"], ".2e")] if extra else []
         table.add_row(r["format"], f"{r['ctx']}/{r['queries']}", r["backend"], _fmt(r["max_rel"], ".2e"),
-                      _fmt(r["rel_l2"], ".2e"), str(r["failures"]), _fmt(r["ms"], ".3f"), _fmt(r["tflops"], ".1f"),
-                      f"{tol['max_rel']:g} / {tol['rel_l2']:g}", verdict if r["passed"] else f"[red]{verdict}[/red]")
+                      _fmt(r["rel_l2"], ".2e"), *cells, str(r["failures"]), _fmt(r["ms"], ".3f"),
+                      _fmt(r[speed[1]], speed[2]), f"{tol['max_rel']:g} / {tol['rel_l2']:g}",
+                      verdict if r["passed"] else f"[red]{verdict}[/red]")
     _console().print(table)
     if json_path is not None:
         write_json(json_path, records)
@@ -726,6 +754,64 @@ def bench_decode(shapes, formats, heads, kv_heads, head_dim, queries, page_size,
         console.print(wtable)
     if json_path is not None:
         write_json(json_path, {"decode": records, "write": writes})
+
+
+# ---- plan -------------------------------------------------------------------------------------
+
+@main.group()
+def plan():
+    """Pick a format for an operating point."""
+
+
+@plan.command("decode")
+@click.option("--batch", type=click.IntRange(min=1), default=8, show_default=True, help="sequences")
+@click.option("--ctx", type=click.IntRange(min=1), default=32768, show_default=True, help="cached tokens per sequence")
+@click.option("--heads", type=click.IntRange(min=1), default=32, show_default=True, help="query heads")
+@click.option("--kv-heads", type=click.IntRange(min=1), default=8, show_default=True, help="kv heads")
+@click.option("--head-dim", type=click.Choice(["64", "128"]), default="128", show_default=True)
+@click.option("--npz", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="captured q, k, v [B, H, L, D] to measure the errors on (default: --preset)")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="normal", show_default=True,
+              help="qattn.data preset for the errors when no --npz is given")
+@click.option("--max-rel-l2", type=click.FloatRange(min=0, min_open=True), default=3e-2, show_default=True,
+              help="the quality gate: rel_l2 against FP64 on the original K/V")
+@click.option("--page-size", type=click.Choice(["16", "32", "64", "128"]), default="32", show_default=True)
+@click.option("--scale", type=click.Choice(("token", "head")), default="token", show_default=True)
+@click.option("--measure/--no-measure", default=None,
+              help="time the formats on the local GPU [default: when one is present; else the H200 table]")
+@user_errors
+def plan_decode(batch, ctx, heads, kv_heads, head_dim, npz, preset, max_rel_l2, page_size, scale, measure):
+    """For an operating point, each cache format's error against FP64 on the original K/V (its CPU
+    emulator, on --npz tensors or a preset, at up to 4096 keys) and its decode time (a quick run on the
+    local GPU, else relative to f16-f16 as measured on the H200), and the one to use: the fastest
+    within --max-rel-l2, K16/V8 when no 8-bit K passes."""
+    from .formats.decode import plan as planner
+
+    if heads % kv_heads:
+        raise click.BadParameter(f"{heads} is not a multiple of --kv-heads {kv_heads}", param_hint="'--heads'")
+    measure = device_arch() is not None if measure is None else measure
+    if measure and device_arch() is None:
+        raise click.ClickException("plan decode --measure: no CUDA GPU found")
+    errors = planner.format_errors(npz=npz, preset=preset, ctx=ctx, heads=heads, kv_heads=kv_heads,
+                                   head_dim=int(head_dim), page_size=int(page_size), scale=scale)
+    if measure:
+        times = planner.measured_times(list(errors), batch=batch, ctx=ctx, heads=heads, kv_heads=kv_heads,
+                                       head_dim=int(head_dim), page_size=int(page_size), scale=scale)
+        unit, source = "ms", "measured on this GPU"
+    else:
+        times = dict(planner.H200_RELATIVE_TIME)
+        unit, source = "x f16-f16", "relative times measured on the H200 (BENCHMARKS.md)"
+    chosen, why = planner.choose(errors, times, max_rel_l2)
+    data = str(npz) if npz else f"preset {preset}"
+    table = _table(f"decode at batch {batch}, ctx {ctx}, heads {heads}/{kv_heads}, D {head_dim}: errors on {data}; "
+                   f"times {source}", "format", "rel_l2 vs FP64", f"time ({unit})", "within gate", "",
+                   right=("rel_l2 vs FP64", f"time ({unit})"))
+    for fmt, err in errors.items():
+        table.add_row(fmt, _fmt(err, ".2e"), _fmt(times.get(fmt), ".3f"), "yes" if err <= max_rel_l2 else "no",
+                      "<- chosen" if fmt == chosen else "")
+    console = _console()
+    console.print(table)
+    console.print(f"chosen: {chosen} ({why}; gate rel_l2 <= {max_rel_l2:g})")
 
 
 # ---- probe ------------------------------------------------------------------------------------

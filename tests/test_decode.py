@@ -163,3 +163,72 @@ def test_cli_generates_and_lists_decode_kernels():
     built = runner.invoke(main, ["compile", "decode", "-f", "i8-f16", "-d", "64", "--scale", "head", "--arch", "sm_80"])
     assert built.exit_code == 0 and "1 of 1 compiled" in built.output
     assert all(p in PAGE_SIZES for p in (16, 32, 64, 128))
+
+
+def test_parity_decode_on_the_emulator_records_both_references(tmp_path):
+    from qattn.check import parity
+
+    records = parity.run_parity(["e4m3-e4m3", "f16-f16"], [(300, 1), (200, 3)], batch=2, heads=8, kv_heads=2,
+                                head_dim=64, backend="numpy", kind="decode", page_size=16, scale="head", preset=None)
+    assert [(r["format"], r["ctx"], r["queries"]) for r in records] == [
+        ("e4m3-e4m3", 300, 1), ("e4m3-e4m3", 200, 3), ("f16-f16", 300, 1), ("f16-f16", 200, 3)]
+    for r in records:
+        assert r["passed"] and r["backend"] == "numpy" and r["ms"] is None and r["kind"] == "decode"
+        assert r["rel_l2"] < 1e-3  # the arithmetic, against FP64 on the dequantized cache
+    by_format = {r["format"]: r["format_rel_l2"] for r in records}
+    assert by_format["f16-f16"] < 1e-3 < 1e-2 < by_format["e4m3-e4m3"] < 6e-2  # the format's own cost
+    with pytest.raises(ValueError, match="known decode formats"):
+        parity.run_parity(["i8-f8"], [(64, 1)], backend="numpy", kind="decode")
+    with pytest.raises(ValueError, match="^options: prefill checks take none"):
+        parity.run_parity(["f16"], [(64, 1)], backend="numpy", page_size=16)
+
+
+def test_a_large_k_bias_ruins_an_8bit_k_cache_not_a_16bit_one():
+    """The Qwen-style preset: a K-projection bias far larger than the token-varying part sets every
+    token's e4m3 scale, and the residual that carries the attention rounds away (the fix, a pre-bias
+    residual K, is not built yet); K16/V8 keeps K exact."""
+    from qattn.check import parity
+
+    records = parity.run_parity(["e4m3-e4m3", "f16-e4m3"], [(600, 1)], heads=8, kv_heads=2, head_dim=64,
+                                backend="numpy", kind="decode", page_size=32, scale="token", preset="bias")
+    cost = {r["format"]: r["format_rel_l2"] for r in records}
+    assert cost["e4m3-e4m3"] > 0.3 and cost["f16-e4m3"] < 0.06 and cost["e4m3-e4m3"] > 5 * cost["f16-e4m3"], cost
+
+
+def test_cli_parity_kind_decode(tmp_path):
+    import json
+
+    from qattn.cli import main
+
+    out = tmp_path / "decode.json"
+    result = CliRunner().invoke(main, ["parity", "--kind", "decode", "-f", "i8-f16", "--shape", "150/2", "--heads", "4",
+                                       "--kv-heads", "2", "--head-dim", "64", "--page-size", "16", "--backend",
+                                       "numpy", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    (record,) = json.loads(out.read_text())
+    assert record["format"] == "i8-f16" and record["page_size"] == 16 and record["passed"]
+    assert "format rel_l2" in result.output
+    refused = CliRunner().invoke(main, ["parity", "--page-size", "16", "--backend", "numpy"])
+    assert refused.exit_code == 2 and "decode options" in refused.output
+
+
+def test_plan_picks_the_fastest_format_within_the_gate():
+    from qattn.formats.decode import plan
+
+    times = {"f16-f16": 1.0, "e4m3-e4m3": 0.8, "f16-e4m3": 0.9, "i8-i8": 0.95}
+    assert plan.choose({"f16-f16": 1e-4, "e4m3-e4m3": 0.03, "f16-e4m3": 0.02, "i8-i8": 0.01}, times, 0.05) == \
+        ("e4m3-e4m3", "fastest within the gate")
+    assert plan.choose({"f16-f16": 1e-4, "e4m3-e4m3": 0.9, "f16-e4m3": 0.02, "i8-i8": 0.4}, times, 0.05)[0] == "f16-e4m3"
+    assert plan.choose({"f16-f16": 1e-4, "e4m3-e4m3": 0.9, "f16-e4m3": 0.2, "i8-i8": 0.4}, times, 0.05)[0] == "f16-f16"
+    assert plan.choose({"f16-f16": 1e-4, "e4m3-e4m3": 0.9, "f16-e4m3": 0.02}, {"f16-f16": 1.0}, 0.05)[0] == "f16-e4m3"
+
+
+def test_cli_plan_decode_on_the_h200_table():
+    from qattn.cli import main
+
+    result = CliRunner().invoke(main, ["plan", "decode", "--ctx", "2048", "--heads", "8", "--kv-heads", "2",
+                                       "--head-dim", "64", "--preset", "bias", "--no-measure", "--max-rel-l2", "0.05"])
+    assert result.exit_code == 0, result.output
+    assert "chosen: f16-e4m3" in result.output  # the bias preset ruins every 8-bit K cache
+    refused = CliRunner().invoke(main, ["plan", "decode", "--heads", "6", "--kv-heads", "4", "--no-measure"])
+    assert refused.exit_code == 2 and "--heads" in refused.output

@@ -21,6 +21,9 @@ from .emulate import emulate
 from .reference import attention as reference_attention
 
 BACKENDS = ("auto", "cuda", "numpy")
+KIND_SHAPES = {  # (ctx, queries) of the kinds other than prefill: cached tokens, new tokens per sequence
+    "decode": {"cuda": ((4096, 1), (2100, 4), (32768, 1)), "numpy": ((1024, 1), (1500, 4), (333, 16))},
+}
 # The default set: every format with a CUDA kernel (all of them run on their emulators without a GPU).
 DEFAULT_FORMATS = tuple(name for name, rec in RECIPES.items() if "cuda" in rec.families)
 # (ctx, queries). The GPU set is large enough to fill an H200 for a meaningful time; the CPU set
@@ -31,22 +34,22 @@ DEFAULT_SHAPES = {
 }
 
 
-def has_cuda_kernel(fmt: str) -> bool:
-    return "cuda" in recipe(fmt).families
+def has_cuda_kernel(fmt: str, kind: str = "prefill") -> bool:
+    return "cuda" in recipe(fmt, kind).families
 
 
-def resolve_backend(fmt: str, backend: str, gpu: bool) -> str:
+def resolve_backend(fmt: str, backend: str, gpu: bool, kind: str = "prefill") -> str:
     """Which backend runs fmt: `auto` means the CUDA kernel when there is a GPU and a kernel."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "cuda":
-        if not has_cuda_kernel(fmt):
+        if not has_cuda_kernel(fmt, kind):
             raise ValueError(f"format {fmt!r}: no CUDA kernel yet; run its CPU emulator with backend 'numpy'")
         if not gpu:
             raise ValueError("backend 'cuda': no CUDA GPU found; use backend 'numpy' (or 'auto') for the CPU emulators")
         return "cuda"
     if backend == "auto":
-        return "cuda" if gpu and has_cuda_kernel(fmt) else "numpy"
+        return "cuda" if gpu and has_cuda_kernel(fmt, kind) else "numpy"
     return "numpy"
 
 
@@ -131,7 +134,8 @@ def check(entry: str, ctx: int, queries: int, *, backend: str, batch: int = 1, h
 
 
 def plan(formats: Iterable[str], shapes: Iterable[tuple[int, int]] | None, *, backend: str = "auto",
-         head_dim: int = 128, causal: bool = False, gpu: bool | None = None) -> list[tuple[str, str, int, int]]:
+         head_dim: int = 128, causal: bool = False, gpu: bool | None = None,
+         kind: str = "prefill") -> list[tuple[str, str, int, int]]:
     """Validate everything up front, before any check runs, and list the checks as (format,
     backend, ctx, queries); a format may be FORMAT@UNIT (its CUDA kernel on another matrix unit).
     shapes None (or empty) picks each backend's default shapes."""
@@ -141,6 +145,14 @@ def plan(formats: Iterable[str], shapes: Iterable[tuple[int, int]] | None, *, ba
         if ctx < 1 or queries < 1:
             raise ValueError(f"shape: ctx and queries must be >= 1, got {ctx}/{queries}")
     checks = []
+    if kind != "prefill":
+        for fmt in formats or registry.recipes(kind):
+            if "@" in fmt:
+                raise ValueError(f"format {fmt!r}: {kind} formats have one matrix unit per arch")
+            recipe(fmt, kind)  # an unknown format raises, naming the known ones
+            ran = resolve_backend(fmt, backend, gpu, kind)
+            checks += [(fmt, ran, ctx, queries) for ctx, queries in shapes or KIND_SHAPES[kind][ran]]
+        return checks
     for entry in formats or DEFAULT_FORMATS:
         fmt, _, unit = entry.partition("@")
         recipe(fmt)  # an unknown format raises, naming the known ones
@@ -157,9 +169,11 @@ def plan(formats: Iterable[str], shapes: Iterable[tuple[int, int]] | None, *, ba
 def run_parity(formats: Iterable[str], shapes: Iterable[tuple[int, int]] | None, *, batch: int = 1,
                heads: int = 8, kv_heads: int | None = None, head_dim: int = 128, causal: bool = False,
                backend: str = "auto", seed: int = 0, time_it: bool = True,
-               progress: Callable[[dict], None] | None = None) -> list[dict]:
+               progress: Callable[[dict], None] | None = None, kind: str = "prefill", **options) -> list[dict]:
     """Check every format on every shape (ctx, queries) against FP64; one record per check.
-    progress, if given, is called with each record as it completes."""
+    progress, if given, is called with each record as it completes. Kinds other than prefill run their
+    family's check (FormatFamily.parity) with the options of that kind (decode: page_size, scale,
+    preset)."""
     kv_heads = heads if kv_heads is None else kv_heads
     if batch < 1 or heads < 1 or kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"heads: batch, heads and kv_heads must be >= 1 with heads a multiple of kv_heads, "
@@ -167,9 +181,17 @@ def run_parity(formats: Iterable[str], shapes: Iterable[tuple[int, int]] | None,
     if head_dim < 1:
         raise ValueError(f"head_dim: expected a positive integer, got {head_dim}")
     records = []
-    for fmt, ran, ctx, queries in plan(list(formats), shapes, backend=backend, head_dim=head_dim, causal=causal):
-        record = check(fmt, ctx, queries, backend=ran, batch=batch, heads=heads, kv_heads=kv_heads,
-                       head_dim=head_dim, causal=causal, seed=seed, time_it=time_it)
+    if options and kind == "prefill":
+        raise ValueError(f"options: prefill checks take none, got {', '.join(options)}")
+    for fmt, ran, ctx, queries in plan(list(formats), shapes, backend=backend, head_dim=head_dim, causal=causal,
+                                       kind=kind):
+        if kind == "prefill":
+            record = check(fmt, ctx, queries, backend=ran, batch=batch, heads=heads, kv_heads=kv_heads,
+                           head_dim=head_dim, causal=causal, seed=seed, time_it=time_it)
+        else:
+            record = registry.family_of(fmt, kind).parity(fmt, ctx, queries, backend=ran, batch=batch, heads=heads,
+                                                           kv_heads=kv_heads, head_dim=head_dim, seed=seed,
+                                                           time_it=time_it, **options)
         records.append(record)
         if progress is not None:
             progress(record)

@@ -38,6 +38,10 @@ class FormatFamily:
     launch_tiles: dict = field(default_factory=dict)
     kernel_inputs: Callable | None = None  # (k, v) -> the K/V arguments its kernels take (None: k, v)
     inspect: Callable | None = None  # spec -> extra fields of `qattn inspect` for its kernels
+    # the parity job's check of one of its formats at one shape, for kinds other than prefill (whose
+    # check is check/parity.py's): (format, ctx, queries, *, backend, batch, heads, kv_heads, head_dim,
+    # seed, time_it, **options) -> record
+    parity: Callable | None = None
 
 
 KIND_RECIPES: dict[str, dict[str, Recipe]] = {}  # kind -> format name -> Recipe

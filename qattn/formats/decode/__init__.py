@@ -6,6 +6,7 @@ from pathlib import Path
 from ...engine import registry
 from .cache import PagedKVCache
 from .host import decode, launch, workspace_bytes
+from .parity import check
 from .recipes import LAUNCHER, RECIPES
 
 FAMILY = registry.register(registry.FormatFamily(
@@ -13,6 +14,7 @@ FAMILY = registry.register(registry.FormatFamily(
     recipes=RECIPES,
     templates=Path(__file__).resolve().parent / "templates",
     launchers={LAUNCHER: launch},
+    parity=check,
 ))
 
 __all__ = ["FAMILY", "PagedKVCache", "decode", "workspace_bytes"]

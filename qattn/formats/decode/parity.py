@@ -1,0 +1,96 @@
+"""The parity check of one decode format at one shape (`tools/parity --kind decode`): a paged cache
+written from fresh fp16 K/V (N(0,1), or a qattn.data preset), decoded on the GPU kernel (into a
+NaN-poisoned output, and timed) or on the CPU emulator, and compared with FP64 twice: on the
+dequantized cache (the kernel's arithmetic, judged by the format's tolerance) and on the original
+fp16 K/V (the format's own cost, reported as format_rel_l2)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ...check import metrics
+from ...engine.arrays import numpy_dtype
+from ...engine.registry import recipe
+from . import emulate
+from .quant import HostPagedCache
+from .recipes import sides
+
+
+def _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, preset, seed):
+    """q [B, Hq, Lq, D] and the tokens k, v [B, L, Hkv, D] in the format's query type."""
+    dtype = numpy_dtype(recipe(fmt, "decode").input_dtypes[0])
+    if preset is None:
+        rng = np.random.default_rng(seed)
+        q = rng.standard_normal((batch, heads, queries, head_dim), dtype=np.float32)
+        k, v = (rng.standard_normal((batch, ctx, kv_heads, head_dim), dtype=np.float32) for _ in range(2))
+    else:
+        from ... import data
+
+        x = data.preset(preset, ctx=ctx, queries=queries, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                        batch=batch, seed=seed)
+        q, k, v = x["q"], x["k"].transpose(0, 2, 1, 3), x["v"].transpose(0, 2, 1, 3)
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, heads: int = 8, kv_heads: int = 8,
+          head_dim: int = 128, page_size: int = 32, scale: str = "token", preset: str | None = None, seed: int = 0,
+          time_it: bool = True) -> dict:
+    """One record (JSON-ready apart from non-finite floats) for fmt at ctx cached tokens per sequence,
+    the last `queries` of them new (bottom-right causal among them)."""
+    if queries > ctx:
+        raise ValueError(f"shape: {queries} new tokens need at least as many cached ones, got ctx {ctx}")
+    q, k, v = _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, preset, seed)
+    pages_per_seq = -(-ctx // page_size)
+    rng = np.random.default_rng([seed, 1])
+    table = rng.permutation(batch * pages_per_seq).reshape(batch, pages_per_seq).astype(np.int32)
+    tokens = np.arange(ctx)
+    slots = (table[:, tokens // page_size] * page_size + tokens % page_size).astype(np.int64)
+    lens = np.full(batch, ctx, np.int32)
+    flat_k, flat_v = k.reshape(-1, kv_heads, head_dim), v.reshape(-1, kv_heads, head_dim)
+    ms, kernel = None, None
+    if backend == "cuda":
+        out, ms, kernel, host = _run_cuda(fmt, q, flat_k, flat_v, slots.reshape(-1), table, lens, page_size, scale,
+                                          time_it)
+    else:
+        host = HostPagedCache.empty(fmt, batch * pages_per_seq, page_size, kv_heads, head_dim, scale)
+        host.write(flat_k, flat_v, slots.reshape(-1), scale=scale)
+        out = emulate.emulate(q, host, table, lens)
+    ref = emulate.reference(q, host, table, lens)
+    dense = emulate.reference_dense(q, [x.transpose(1, 0, 2) for x in k.astype(np.float64)],
+                                    [x.transpose(1, 0, 2) for x in v.astype(np.float64)])
+    out32 = np.asarray(out, np.float32)
+    err = metrics.compare(out32, ref)
+    tol = recipe(fmt, "decode").tolerance
+    read = batch * kv_heads * ctx * sum((1 if s in ("e4m3", "i8") else 2) * head_dim + (4 if s in ("e4m3", "i8") and
+                                         scale == "token" else 0) for s in sides(fmt)) + table.nbytes
+    return {
+        "kind": "decode", "format": fmt, "ctx": ctx, "queries": queries, "batch": batch, "heads": heads,
+        "kv_heads": kv_heads, "head_dim": head_dim, "page_size": page_size, "scale": scale,
+        "data": preset or "normal", "backend": backend, "kernel": kernel,
+        "input_dtype": recipe(fmt, "decode").input_dtypes[0], "seed": seed,
+        "max_rel": err.max_rel, "rel_l2": err.rel_l2, "cos": err.cos, "nonfinite": err.nonfinite,
+        "worst_index": list(err.worst_index), "failures": metrics.failures(out32, ref, tol.max_rel),
+        "format_rel_l2": metrics.compare(out32, dense).rel_l2,
+        "tolerance": {"max_rel": tol.max_rel, "rel_l2": tol.rel_l2},
+        "ms": ms, "gbs": read / (ms * 1e-3) / 1e9 if ms else None,
+        "passed": bool(err.nonfinite == 0 and err.max_rel <= tol.max_rel and err.rel_l2 <= tol.rel_l2),
+    }
+
+
+def _run_cuda(fmt, q, k, v, slots, table, lens, page_size, scale, time_it):
+    import cupy
+
+    from ...bench.timing import time_cuda
+    from .cache import PagedKVCache
+    from .host import decode
+
+    k_side, v_side = sides(fmt)
+    cache = PagedKVCache(int(table.size), page_size, k.shape[1], k.shape[2], k=k_side, v=v_side, scale=scale)
+    cache.write(cupy.asarray(k), cupy.asarray(v), cupy.asarray(slots))
+    qd, td, ld = cupy.asarray(q), cupy.asarray(table), cupy.asarray(lens)
+    out = cupy.full(q.shape, math.nan, dtype=qd.dtype)  # any element left unwritten stays NaN
+    decode(qd, cache, td, ld, out=out)
+    result = cupy.asnumpy(out)
+    ms = time_cuda(lambda: decode(qd, cache, td, ld, out=out)).median_ms if time_it else None
+    return result, ms, cache.spec().name, cache.host()
