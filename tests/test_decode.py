@@ -35,7 +35,7 @@ def test_formats_live_in_their_own_kind():
 def test_spec_options_name_and_validate():
     spec = KernelSpec(kind="decode", recipe="e4m3-e4m3", head_dim=128, arch="sm_90a", options={"page_size": 16})
     assert spec.options == (("page_size", 16), ("scale_mode", "token"))
-    assert spec.name == "decode_e4m3-e4m3_d128_m16n64w4s3_p16_token_sm90a"
+    assert spec.name == "decode_e4m3-e4m3_d128_m8n64w4s2_p16_token_sm90a"
     assert spec.family.values["page_size"] == 16 and spec.as_dict()["options"] == {"page_size": 16, "scale_mode": "token"}
     assert KernelSpec(recipe="f16", arch="sm_90a").as_dict().keys() == {
         "kind", "recipe", "head_dim", "tile", "causal", "backend", "arch", "mma"}  # prefill keys unchanged
@@ -47,7 +47,7 @@ def test_spec_options_name_and_validate():
         KernelSpec(kind="decode", recipe="e4m3-e4m3", arch="sm_80")
     assert KernelSpec(kind="decode", recipe="i8-f16", arch="sm_80").arch == "sm_80"
     with pytest.raises(ValueError, match="block_n must be 16 keys per warp"):
-        KernelSpec(kind="decode", recipe="f16-f16", arch="sm_90a", tile=qattn.Tile(16, 32, 4, 2))
+        KernelSpec(kind="decode", recipe="f16-f16", arch="sm_90a", tile=qattn.Tile(8, 32, 4, 2))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -153,7 +153,7 @@ def test_cli_generates_and_lists_decode_kernels():
 
     runner = CliRunner()
     out = runner.invoke(main, ["gen", "decode", "-f", "e4m3-e4m3", "-d", "128", "--page-size", "16", "--arch", "sm_90a"])
-    assert out.exit_code == 0 and "decode_e4m3-e4m3_d128_m16n64w4s3_p16_token_sm90a" in out.output
+    assert out.exit_code == 0 and "decode_e4m3-e4m3_d128_m8n64w4s2_p16_token_sm90a" in out.output
     refused = runner.invoke(main, ["gen", "-f", "f16", "--page-size", "16", "--arch", "sm_90a"])
     assert refused.exit_code == 2 and "decode options" in refused.output
     refused = runner.invoke(main, ["gen", "decode", "--qk", "fp8", "--arch", "sm_90a"])

@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from qattn.bench.decode import bench_decode, bench_write  # noqa: E402
+from qattn.engine.tile import Tile  # noqa: E402
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -37,6 +38,7 @@ def main() -> int:
     ap.add_argument("--page-size", type=int, default=32)
     ap.add_argument("--scale", choices=("token", "head"), default="token")
     ap.add_argument("--splits", type=int, default=None)
+    ap.add_argument("--stages", type=int, default=None, help="K/V slots in flight (default: the format's tile)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--write-tokens", type=int, default=65536, help="tokens of the write benchmark (0: skip)")
     ap.add_argument("--json", type=Path)
@@ -44,7 +46,8 @@ def main() -> int:
     records = bench_decode(args.shape or [(8, 32768), (64, 4096), (1, 131072)],
                            args.formats or ("f16-f16", "e4m3-e4m3", "i8-i8", "e4m3-f16", "f16-e4m3"),
                            heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, queries=args.queries,
-                           page_size=args.page_size, scale=args.scale, rounds=args.rounds, splits=args.splits)
+                           page_size=args.page_size, scale=args.scale, rounds=args.rounds, splits=args.splits,
+                           tile=None if args.stages is None else Tile(8, 64, 4, args.stages))
     writes = bench_write(args.write_tokens, kv_heads=args.kv_heads, head_dim=args.head_dim,
                          page_size=args.page_size, scale=args.scale) if args.write_tokens else []
     print(f"copy bandwidth {records[0]['copy_gbs']:.0f} GB/s" if records else "no records")

@@ -52,7 +52,7 @@ def _filled_cache(fmt, k, v, batch, ctx, kv_heads, head_dim, page_size, scale, r
 
 def bench_decode(shapes, formats=("f16-f16", "e4m3-e4m3", "i8-i8"), *, heads: int = 32, kv_heads: int = 8,
                  head_dim: int = 128, queries: int = 1, page_size: int = 32, scale: str = "token",
-                 peers=DECODE_PEERS, rounds: int = 3, seed: int = 0, splits=None) -> list[dict]:
+                 peers=DECODE_PEERS, rounds: int = 3, seed: int = 0, splits=None, tile=None) -> list[dict]:
     """One record per (shape, implementation): median ms, GB/s, the ratio to each peer and to the copy
     bandwidth, and rel_l2 against the fp16 SDPA answer on the same queries. shapes: (batch, ctx)."""
     import cupy
@@ -91,13 +91,13 @@ def bench_decode(shapes, formats=("f16-f16", "e4m3-e4m3", "i8-i8"), *, heads: in
         for fmt in formats:
             cache, table = _filled_cache(fmt, k, v, batch, ctx, kv_heads, head_dim, page_size, scale, rng)
             out = cupy.empty_like(q)
-            decode(q, cache, table, lens, out=out, splits=splits)
+            decode(q, cache, table, lens, out=out, splits=splits, tile=tile)
             rec = dict(base, impl=f"qattn:{fmt}", bytes=kv_bytes(fmt, batch, kv_heads, ctx, head_dim, page_size, scale))
             if reference is not None:
                 diff = out.astype(cupy.float64) - reference.astype(cupy.float64)
                 rec["rel_l2_vs_fp16"] = float(cupy.linalg.norm(diff) / cupy.linalg.norm(reference.astype(cupy.float64)))
             timed.append((rec, lambda cache=cache, table=table, out=out: decode(q, cache, table, lens, out=out,
-                                                                                 splits=splits)))
+                                                                                 splits=splits, tile=tile)))
         per_round = time_interleaved([fn for _, fn in timed], rounds)
         peer_ms = {}
         for times, (rec, _) in zip(per_round, timed):

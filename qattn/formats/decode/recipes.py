@@ -16,7 +16,7 @@ QK_PATHS = ("transform",)  # K8 converted on chip to the query's type; the 8-bit
 HALF = ("f16", "bf16")
 EIGHT_BIT = ("e4m3", "i8")
 QMAX = {"e4m3": 448.0, "i8": 127.0}
-MAX_ROWS = 16  # packed query rows (query heads of a kv head x new tokens) per block
+MAX_ROWS = 8  # packed query rows (query heads of a kv head x new tokens) per block: the n of the MMAs
 TABLE_SLOTS = 512  # page ids of one split the kernel stages in shared memory (the host splits to fit)
 
 
@@ -83,9 +83,10 @@ def family(fmt: str) -> Family:
     return Family(
         template=TEMPLATE,
         head_dims=HEAD_DIMS,
-        # Four warps of 16 keys a step; three slots where both sides are 8-bit (three blocks per SM at
-        # d128), two where a 16-bit side doubles a slot's bytes.
-        default_tiles={d: Tile(MAX_ROWS, 64, 4, 3 if k in EIGHT_BIT and v in EIGHT_BIT else 2) for d in HEAD_DIMS},
+        # Four warps of 16 keys a step, two slots: four blocks per SM at d128 (122-127 registers, 41-80
+        # KB). Measured on the H200 (docs/notes/decode.md): e4m3-e4m3 at 64x4096 0.246 ms on two
+        # slots, 0.302 ms on three (three blocks per SM).
+        default_tiles={d: Tile(MAX_ROWS, 64, 4, 2) for d in HEAD_DIMS},
         tile_problem=_problem(fmt),
         smem_bytes=smem_bytes(fmt),
         # cvt.rn.f16x2.e4m3x2 needs sm_89
