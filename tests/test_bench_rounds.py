@@ -202,3 +202,13 @@ def test_accuracy_tool_refuses_bad_arguments(args, message):
     result = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_accuracy.py"), *args],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr
+
+
+def test_with_ratios_takes_medians_and_compares_with_every_peer():
+    from qattn.bench.timing import with_ratios
+
+    timed = [({"impl": "sdpa_cudnn"}, None), ({"impl": "sdpa_flash"}, None), ({"impl": "qattn:f16"}, None)]
+    records = with_ratios(timed, [[2.0, 2.4, 2.2], [3.0, 3.3, 3.6], [1.0, 1.2, 1.1]], ("sdpa_cudnn", "sdpa_flash"))
+    assert [r["ms"] for r in records] == [2.2, 3.3, 1.1] and records[2]["round_ms"] == [1.0, 1.2, 1.1]
+    assert records[2]["vs_sdpa_cudnn"] == pytest.approx(2.0) and records[2]["vs_sdpa_flash"] == pytest.approx(3.0)
+    assert not any(k.startswith("vs_") for r in records[:2] for k in r)  # peers are not compared with peers

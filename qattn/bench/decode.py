@@ -5,12 +5,10 @@ cross HBM once: K and V codes, their scales and the block table (qattn); fp16 K 
 """
 from __future__ import annotations
 
-import statistics
-
 import numpy as np
 
 from .peers import peer
-from .timing import time_cuda, time_interleaved
+from .timing import time_cuda, time_interleaved, with_ratios
 
 DECODE_PEERS = ("sdpa_flash", "sdpa_cudnn")
 
@@ -99,16 +97,9 @@ def bench_decode(shapes, formats=("f16-f16", "e4m3-e4m3", "i8-i8"), *, heads: in
             timed.append((rec, lambda cache=cache, table=table, out=out: decode(q, cache, table, lens, out=out,
                                                                                  splits=splits, tile=tile)))
         per_round = time_interleaved([fn for _, fn in timed], rounds)
-        peer_ms = {}
-        for times, (rec, _) in zip(per_round, timed):
-            rec.update(ms=statistics.median(times), round_ms=times)
+        for rec in with_ratios(timed, per_round, DECODE_PEERS):
             rec["gbs"] = rec["bytes"] / (rec["ms"] * 1e-3) / 1e9
             rec["of_copy"] = rec["gbs"] / copy_gbs
-            if rec["impl"] in DECODE_PEERS:
-                peer_ms[rec["impl"]] = rec["ms"]
-        for rec, _ in timed:
-            if rec["impl"] not in DECODE_PEERS:
-                rec.update({f"vs_{p}": ms / rec["ms"] for p, ms in peer_ms.items()})
             records.append(rec)
     return records
 

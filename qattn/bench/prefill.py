@@ -3,10 +3,8 @@ interleaved rounds, with each one's rel_l2 against FP64 (DESIGN §4); and rel_l2
 qattn.data presets."""
 from __future__ import annotations
 
-import statistics
-
 from .peers import PEERS, peer
-from .timing import attention_flops, time_cuda, time_interleaved, time_sustained
+from .timing import attention_flops, time_cuda, time_interleaved, time_sustained, with_ratios
 
 
 _CHECK_HEADS = 2  # heads of batch 0 whose output is compared with FP64 (all rows)
@@ -103,15 +101,8 @@ def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers
                 rec["quant_ms"] = time_cuda(lambda: quantize(*xs, kernel=kernel)).median_ms
         timer = None if sustained is None else (lambda fn, _rounds: time_sustained(fn, sustained))
         per_round = time_interleaved([fn for _, fn in timed], rounds, timer, settle=settle)
-        peer_ms = {}
-        for times, (rec, _) in zip(per_round, timed):
-            rec.update(ms=statistics.median(times), round_ms=times)
+        for rec in with_ratios(timed, per_round, PEERS):
             rec["tflops"] = flops / rec["ms"] / 1e9
-            if rec["impl"] in PEERS:
-                peer_ms[rec["impl"]] = rec["ms"]
-        for rec, _ in timed:
-            if rec["impl"] not in PEERS:
-                rec.update({f"vs_{p}": ms / rec["ms"] for p, ms in peer_ms.items()})
             records.append(rec)
     return records
 

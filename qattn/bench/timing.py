@@ -128,3 +128,18 @@ def time_interleaved(fns, rounds: int, timer=None, *, settle: float = 0.0, sleep
 def attention_flops(batch: int, heads: int, lq: int, lk: int, head_dim: int, causal: bool) -> float:
     """4·B·H·Lq·Lk·D, halved for causal (the convention peers report TFLOPS with)."""
     return 4.0 * batch * heads * lq * lk * head_dim / (2.0 if causal else 1.0)
+
+
+def with_ratios(timed, per_round, peers) -> list[dict]:
+    """The records of one shape's interleaved timing: each gets its median ms and round medians, and
+    every record that is not a peer the ratio of each peer's time to its own (vs_PEER, > 1: faster).
+    timed: (record, fn) pairs in the order per_round (time_interleaved's result) holds them."""
+    peer_ms = {}
+    for times, (rec, _) in zip(per_round, timed):
+        rec.update(ms=statistics.median(times), round_ms=times)
+        if rec["impl"] in peers:
+            peer_ms[rec["impl"]] = rec["ms"]
+    for rec, _ in timed:
+        if rec["impl"] not in peers:
+            rec.update({f"vs_{p}": ms / rec["ms"] for p, ms in peer_ms.items()})
+    return [rec for rec, _ in timed]
