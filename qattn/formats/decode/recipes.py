@@ -3,7 +3,7 @@ format is named K-V by its two cache dtypes, each 16-bit (f16 or bf16: the query
 (e4m3 or i8), e.g. e4m3-e4m3 (K8/V8), e4m3-f16 (K8/V16), f16-e4m3 (K16/V8), f16-f16 (K16/V16)."""
 from __future__ import annotations
 
-from ...engine.family import CUDA_ARCHS, Family, Recipe, Tolerance
+from ...engine.family import CUDA_ARCHS, HIP_ARCHS, Family, Recipe, Tolerance
 from ...engine.tile import Tile
 from ...engine.tiling import smem_problem
 
@@ -98,6 +98,41 @@ def family(fmt: str) -> Family:
     )
 
 
+# ---- HIP (MFMA on CDNA, WMMA on RDNA): the transform path onto fp16 matrix ops, fp16 queries ----------
+HIP_TEMPLATE = "hip/decode_paged.hip.j2"
+HIP_TILE = Tile(32, 32, 2, 1)  # 32 packed rows: two 32-lane warps (one wave64 on CDNA), 32 keys a tile
+
+
+def _hip_lds(tile: Tile, d: int) -> int:
+    """Static LDS: Q rows, the K tile, V^T and the token scales, fp16 rows padded by 8 elements."""
+    return 2 * (tile.block_m * (d + 8) + tile.block_n * (d + 8) + d * (tile.block_n + 8)) + 8 * tile.block_n
+
+
+def _hip_problem(tile: Tile, d: int) -> str | None:
+    if tile != HIP_TILE:
+        return f"the HIP decode kernel runs {HIP_TILE.name} only, got {tile.name}"
+    return smem_problem(_hip_lds(tile, d), "hip")
+
+
+def hip_family(fmt: str) -> Family | None:
+    """The HIP decode family of a format with fp16 queries (the HIP matrix ops take fp16), else None."""
+    if "bf16" in sides(fmt):
+        return None
+    k, v = sides(fmt)
+    return Family(
+        template=HIP_TEMPLATE,
+        head_dims=HEAD_DIMS,
+        default_tiles={d: HIP_TILE for d in HEAD_DIMS},
+        tile_problem=_hip_problem,
+        smem_bytes=lambda tile, d: 0,  # static LDS (checked against the target by tile_problem)
+        archs=HIP_ARCHS,
+        launcher=LAUNCHER,
+        main_entry="_f16",
+        values={"k_code": "16" if k in HALF else k, "v_code": "16" if v in HALF else v},
+        options={"page_size": PAGE_SIZES, "scale_mode": SCALE_MODES},
+    )
+
+
 def _summary(fmt: str) -> str:
     k, v = sides(fmt)
     return f"paged decode, K cache {k}, V cache {v} (K{8 if k in EIGHT_BIT else 16}/V{8 if v in EIGHT_BIT else 16})"
@@ -108,6 +143,6 @@ def _summary(fmt: str) -> str:
 _TOLERANCE = {"float16": Tolerance(max_rel=2e-2, rel_l2=3e-3), "bfloat16": Tolerance(max_rel=1e-1, rel_l2=1.5e-2)}
 
 RECIPES = tuple(
-    Recipe(fmt, _summary(fmt), query_dtypes(fmt), _TOLERANCE[query_dtypes(fmt)[0]], {"cuda": family(fmt)},
-           kind="decode")
+    Recipe(fmt, _summary(fmt), query_dtypes(fmt), _TOLERANCE[query_dtypes(fmt)[0]],
+           {"cuda": family(fmt), **({"hip": hip_family(fmt)} if hip_family(fmt) else {})}, kind="decode")
     for fmt in FORMATS)
