@@ -62,6 +62,9 @@ class KernelSpec:
         object.__setattr__(self, "options", self._checked_options(recipe(self.recipe, self.kind).family(
             self.backend, self.arch, self.mma)))
         fam = self.family
+        problem = fam.option_problem and fam.option_problem(dict(self.options), self.arch)
+        if problem:
+            raise ValueError(problem)
         if self.tile is None:
             object.__setattr__(self, "tile", fam.default_tile(self.head_dim, self.causal, self.arch))
         if not isinstance(self.tile, Tile):
