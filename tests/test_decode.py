@@ -18,7 +18,7 @@ from qattn.engine.spec import KernelSpec
 from qattn.formats.decode import emulate as emu
 from qattn.formats.decode.host import auto_splits, keys_per_split, least_splits, workspace_bytes
 from qattn.formats.decode.quant import HostPagedCache, quantize_tokens
-from qattn.formats.decode.recipes import FORMATS, PAGE_SIZES, TABLE_SLOTS, sides
+from qattn.formats.decode.recipes import FORMATS, PAGE_SIZES, TABLE_SLOTS, qk_paths, resolve_qk, sides
 
 
 def test_formats_live_in_their_own_kind():
@@ -34,9 +34,16 @@ def test_formats_live_in_their_own_kind():
 
 def test_spec_options_name_and_validate():
     spec = KernelSpec(kind="decode", recipe="e4m3-e4m3", head_dim=128, arch="sm_90a", options={"page_size": 16})
-    assert spec.options == (("page_size", 16), ("scale_mode", "token"))
-    assert spec.name == "decode_e4m3-e4m3_d128_m8n64w4s2_p16_token_sm90a"
-    assert spec.family.values["page_size"] == 16 and spec.as_dict()["options"] == {"page_size": 16, "scale_mode": "token"}
+    assert spec.options == (("page_size", 16), ("scale_mode", "token"), ("qk", "transform"))
+    assert spec.name == "decode_e4m3-e4m3_d128_m8n64w4s2_p16_token_transform_sm90a"
+    assert spec.family.values["page_size"] == 16 and spec.as_dict()["options"] == {
+        "page_size": 16, "scale_mode": "token", "qk": "transform"}
+    # a 16-bit K has no QK paths; an 8-bit K has its own 8-bit MMA path only
+    assert KernelSpec(kind="decode", recipe="f16-e4m3", arch="sm_90a").name == "decode_f16-e4m3_d128_m8n64w4s2_p32_token_sm90a"
+    with pytest.raises(ValueError, match="^qk: i8-i8 takes one of transform, int8, got 'fp8'"):
+        KernelSpec(kind="decode", recipe="i8-i8", arch="sm_90a", options={"qk": "fp8"})
+    with pytest.raises(ValueError, match="^options: f16-f16 takes page_size, scale_mode, got qk"):
+        KernelSpec(kind="decode", recipe="f16-f16", arch="sm_90a", options={"qk": "transform"})
     assert KernelSpec(recipe="f16", arch="sm_90a").as_dict().keys() == {
         "kind", "recipe", "head_dim", "tile", "causal", "backend", "arch", "mma"}  # prefill keys unchanged
     with pytest.raises(ValueError, match="^page_size: e4m3-e4m3 takes one of"):
@@ -50,15 +57,27 @@ def test_spec_options_name_and_validate():
         KernelSpec(kind="decode", recipe="f16-f16", arch="sm_90a", tile=qattn.Tile(8, 32, 4, 2))
 
 
+def _qk_instruction(path: str, arch: str) -> str:
+    """The PTX of a QK path's S product: wgmma on sm_90a (its mma.sync e4m3 is not native), else mma.sync."""
+    if path == "transform":
+        return "mma.sync.aligned.m16n8k16.row.col.f32"
+    if arch == "sm_90a":
+        return "wgmma.mma_async.sync.aligned.m64n8k32." + ("s32.s8.s8" if path == "int8" else "f32.e4m3.e4m3")
+    return "mma.sync.aligned.m16n8k32.row.col." + ("s32.s8.s8.s32" if path == "int8" else "f32.e4m3.e4m3.f32")
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_format_compiles_without_spills(fmt):
     archs = ("sm_89", "sm_90a", "sm_120") if "e4m3" in fmt else ("sm_80", "sm_90a")
     for arch in archs:
-        for d, page, scale in ((128, 32, "token"), (64, 16, "head")):
-            spec = KernelSpec(kind="decode", recipe=fmt, head_dim=d, arch=arch,
-                              options={"page_size": page, "scale_mode": scale})
-            binary = compile_cuda(render(spec), arch, spec.name, entry=main_entry_name(spec))
-            assert binary.resources["spill_stores"] == 0 and binary.resources["spill_loads"] == 0, spec.name
+        for path in qk_paths(fmt):
+            shapes = ((128, 32, "token"), (64, 16, "head")) if path == "transform" else ((128, 64, "head"),)
+            for d, page, scale in shapes:
+                options = {"page_size": page, "scale_mode": scale, **({"qk": path} if len(qk_paths(fmt)) > 1 else {})}
+                spec = KernelSpec(kind="decode", recipe=fmt, head_dim=d, arch=arch, options=options)
+                binary = compile_cuda(render(spec), arch, spec.name, entry=main_entry_name(spec))
+                assert binary.resources["spill_stores"] == 0 and binary.resources["spill_loads"] == 0, spec.name
+                assert _qk_instruction(path, arch) in binary.ptx, spec.name
             for entry in ("_f16", "_bf16", "_merge_f16", "_write_f16_i32", "_write_bf16_i64"):
                 assert f"qattn_{spec.name.replace('-', '_')}{entry}(" in binary.ptx or \
                     f".entry qattn_{spec.name.replace('-', '_')}{entry}" in binary.ptx
@@ -103,6 +122,34 @@ def test_emulator_against_fp64_on_the_cache_and_on_the_original(fmt, scale):
     assert metrics.compare(out, emu.reference(q, cache, table, lens)).rel_l2 < 1e-3  # the kernel's arithmetic
     cost = metrics.compare(out, emu.reference_dense(q, ks, vs)).rel_l2  # the format's own rounding
     assert cost < {"f16": 1e-3, "i8": 2.5e-2, "e4m3": 6e-2}[max(sides(fmt), key=lambda s: ("f16", "i8", "e4m3").index(s))]
+
+
+@pytest.mark.parametrize("fmt, path", [("e4m3-e4m3", "fp8"), ("i8-i8", "int8"), ("i8-f16", "int8")])
+def test_emulator_8bit_qk_paths_quantize_q_per_row(fmt, path):
+    """The 8-bit QK paths: exact against FP64 on the cache with Q replaced by its dequantized codes
+    (the kernel's arithmetic), within the path's tolerance of FP64 with Q as given (Q's rounding)."""
+    from qattn.formats.decode.recipes import QK_CODE, tolerance
+
+    rng = np.random.default_rng(4)
+    cache, table, lens, *_ = _host_cache(fmt, rng, lens=[70, 400], head_dim=128)
+    q = rng.standard_normal((2, 8, 2, 128)).astype(np.float16)
+    out = emu.emulate(q, cache, table, lens, qk=path)
+    q_codes = quantize_tokens(q.astype(np.float32), QK_CODE[path]).dequantize()
+    assert metrics.compare(out, emu.reference(q_codes, cache, table, lens)).rel_l2 < 1e-3
+    err = metrics.compare(out, emu.reference(q, cache, table, lens))
+    assert 1e-3 < err.rel_l2 < tolerance(fmt, path).rel_l2 and err.max_rel < tolerance(fmt, path).max_rel
+    other = "fp8" if path == "int8" else "int8"
+    with pytest.raises(ValueError, match=f"^qk: {fmt} has no '{other}' path"):
+        emu.emulate(q, cache, table, lens, qk=other)
+
+
+def test_qk_paths_and_the_auto_pick():
+    assert qk_paths("e4m3-f16") == ("transform", "fp8") and qk_paths("i8-i8") == ("transform", "int8")
+    assert qk_paths("f16-e4m3") == ("transform",)
+    assert resolve_qk("f16-f16", "sm_90a") == "transform" and resolve_qk("e4m3-e4m3", "sm_89", "transform") == "transform"
+    assert resolve_qk("e4m3-e4m3", "sm_120") == "fp8" and resolve_qk("i8-i8", "sm_80") == "int8"
+    with pytest.raises(ValueError, match="^qk: f16-f16 takes 'auto' or one of transform, got 'int8'"):
+        resolve_qk("f16-f16", "sm_90a", "int8")
 
 
 def test_emulator_splits_change_only_roundings_and_causal_rows_see_fewer_keys():
@@ -153,11 +200,16 @@ def test_cli_generates_and_lists_decode_kernels():
 
     runner = CliRunner()
     out = runner.invoke(main, ["gen", "decode", "-f", "e4m3-e4m3", "-d", "128", "--page-size", "16", "--arch", "sm_90a"])
-    assert out.exit_code == 0 and "decode_e4m3-e4m3_d128_m8n64w4s2_p16_token_sm90a" in out.output
+    auto = resolve_qk("e4m3-e4m3", "sm_90a")
+    assert out.exit_code == 0 and f"decode_e4m3-e4m3_d128_m8n64w4s2_p16_token_{auto}_sm90a" in out.output
+    fp8 = runner.invoke(main, ["gen", "decode", "-f", "e4m3-e4m3", "--qk", "fp8", "--arch", "sm_90a"])
+    assert fp8.exit_code == 0 and "_token_fp8_sm90a" in fp8.output and "wgmma.mma_async" in fp8.output
     refused = runner.invoke(main, ["gen", "-f", "f16", "--page-size", "16", "--arch", "sm_90a"])
     assert refused.exit_code == 2 and "decode options" in refused.output
-    refused = runner.invoke(main, ["gen", "decode", "--qk", "fp8", "--arch", "sm_90a"])
-    assert refused.exit_code == 2 and "not built yet" in refused.output
+    refused = runner.invoke(main, ["gen", "decode", "--qk", "fp8", "--arch", "sm_90a"])  # f16-f16: no 8-bit K
+    assert refused.exit_code == 2 and "only the transform path" in refused.output
+    refused = runner.invoke(main, ["gen", "decode", "-f", "i8-i8", "--qk", "fp8", "--arch", "sm_90a"])
+    assert refused.exit_code == 2 and "i8-i8 takes 'auto' or one of transform, int8" in refused.output
     listing = runner.invoke(main, ["list"])
     assert listing.exit_code == 0 and "e4m3-f16" in listing.output and "page_size" in listing.output
     built = runner.invoke(main, ["compile", "decode", "-f", "i8-f16", "-d", "64", "--scale", "head", "--arch", "sm_80"])
@@ -169,7 +221,8 @@ def test_parity_decode_on_the_emulator_records_both_references(tmp_path):
     from qattn.check import parity
 
     records = parity.run_parity(["e4m3-e4m3", "f16-f16"], [(300, 1), (200, 3)], batch=2, heads=8, kv_heads=2,
-                                head_dim=64, backend="numpy", kind="decode", page_size=16, scale="head", preset=None)
+                                head_dim=64, backend="numpy", kind="decode", page_size=16, scale="head", preset=None,
+                                qk="transform")
     assert [(r["format"], r["ctx"], r["queries"]) for r in records] == [
         ("e4m3-e4m3", 300, 1), ("e4m3-e4m3", 200, 3), ("f16-f16", 300, 1), ("f16-f16", 200, 3)]
     for r in records:
@@ -203,11 +256,16 @@ def test_cli_parity_kind_decode(tmp_path):
     out = tmp_path / "decode.json"
     result = CliRunner().invoke(main, ["parity", "--kind", "decode", "-f", "i8-f16", "--shape", "150/2", "--heads", "4",
                                        "--kv-heads", "2", "--head-dim", "64", "--page-size", "16", "--backend",
-                                       "numpy", "--json", str(out)])
+                                       "numpy", "--qk", "transform", "--qk", "int8", "--json", str(out)])
     assert result.exit_code == 0, result.output
-    (record,) = json.loads(out.read_text())
-    assert record["format"] == "i8-f16" and record["page_size"] == 16 and record["passed"]
-    assert "format rel_l2" in result.output
+    records = json.loads(out.read_text())
+    assert [(r["format"], r["qk"], r["page_size"], r["passed"]) for r in records] == [
+        ("i8-f16", "transform", 16, True), ("i8-f16", "int8", 16, True)]
+    assert records[1]["tolerance"]["rel_l2"] > records[0]["tolerance"]["rel_l2"]  # Q's own rounding
+    assert "format rel_l2" in result.output and "i8-f16 (int8)" in result.output
+    refused = CliRunner().invoke(main, ["parity", "--kind", "decode", "-f", "f16-i8", "--qk", "int8",
+                                        "--backend", "numpy"])
+    assert refused.exit_code == 2 and "f16-i8 has no int8 path" in refused.output
     refused = CliRunner().invoke(main, ["parity", "--page-size", "16", "--backend", "numpy"])
     assert refused.exit_code == 2 and "decode options" in refused.output
 

@@ -10,7 +10,7 @@ import qattn
 from qattn.check import metrics
 from qattn.formats.decode import emulate as emu
 from qattn.formats.decode.quant import HostPagedCache
-from qattn.formats.decode.recipes import FORMATS
+from qattn.formats.decode.recipes import FORMATS, qk_paths, tolerance
 
 pytestmark = pytest.mark.gpu
 EMU_REL_L2 = 1e-3
@@ -67,8 +67,14 @@ def test_writer_stores_what_the_host_model_stores(fmt, scale):
                                  "bf16-i8"])
 @pytest.mark.parametrize("head_dim, group, lq, page_size", [(128, 4, 1, 32), (64, 8, 2, 16), (128, 1, 5, 64),
                                                             (256, 4, 1, 128), (128, 8, 4, 32)])
-def test_decode_matches_emulator_and_fp64(fmt, head_dim, group, lq, page_size):
+@pytest.mark.parametrize("path", ["transform", "8-bit"])
+def test_decode_matches_emulator_and_fp64(fmt, head_dim, group, lq, page_size, path):
     import cupy
+
+    if path == "8-bit":
+        if len(qk_paths(fmt)) == 1:
+            pytest.skip("a 16-bit K has no 8-bit QK path")
+        path = qk_paths(fmt)[1]
 
     lens = [1 + lq, 777, 2100]
     cache, host, table, lens, ks, vs = _filled(fmt, batch=3, kv_heads=2, head_dim=head_dim, lens=lens,
@@ -76,16 +82,16 @@ def test_decode_matches_emulator_and_fp64(fmt, head_dim, group, lq, page_size):
     rng = np.random.default_rng(1)
     q = rng.standard_normal((3, 2 * group, lq, head_dim)).astype(_dtype(fmt))
     qd, td, ld = cupy.asarray(q), cupy.asarray(table), cupy.asarray(lens)
-    tol = qattn.recipe(fmt, "decode").tolerance
+    tol = tolerance(fmt, path)
     ref = emu.reference(q, host, table, lens)
     for splits in (1, 3, None):
         out = cupy.full(q.shape, np.nan, dtype=qd.dtype)
-        got, lse = qattn.decode(qd, cache, td, ld, splits=splits, out=out, return_lse=True)
+        got, lse = qattn.decode(qd, cache, td, ld, splits=splits, out=out, return_lse=True, qk=path)
         got = cupy.asnumpy(got).astype(np.float32)
         assert not np.isnan(got).any(), "an output element was left unwritten"
         used = splits if splits is not None else qattn.formats.decode.host.splits_for(cache, 3, 2 * group, lq,
-                                                                                       table.shape[1])
-        want, want_lse = emu.emulate(q, host, table, lens, splits=used, return_lse=True)
+                                                                                       table.shape[1], qk=path)
+        want, want_lse = emu.emulate(q, host, table, lens, splits=used, return_lse=True, qk=path)
         assert metrics.compare(got, want).rel_l2 <= EMU_REL_L2, (splits, metrics.compare(got, want))
         err = metrics.compare(got, ref)
         assert err.rel_l2 <= tol.rel_l2 and err.max_rel <= tol.max_rel, (splits, err)
@@ -101,7 +107,8 @@ def test_decode_format_cost_is_measured_against_the_original_kv():
     for fmt in ("f16-f16", "i8-i8", "e4m3-e4m3"):
         cache, host, table, lens, ks, vs = _filled(fmt, batch=2, kv_heads=2, head_dim=128, lens=[900, 3000])
         q = np.random.default_rng(2).standard_normal((2, 8, 1, 128)).astype(np.float16)
-        got = cupy.asnumpy(qattn.decode(cupy.asarray(q), cache, cupy.asarray(table), cupy.asarray(lens)))
+        got = cupy.asnumpy(qattn.decode(cupy.asarray(q), cache, cupy.asarray(table), cupy.asarray(lens),
+                                        qk="transform"))
         errors[fmt] = metrics.compare(got.astype(np.float32), emu.reference_dense(q, ks, vs)).rel_l2
     assert errors["f16-f16"] < 1e-3 < errors["i8-i8"] < 2e-2 < errors["e4m3-e4m3"] < 6e-2, errors
 
@@ -132,6 +139,20 @@ def test_non_finite_tokens_stay_non_finite():
     q = cupy.ones((1, 1, 1, 64), cupy.float16)
     out = cupy.asnumpy(qattn.decode(q, cache, cupy.asarray(table), cupy.asarray(lens)))
     assert np.isnan(out).all()  # a NaN key reaches every score of the row
+
+
+@pytest.mark.parametrize("fmt", ["e4m3-e4m3", "i8-i8"])
+def test_a_nan_query_row_stays_nan_on_the_8bit_qk_path(fmt):
+    """Q quantized per row: a NaN in one row makes that row's scale, and so its output, NaN; the
+    other rows of the block (the same kv head's other query heads) are untouched."""
+    import cupy
+
+    cache, host, table, lens, *_ = _filled(fmt, batch=1, kv_heads=1, head_dim=128, lens=[300])
+    q = np.random.default_rng(5).standard_normal((1, 4, 1, 128)).astype(np.float16)
+    q[0, 2, 0, 17] = np.nan
+    out = cupy.asnumpy(qattn.decode(cupy.asarray(q), cache, cupy.asarray(table), cupy.asarray(lens),
+                                    qk=qk_paths(fmt)[1]))
+    assert np.isnan(out[0, 2]).all() and np.isfinite(out[0, [0, 1, 3]]).all()
 
 
 def test_cuda_graph_capture_of_a_decode_step():
@@ -199,7 +220,7 @@ def test_torch_graph_capture_and_tensors():
     (lambda c, q, t, n: qattn.decode(q, c, t, n[:1]), "seq_lens"),
     (lambda c, q, t, n: qattn.decode(q.astype("float32"), c, t, n), "q:"),
     (lambda c, q, t, n: qattn.decode(q, c, t, n, splits=0), "splits"),
-    (lambda c, q, t, n: qattn.decode(q, c, t, n, qk="fp8"), "qk"),
+    (lambda c, q, t, n: qattn.decode(q, c, t, n, qk="int8"), "qk: e4m3-e4m3 takes 'auto' or one of transform, fp8"),
     (lambda c, q, t, n: qattn.decode(q, "cache", t, n), "cache"),
     (lambda c, q, t, n: qattn.decode(q, c, t, n, out=q[:1]), "out"),
     (lambda c, q, t, n: c.write(q[0, :, 0], q[0, :, 0], t[0]), "k:"),

@@ -19,7 +19,7 @@ from ...engine.arrays import as_device_array, launch_stream
 from ...engine.fragments import pv_key_slot
 from ...engine.packed import PackedLaunch, Pointer
 from .quant import QMAX, HostPagedCache
-from .recipes import EIGHT_BIT, FORMATS, HALF, HEAD_DIMS, PAGE_SIZES, SCALE_MODES
+from .recipes import EIGHT_BIT, FORMATS, HALF, HEAD_DIMS, PAGE_SIZES, SCALE_MODES, resolve_qk
 
 WRITE_WARPS, WRITE_TOKENS = 8, 16  # the writer's block: 8 warps over 16 tokens of one kv head
 DTYPES = {"f16": "float16", "bf16": "bfloat16"}
@@ -90,8 +90,9 @@ class PagedKVCache:
         return scale
 
     # ---- the kernel module -----------------------------------------------------------------------
-    def spec(self, arch: str | None = None, tile=None):
-        """The decode kernel spec of this cache (its module also holds the writer)."""
+    def spec(self, arch: str | None = None, tile=None, qk: str = "auto"):
+        """The decode kernel spec of this cache on a QK path ("auto": the arch's pick); its module also
+        holds the writer."""
         from ...engine.spec import KernelSpec, device_arch
 
         if arch is None:
@@ -99,14 +100,17 @@ class PagedKVCache:
 
             with cupy.cuda.Device(self.device):
                 arch = device_arch()
-        return KernelSpec(kind="decode", recipe=self.format, head_dim=self.head_dim, arch=arch,
-                          options={"page_size": self.page_size, "scale_mode": self.scale},
+        options = {"page_size": self.page_size, "scale_mode": self.scale}
+        path = resolve_qk(self.format, arch, qk)
+        if self.k_dtype in EIGHT_BIT:
+            options["qk"] = path
+        return KernelSpec(kind="decode", recipe=self.format, head_dim=self.head_dim, arch=arch, options=options,
                           **({"tile": tile} if tile is not None else {}))
 
-    def kernel(self, tile=None):
+    def kernel(self, tile=None, qk: str = "auto"):
         from ...engine.kernel import build_kernel
 
-        return build_kernel(self.spec(tile=tile))
+        return build_kernel(self.spec(tile=tile, qk=qk))
 
     # ---- writing ---------------------------------------------------------------------------------
     def write(self, k, v, slots, *, stream=None) -> None:

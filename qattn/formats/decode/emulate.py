@@ -7,6 +7,9 @@ S = (q · K codes) in fp32, times (s_K · τ·log2 e); an online softmax in fp32
 token's V scale in fp32, rounded to the query's type; O += that P · V codes in fp32. The warps' states
 merge in warp order, the splits' in split order; a head V scale multiplies O once. Causal masks are
 bottom-right aligned within each sequence's Lq new tokens; rows that see no key come out as zeros.
+The 8-bit QK paths ("fp8", "int8") quantize each query row as the cache writer quantizes a token
+(s_q = max|q| / QMAX, codes of q / s_q) and take S = (q codes · K codes) in fp32 times
+(s_K · (s_q · τ·log2 e)).
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ import numpy as np
 from ...check.quant import LOG2E
 from ...check.reference import attention as reference_attention
 from ...engine.arrays import numpy_dtype
-from .quant import HostPagedCache
+from .quant import HostPagedCache, quantize_tokens
+from .recipes import QK_CODE
 
 F32 = np.float32
 GROUP = 16  # keys per warp per step
@@ -35,18 +39,19 @@ def _merge(states):
     return big.astype(F32), total_l, total
 
 
-def _warp_state(q16, k, ks, v, vs, groups, limits, scale_log2, half):
-    """One warp's online softmax over its key groups: q16 [R, D] (rounded query values), k, v
-    [L, D] stored values, ks, vs [L] per-key scales (token) or scalars; returns (m, l, acc)."""
-    rows, d = q16.shape
+def _warp_state(qv, row_scale, k, ks, v, vs, groups, limits, half):
+    """One warp's online softmax over its key groups: qv [R, D] (the query values or codes the QK
+    product takes), row_scale [R] (τ·log2 e, times s_q on the 8-bit paths), k, v [L, D] stored
+    values, ks, vs [L] per-key scales (token) or scalars; returns (m, l, acc)."""
+    rows, d = qv.shape
     m = np.full(rows, -np.inf, F32)
     l = np.zeros(rows, F32)
     acc = np.zeros((rows, d), F32)
     for j0, j1 in groups:
         keys = np.arange(j0, j1)
-        raw = (q16.astype(np.float64) @ k[j0:j1].astype(np.float64).T).astype(F32)
-        kscale = (np.asarray(ks, F32)[j0:j1] if np.ndim(ks) else F32(ks)) * F32(scale_log2)
-        x = (raw * kscale.astype(F32)).astype(F32)
+        raw = (qv.astype(np.float64) @ k[j0:j1].astype(np.float64).T).astype(F32)
+        kscale = np.broadcast_to(np.asarray(ks, F32)[j0:j1] if np.ndim(ks) else F32(ks), (j1 - j0))
+        x = (raw * (kscale[None, :] * row_scale[:, None]).astype(F32)).astype(F32)
         x = np.where(keys[None, :] > limits[:, None], F32(-np.inf), x)
         m_new = np.maximum(m, x.max(axis=1))
         shift = np.where(m_new == -np.inf, F32(0), m_new)
@@ -61,10 +66,12 @@ def _warp_state(q16, k, ks, v, vs, groups, limits, scale_log2, half):
 
 
 def emulate(q, cache: HostPagedCache, block_table, seq_lens, *, splits: int = 1, keys_per_split: int | None = None,
-            warps: int = 4, scale: float | None = None, return_lse: bool = False):
-    """What the decode kernel computes: out [B, Hq, Lq, D] in q's dtype (and the natural-log LSE
-    [B, Hq, Lq] when return_lse). q holds fp16/bf16 values (any float array; it is rounded to
-    q.dtype's 16-bit type: float16 unless q is bfloat16)."""
+            warps: int = 4, scale: float | None = None, return_lse: bool = False, qk: str = "transform"):
+    """What the decode kernel computes on QK path qk: out [B, Hq, Lq, D] in q's dtype (and the
+    natural-log LSE [B, Hq, Lq] when return_lse). q holds fp16/bf16 values (any float array; it is
+    rounded to q.dtype's 16-bit type: float16 unless q is bfloat16)."""
+    if qk != "transform" and QK_CODE.get(qk) != cache.fmt.split("-")[0]:
+        raise ValueError(f"qk: {cache.fmt} has no {qk!r} path")
     q = np.asarray(q)
     half = q.dtype if q.dtype in (np.float16, numpy_dtype("bfloat16")) else np.dtype(np.float16)
     b_count, hq, lq, d = q.shape
@@ -85,6 +92,11 @@ def emulate(q, cache: HostPagedCache, block_table, seq_lens, *, splits: int = 1,
         for h in range(hkv):
             heads = q[b, h * group:(h + 1) * group].astype(half)  # [g, Lq, D]
             q16 = heads.reshape(group * lq, d)
+            if qk == "transform":
+                qv, row_scale = q16, np.full(group * lq, scale_log2, F32)
+            else:
+                codes = quantize_tokens(q16.astype(F32), QK_CODE[qk])
+                qv, row_scale = codes.codes.astype(np.float64), (codes.scale * scale_log2).astype(F32)
             limits = np.tile(length - lq + np.arange(lq), group)
             ks = 1.0 if k_scale is None else k_scale[h]  # [L] token scales, or the head's one
             vs = 1.0 if v_scale is None or v_scale.ndim == 1 else v_scale[h]
@@ -94,8 +106,8 @@ def emulate(q, cache: HostPagedCache, block_table, seq_lens, *, splits: int = 1,
                 warp_states = []
                 for w in range(warps):
                     groups = [(j, min(j + GROUP, end)) for j in range(begin + GROUP * w, end, step)]
-                    warp_states.append(_warp_state(q16, k_vals[h], ks, v_vals[h], vs, groups, limits,
-                                                   scale_log2, half))
+                    warp_states.append(_warp_state(qv, row_scale, k_vals[h], ks, v_vals[h], vs, groups,
+                                                   limits, half))
                 m, l, acc = _merge(warp_states)
                 if v_scale is not None and v_scale.ndim == 1:
                     acc = (acc * F32(v_scale[h])).astype(F32)

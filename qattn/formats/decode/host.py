@@ -18,7 +18,7 @@ from ...engine.arrays import as_device_array, launch_stream, like_input, signatu
 from ...engine.packed import NULL, PackedLaunch, Pointer, cached_plan, programmatic
 from ...engine.registry import recipe
 from .cache import PagedKVCache
-from .recipes import MAX_ROWS, QK_PATHS, TABLE_SLOTS
+from .recipes import EIGHT_BIT, MAX_ROWS, TABLE_SLOTS
 
 MAX_QUERIES = 16  # new tokens per sequence and step (speculative decoding)
 MAX_SPLITS = 128
@@ -66,15 +66,6 @@ def _check_splits(splits) -> int | None:
     if isinstance(splits, bool) or not isinstance(splits, numbers.Integral) or not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits: expected None (automatic) or an integer 1..{MAX_SPLITS}, got {splits!r}")
     return int(splits)
-
-
-def _resolve_qk(qk: str) -> str:
-    if qk == "auto":
-        return QK_PATHS[0]
-    if qk not in QK_PATHS:
-        raise ValueError(f"qk: expected 'auto' or one of {', '.join(QK_PATHS)}, got {qk!r} (the 8-bit-MMA paths "
-                         "'fp8' and 'int8' are not built yet)")
-    return qk
 
 
 class _Plan:
@@ -160,12 +151,13 @@ def decode(q, cache: PagedKVCache, block_table, seq_lens, *, qk: str = "auto", s
     block_table int32 [B, max_pages] (page ids of each sequence, in order); seq_lens int32 [B] (tokens
     cached per sequence, the new ones included). Returns out [B, Hq, Lq, D] (and the natural-log LSE
     [B, Hq, Lq] fp32 when return_lse). splits: None picks from the shapes and the GPU (see the module
-    docstring); qk: "auto" or "transform" (K8 converted on chip to the query's type)."""
+    docstring). qk, the QK path over an 8-bit K: "transform" (codes converted on chip to the query's
+    type), "fp8" (e4m3 K) or "int8" (i8 K): Q quantized per row and S on the 8-bit MMA; "auto" picks by
+    arch (recipes.resolve_qk)."""
     import cupy
 
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache: expected a qattn.PagedKVCache, got {type(cache).__name__}")
-    _resolve_qk(qk)
     splits = _check_splits(splits)
     example = q
     q = as_device_array(q, "q")
@@ -173,7 +165,9 @@ def decode(q, cache: PagedKVCache, block_table, seq_lens, *, qk: str = "auto", s
         raise ValueError(f"q: expected [batch, heads, new tokens, head_dim], got shape {q.shape}")
     table, lens = as_device_array(block_table, "block_table"), as_device_array(seq_lens, "seq_lens")
     out_given = None if out is None else as_device_array(out, "out")
-    kernel = cache.kernel(tile)
+    if not isinstance(qk, str):
+        raise ValueError(f"qk: expected 'auto', 'transform', 'fp8' or 'int8', got {qk!r}")
+    kernel = cache.kernel(tile, qk)
     key = ("decode", cache.kv_heads, signature(q), signature(table), signature(lens),
            None if out_given is None else signature(out_given), scale, bool(return_lse), splits)
     plan = cached_plan(kernel, key, lambda: _plan(kernel, cache, q, table, lens, out_given, scale, return_lse, splits))
@@ -204,9 +198,10 @@ def decode(q, cache: PagedKVCache, block_table, seq_lens, *, qk: str = "auto", s
     return (out_arr, like_input(lse, example)) if return_lse else out_arr
 
 
-def splits_for(cache: PagedKVCache, batch: int, heads: int, queries: int, max_pages: int, tile=None) -> int:
+def splits_for(cache: PagedKVCache, batch: int, heads: int, queries: int, max_pages: int, tile=None,
+               qk: str = "auto") -> int:
     """The split count decode(...) picks for these shapes on the cache's GPU (for sizing a workspace)."""
-    kernel = cache.kernel(tile)
+    kernel = cache.kernel(tile, qk)
     chunks = -(-(heads // cache.kv_heads * queries) // MAX_ROWS)
     step, bound = kernel.spec.tile.block_n, max_pages * cache.page_size
     return auto_splits(cache.kv_heads * chunks * batch, -(-bound // step),
@@ -217,7 +212,8 @@ def splits_for(cache: PagedKVCache, batch: int, heads: int, queries: int, max_pa
 def launch(kernel, q, cache: PagedKVCache, block_table, seq_lens, **options):
     """kernel(q, cache, block_table, seq_lens, ...): decode with this kernel (its tile), which must be
     the cache's (format, head dim, page size, scale granularity)."""
-    want = cache.spec(kernel.spec.arch, kernel.spec.tile)
+    qk = dict(kernel.spec.options).get("qk", "transform")
+    want = cache.spec(kernel.spec.arch, kernel.spec.tile, qk if cache.k_dtype in EIGHT_BIT else "auto")
     if kernel.spec != want:
         raise ValueError(f"kernel: {kernel.spec.name} does not read this cache ({want.name})")
-    return decode(q, cache, block_table, seq_lens, tile=kernel.spec.tile, **options)
+    return decode(q, cache, block_table, seq_lens, tile=kernel.spec.tile, qk=qk, **options)

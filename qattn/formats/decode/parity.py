@@ -2,7 +2,8 @@
 written from fresh fp16 K/V (N(0,1), or a qattn.data preset), decoded on the GPU kernel (into a
 NaN-poisoned output, and timed) or on the CPU emulator, and compared with FP64 twice: on the
 dequantized cache (the kernel's arithmetic, judged by the format's tolerance) and on the original
-fp16 K/V (the format's own cost, reported as format_rel_l2)."""
+fp16 K/V (the format's own cost, reported as format_rel_l2). An 8-bit K is read on one QK path (qk:
+"auto" resolves to the path a call runs on the GPU, or on the CPU to the arch given)."""
 from __future__ import annotations
 
 import math
@@ -14,7 +15,7 @@ from ...engine.arrays import numpy_dtype
 from ...engine.registry import recipe
 from . import emulate
 from .quant import HostPagedCache
-from .recipes import sides
+from .recipes import resolve_qk, sides, tolerance
 
 
 def _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, preset, seed):
@@ -35,11 +36,16 @@ def _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, preset, seed):
 
 def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, heads: int = 8, kv_heads: int = 8,
           head_dim: int = 128, page_size: int = 32, scale: str = "token", preset: str | None = None, seed: int = 0,
-          time_it: bool = True) -> dict:
+          time_it: bool = True, qk: str = "auto", arch: str | None = None) -> dict:
     """One record (JSON-ready apart from non-finite floats) for fmt at ctx cached tokens per sequence,
     the last `queries` of them new (bottom-right causal among them)."""
     if queries > ctx:
         raise ValueError(f"shape: {queries} new tokens need at least as many cached ones, got ctx {ctx}")
+    if backend == "cuda" and arch is None:
+        from ...engine.spec import device_arch
+
+        arch = device_arch()
+    qk = resolve_qk(fmt, arch or "sm_90a", qk)
     q, k, v = _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, preset, seed)
     pages_per_seq = -(-ctx // page_size)
     rng = np.random.default_rng([seed, 1])
@@ -51,23 +57,23 @@ def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, hea
     ms, kernel = None, None
     if backend == "cuda":
         out, ms, kernel, host = _run_cuda(fmt, q, flat_k, flat_v, slots.reshape(-1), table, lens, page_size, scale,
-                                          time_it)
+                                          time_it, qk)
     else:
         host = HostPagedCache.empty(fmt, batch * pages_per_seq, page_size, kv_heads, head_dim, scale)
         host.write(flat_k, flat_v, slots.reshape(-1), scale=scale)
-        out = emulate.emulate(q, host, table, lens)
+        out = emulate.emulate(q, host, table, lens, qk=qk)
     ref = emulate.reference(q, host, table, lens)
     dense = emulate.reference_dense(q, [x.transpose(1, 0, 2) for x in k.astype(np.float64)],
                                     [x.transpose(1, 0, 2) for x in v.astype(np.float64)])
     out32 = np.asarray(out, np.float32)
     err = metrics.compare(out32, ref)
-    tol = recipe(fmt, "decode").tolerance
+    tol = tolerance(fmt, qk)
     read = batch * kv_heads * ctx * sum((1 if s in ("e4m3", "i8") else 2) * head_dim + (4 if s in ("e4m3", "i8") and
                                          scale == "token" else 0) for s in sides(fmt)) + table.nbytes
     return {
         "kind": "decode", "format": fmt, "ctx": ctx, "queries": queries, "batch": batch, "heads": heads,
         "kv_heads": kv_heads, "head_dim": head_dim, "page_size": page_size, "scale": scale,
-        "data": preset or "normal", "backend": backend, "kernel": kernel,
+        "data": preset or "normal", "backend": backend, "kernel": kernel, "qk": qk,
         "input_dtype": recipe(fmt, "decode").input_dtypes[0], "seed": seed,
         "max_rel": err.max_rel, "rel_l2": err.rel_l2, "cos": err.cos, "nonfinite": err.nonfinite,
         "worst_index": list(err.worst_index), "failures": metrics.failures(out32, ref, tol.max_rel),
@@ -78,7 +84,7 @@ def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, hea
     }
 
 
-def _run_cuda(fmt, q, k, v, slots, table, lens, page_size, scale, time_it):
+def _run_cuda(fmt, q, k, v, slots, table, lens, page_size, scale, time_it, qk):
     import cupy
 
     from ...bench.timing import time_cuda
@@ -90,7 +96,7 @@ def _run_cuda(fmt, q, k, v, slots, table, lens, page_size, scale, time_it):
     cache.write(cupy.asarray(k), cupy.asarray(v), cupy.asarray(slots))
     qd, td, ld = cupy.asarray(q), cupy.asarray(table), cupy.asarray(lens)
     out = cupy.full(q.shape, math.nan, dtype=qd.dtype)  # any element left unwritten stays NaN
-    decode(qd, cache, td, ld, out=out)
+    decode(qd, cache, td, ld, out=out, qk=qk)
     result = cupy.asnumpy(out)
-    ms = time_cuda(lambda: decode(qd, cache, td, ld, out=out)).median_ms if time_it else None
-    return result, ms, cache.spec().name, cache.host()
+    ms = time_cuda(lambda: decode(qd, cache, td, ld, out=out, qk=qk)).median_ms if time_it else None
+    return result, ms, cache.spec(qk=qk).name, cache.host()

@@ -12,7 +12,11 @@ LAUNCHER = "decode"
 HEAD_DIMS = (64, 128, 256)
 PAGE_SIZES = (32, 16, 64, 128)  # the first is the default
 SCALE_MODES = ("token", "head")  # one fp32 scale per (token, kv head), or one per kv head (static)
-QK_PATHS = ("transform",)  # K8 converted on chip to the query's type; the 8-bit MMA paths are not built yet
+# How S = q K^T is computed over an 8-bit K: "transform" converts the K codes on chip to the query's
+# type (fp16/bf16 MMA); "fp8" (e4m3 K) and "int8" (i8 K) quantize Q once per step (one scale per
+# query row) and run the 8-bit MMA on the codes, the scales applied to S.
+QK_PATHS = ("transform", "fp8", "int8")
+QK_CODE = {"fp8": "e4m3", "int8": "i8"}  # the K code each 8-bit path reads
 HALF = ("f16", "bf16")
 EIGHT_BIT = ("e4m3", "i8")
 QMAX = {"e4m3": 448.0, "i8": 127.0}
@@ -38,6 +42,29 @@ def sides(fmt: str) -> tuple[str, str]:
     return k, v
 
 
+def qk_paths(fmt: str) -> tuple[str, ...]:
+    """The QK paths of a format: the transform path, and the 8-bit MMA on its K code (8-bit K only)."""
+    k = sides(fmt)[0]
+    return ("transform",) + tuple(path for path, code in QK_CODE.items() if code == k)
+
+
+# qk="auto" per arch and K code, from the H200 sweep (docs/notes/decode.md); an arch not listed takes
+# the 8-bit MMA where it is native (sm_89, sm_120: mma.sync e4m3 and s8).
+AUTO_QK = {"sm_90a": {"e4m3": "fp8", "i8": "int8"}}
+
+
+def resolve_qk(fmt: str, arch: str, qk: str = "auto") -> str:
+    """The QK path a call runs: qk itself when the format has it, or the pick for "auto"."""
+    paths = qk_paths(fmt)
+    if qk == "auto":
+        k = sides(fmt)[0]
+        native = {"e4m3": "fp8", "i8": "int8"}.get(k, "transform")
+        return AUTO_QK.get(arch, {}).get(k, native)
+    if qk not in paths:
+        raise ValueError(f"qk: {fmt} takes 'auto' or one of {', '.join(paths)}, got {qk!r}")
+    return qk
+
+
 def query_dtypes(fmt: str) -> tuple[str, ...]:
     """NumPy dtype names a format's queries may have: a 16-bit side fixes it."""
     halves = {side for side in sides(fmt) if side in HALF}
@@ -49,7 +76,7 @@ def stage_bytes(fmt: str, tile: Tile, d: int) -> int:
     """One pipeline slot: K rows, V^T channel rows and the 8-bit sides' token scales."""
     k, v = sides(fmt)
     kb, vb = (2 if side in HALF else 1 for side in (k, v))
-    k_tile = tile.block_n * (d * kb + (16 if kb == 1 else 32))
+    k_tile = tile.block_n * (d * kb + 32)
     v_tile = d * (tile.block_n * vb + (16 if vb == 1 else 32))
     return k_tile + v_tile + 4 * tile.block_n * sum(side in EIGHT_BIT for side in (k, v))
 
@@ -93,18 +120,26 @@ def family(fmt: str) -> Family:
         archs=tuple(a for a in CUDA_ARCHS if not e4m3 or int(a[3:].rstrip("a")) >= 89),
         launcher=LAUNCHER,
         main_entry="_f16" if "bf16" not in (k, v) else "_bf16",
-        values={"k_code": "16" if k in HALF else k, "v_code": "16" if v in HALF else v, "table_slots": TABLE_SLOTS},
-        options={"page_size": PAGE_SIZES, "scale_mode": SCALE_MODES},
+        values={"k_code": "16" if k in HALF else k, "v_code": "16" if v in HALF else v, "table_slots": TABLE_SLOTS,
+                "qk": "transform"},
+        # the QK path is a spec option where K is 8-bit (a 16-bit K has only its own MMA)
+        options={"page_size": PAGE_SIZES, "scale_mode": SCALE_MODES,
+                 **({"qk": qk_paths(fmt)} if k in EIGHT_BIT else {})},
     )
 
 
-# ---- HIP (MFMA on CDNA, WMMA on RDNA): the transform path onto fp16 matrix ops, fp16 queries ----------
+# ---- HIP (MFMA on CDNA, WMMA on RDNA), fp16 queries: the transform path onto the fp16 matrix ops, and the
+# 8-bit QK paths onto the fp8 / int8 ones where the target has them --------------------------------------
 HIP_TEMPLATE = "hip/decode_paged.hip.j2"
 HIP_TILE = Tile(32, 32, 2, 1)  # 32 packed rows: two 32-lane warps (one wave64 on CDNA), 32 keys a tile
+# The archs with each 8-bit QK path's matrix op: fp8 MFMA on CDNA3, fp8 WMMA on RDNA4 (none on CDNA2 or
+# RDNA3); int8 MFMA / iu8 WMMA on all four.
+HIP_QK_ARCHS = {"fp8": ("gfx942", "gfx1201"), "int8": HIP_ARCHS}
 
 
 def _hip_lds(tile: Tile, d: int) -> int:
-    """Static LDS: Q rows, the K tile, V^T and the token scales, fp16 rows padded by 8 elements."""
+    """Static LDS: Q rows, the K tile, V^T and the token scales, fp16 rows padded by 8 elements (the
+    transform path's; the 8-bit paths hold Q and K as bytes, in less)."""
     return 2 * (tile.block_m * (d + 8) + tile.block_n * (d + 8) + d * (tile.block_n + 8)) + 8 * tile.block_n
 
 
@@ -114,8 +149,22 @@ def _hip_problem(tile: Tile, d: int) -> str | None:
     return smem_problem(_hip_lds(tile, d), "hip")
 
 
+def _hip_qk_problem(fmt: str):
+    def problem(options: dict, arch: str) -> str | None:
+        qk = options.get("qk", "transform")
+        if qk == "transform" or arch in HIP_QK_ARCHS[qk]:
+            return None
+        on_arch = ["transform"] + [path for path, archs in HIP_QK_ARCHS.items() if arch in archs]
+        have = [path for path in qk_paths(fmt) if path in on_arch]
+        return (f"qk: {arch} has no {qk} matrix op ({qk} builds on {', '.join(HIP_QK_ARCHS[qk])}; {arch} builds "
+                f"{', '.join(on_arch)}): {fmt} on {arch} takes qk {', '.join(have)}, got {qk!r}")
+
+    return problem
+
+
 def hip_family(fmt: str) -> Family | None:
-    """The HIP decode family of a format with fp16 queries (the HIP matrix ops take fp16), else None."""
+    """The HIP decode family of a format with fp16 queries (the HIP matrix ops take fp16), else None;
+    a spec picks its page size, scale granularity and, for an 8-bit K, the QK path its arch has."""
     if "bf16" in sides(fmt):
         return None
     k, v = sides(fmt)
@@ -128,8 +177,10 @@ def hip_family(fmt: str) -> Family | None:
         archs=HIP_ARCHS,
         launcher=LAUNCHER,
         main_entry="_f16",
-        values={"k_code": "16" if k in HALF else k, "v_code": "16" if v in HALF else v},
-        options={"page_size": PAGE_SIZES, "scale_mode": SCALE_MODES},
+        values={"k_code": "16" if k in HALF else k, "v_code": "16" if v in HALF else v, "qk": "transform"},
+        options={"page_size": PAGE_SIZES, "scale_mode": SCALE_MODES,
+                 **({"qk": qk_paths(fmt)} if k in EIGHT_BIT else {})},
+        option_problem=_hip_qk_problem(fmt),
     )
 
 
@@ -141,6 +192,20 @@ def _summary(fmt: str) -> str:
 # Against FP64 on the dequantized cache: what the kernel's arithmetic adds (P rounded to the query's
 # type, V scaled per token into P); the cache's own rounding is measured against the fp16 K/V.
 _TOLERANCE = {"float16": Tolerance(max_rel=2e-2, rel_l2=3e-3), "bfloat16": Tolerance(max_rel=1e-1, rel_l2=1.5e-2)}
+
+# The 8-bit QK paths add Q's own rounding (one scale per query row): e4m3 carries 3 mantissa bits,
+# int8 7 (measured by the emulator on N(0,1) at D128, GQA 4: rel_l2 2.5e-2 and 6.1e-3 against FP64
+# on the cache, max_rel up to 4.9e-2 and 1.5e-2).
+_QK_TOLERANCE = {"fp8": Tolerance(max_rel=1e-1, rel_l2=4e-2), "int8": Tolerance(max_rel=3e-2, rel_l2=1e-2)}
+
+
+def tolerance(fmt: str, qk: str = "transform") -> Tolerance:
+    """The format's tolerance on a QK path: the looser of its own and the path's, field by field."""
+    own = _TOLERANCE[query_dtypes(fmt)[0]]
+    path = _QK_TOLERANCE.get(qk)
+    return own if path is None else Tolerance(max_rel=max(own.max_rel, path.max_rel),
+                                              rel_l2=max(own.rel_l2, path.rel_l2))
+
 
 RECIPES = tuple(
     Recipe(fmt, _summary(fmt), query_dtypes(fmt), _TOLERANCE[query_dtypes(fmt)[0]],
