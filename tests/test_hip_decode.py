@@ -1,0 +1,250 @@
+"""HIP decode: the 8-bit QK paths (qk "fp8" over an e4m3 K cache, "int8" over an i8 one) and the cache
+writer, compiled offline with clang-19 (no ROCm, no AMD GPU). Each 8-bit spec's attention entry runs
+S^T on the target's 8-bit matrix op (fp8 MFMA on gfx942, fp8 WMMA on gfx1201, int8 MFMA / iu8 WMMA on
+all four) and only PV on the fp16 op; every entry of the module (attention, merge, the four writers)
+stays out of scratch. The archs without an fp8 op refuse qk "fp8" at KernelSpec construction. The
+writer's e4m3 encoder and gfx942's e4m3fn -> e4m3fnuz K remap are cut from the rendered source,
+compiled for the host and checked against ml_dtypes on every code. The sweep over every spec is
+tools/hip_decode_sweep.py."""
+import ctypes
+import functools
+import itertools
+import re
+import subprocess
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import qattn
+from qattn.check.quant import to_e4m3
+from qattn.engine.compile import compile_hip_offline, disassemble, find_tool
+from qattn.engine.family import HIP_ARCHS
+from qattn.engine.fragments import pv_key_slot
+from qattn.engine.render import entry_name, render
+from qattn.engine.spec import KernelSpec
+from qattn.formats.decode.recipes import HEAD_DIMS, HIP_QK_ARCHS, PAGE_SIZES, SCALE_MODES
+
+CLANG = find_tool("clang++-19", "clang++-20", "clang++")
+pytestmark = pytest.mark.skipif(CLANG is None, reason="offline HIP compiles need clang-19 (.ci/run installs it)")
+
+QK_OP = {("fp8", "gfx942"): "v_mfma_f32_16x16x32_fp8_fp8", ("fp8", "gfx1201"): "v_wmma_f32_16x16x16_fp8_fp8",
+         ("int8", "gfx90a"): "v_mfma_i32_16x16x16i8", ("int8", "gfx942"): "v_mfma_i32_16x16x32_i8",
+         ("int8", "gfx1100"): "v_wmma_i32_16x16x16_iu8", ("int8", "gfx1201"): "v_wmma_i32_16x16x16_iu8"}
+F16_OP = {"gfx90a": "v_mfma_f32_16x16x16f16", "gfx942": "v_mfma_f32_16x16x16_f16",
+          "gfx1100": "v_wmma_f32_16x16x16_f16", "gfx1201": "v_wmma_f32_16x16x16_f16"}
+WAVE = {"gfx90a": 64, "gfx942": 64, "gfx1100": 32, "gfx1201": 32}
+WRITERS = [f"_write_{t}_{s}" for t in ("f16", "bf16") for s in ("i32", "i64")]
+FORMATS = {"fp8": ("e4m3-e4m3", "e4m3-f16"), "int8": ("i8-i8", "i8-f16")}
+
+
+def _spec(fmt, arch, d=128, page=16, scale="token", qk=None) -> KernelSpec:
+    options = {"page_size": page, "scale_mode": scale, **({"qk": qk} if qk else {})}
+    return KernelSpec(kind="decode", recipe=fmt, head_dim=d, backend="hip", arch=arch, options=options)
+
+
+def _subset() -> list[KernelSpec]:
+    """Every (8-bit path, arch that has it, format) once, the head dims, page sizes and scale modes
+    taken in turn so that each appears."""
+    combos = [(qk, arch, fmt) for qk, archs in HIP_QK_ARCHS.items() for arch in archs for fmt in FORMATS[qk]]
+    shapes = itertools.cycle(itertools.product(HEAD_DIMS, SCALE_MODES))
+    return [_spec(fmt, arch, d, PAGE_SIZES[i % len(PAGE_SIZES)], scale, qk)
+            for i, ((qk, arch, fmt), (d, scale)) in enumerate(zip(combos, shapes))]
+
+
+SPECS = _subset()
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(spec: KernelSpec):
+    binary = compile_hip_offline(render(spec), spec.arch, spec.name)
+    return binary, _functions(disassemble(binary.data, "hip"))
+
+
+def _functions(asm: str) -> dict:
+    """Disassembly text per symbol."""
+    out = {}
+    for part in re.split(r"\n(?=[0-9a-f]+ <)", asm):
+        m = re.match(r"[0-9a-f]+ <([\w.]+)>:", part)
+        if m:
+            out[m.group(1)] = part
+    return out
+
+
+def _remarks(log: str) -> dict:
+    """clang's kernel-resource-usage remarks per function name."""
+    out, name = {}, None
+    for line in log.splitlines():
+        m = re.search(r"remark: Function Name: (\S+)", line)
+        if m:
+            name = m.group(1)
+            out[name] = {}
+            continue
+        m = re.search(r"remark:\s+([A-Za-z ]+?)(?: \[[^\]]*\])?: (\d+)", line)
+        if m and name:
+            out[name][m.group(1)] = int(m.group(2))
+    return out
+
+
+def _count(op: str, text: str) -> int:
+    return len(re.findall(rf"\b{op}\b", text))
+
+
+# ---- options and refusals -----------------------------------------------------------------------
+
+def test_qk_option_per_format():
+    for fmt, paths in (("e4m3-e4m3", ("transform", "fp8")), ("e4m3-f16", ("transform", "fp8")),
+                       ("i8-i8", ("transform", "int8")), ("i8-f16", ("transform", "int8"))):
+        assert qattn.recipe(fmt, "decode").family("hip").options["qk"] == paths
+    for fmt in ("f16-f16", "f16-e4m3", "f16-i8"):  # a 16-bit K has its own op only
+        assert "qk" not in qattn.recipe(fmt, "decode").family("hip").options
+        with pytest.raises(ValueError, match="^options: .* takes page_size, scale_mode, got qk"):
+            _spec(fmt, "gfx942", qk="int8")
+    spec = _spec("e4m3-e4m3", "gfx942", qk="fp8")
+    assert spec.options[-1] == ("qk", "fp8") and spec.name.endswith("_token_fp8_gfx942")
+    assert _spec("e4m3-e4m3", "gfx1100").options[-1] == ("qk", "transform")  # the default
+
+
+@pytest.mark.parametrize("fmt", FORMATS["fp8"])
+@pytest.mark.parametrize("arch", [a for a in HIP_ARCHS if a not in HIP_QK_ARCHS["fp8"]])
+def test_fp8_refused_without_an_fp8_matrix_op(fmt, arch):
+    with pytest.raises(ValueError, match=rf"^qk: {arch} has no fp8 matrix op \(fp8 builds on gfx942, gfx1201; "
+                                         rf"{arch} builds transform, int8\): {fmt} on {arch} takes qk transform"):
+        _spec(fmt, arch, qk="fp8")
+    assert _spec(fmt, arch, qk="transform").arch == arch
+
+
+def test_path_must_match_the_k_code():
+    with pytest.raises(ValueError, match="^qk: i8-i8 takes one of transform, int8, got 'fp8'"):
+        _spec("i8-i8", "gfx942", qk="fp8")
+    with pytest.raises(ValueError, match="^qk: e4m3-f16 takes one of transform, fp8, got 'int8'"):
+        _spec("e4m3-f16", "gfx1201", qk="int8")
+
+
+def test_cuda_family_takes_no_arch_refusal():
+    assert qattn.recipe("e4m3-e4m3", "decode").family("cuda").option_problem is None
+
+
+# ---- compiled code ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_8bit_qk_compiles_to_8bit_matrix_ops(spec):
+    source = render(spec)
+    assert "mma.sync" not in source and "asm(" not in source  # no CUDA leaks in
+    binary, funcs = _compiled(spec)
+    qk = dict(spec.options)["qk"]
+    name = entry_name(spec)
+    main = funcs[name + "_f16"]
+    mt, nt, dt = WAVE[spec.arch] // 32, spec.tile.block_n // 16, spec.head_dim // 16
+    qk_ops, f16_ops = _count(QK_OP[qk, spec.arch], main), _count(F16_OP[spec.arch], main)
+    # S^T: the 8-bit op for every (query tile, key tile) of a k step (the channel loop stays rolled);
+    # the fp16 op for PV alone: one per (query tile, key tile, 16 channels).
+    assert qk_ops >= mt * nt and qk_ops % (mt * nt) == 0, (qk_ops, mt * nt)
+    assert f16_ops == mt * nt * dt, (f16_ops, mt * nt * dt)
+    assert ("v_wmma" if spec.arch.startswith("gfx9") else "v_mfma") not in "".join(funcs.values())
+    others = [op for (path, arch), op in QK_OP.items() if arch == spec.arch and path != qk]
+    assert not any(_count(op, main) for op in others)
+    assert "v_div_fixup_f32" in main  # s_q and q / s_q: IEEE division
+    if qk == "fp8":
+        assert "v_cvt_pk_fp8_f32" in main  # Q's codes on the target's converter
+    for suffix in ["_f16", "_merge_f16", *WRITERS]:
+        assert name + suffix in funcs, (name + suffix, sorted(funcs))
+    remarks = _remarks(binary.log)
+    for entry in [name + s for s in ["_f16", "_merge_f16", *WRITERS]]:
+        r = remarks[entry]
+        # (SGPR spills, which the transform path has too, go to VGPR lanes, not to scratch)
+        assert r["ScratchSize"] == 0 and r["VGPRs Spill"] == 0, (entry, r)
+        assert 0 < r["VGPRs"] <= 256, (entry, r)
+
+
+@pytest.mark.parametrize("fmt, arch, d, scale", [("f16-f16", "gfx90a", 64, "token"), ("f16-e4m3", "gfx942", 256, "head"),
+                                                 ("f16-i8", "gfx1100", 128, "token"),
+                                                 ("e4m3-e4m3", "gfx1201", 128, "head")])
+def test_writer_entries_on_every_format_kind(fmt, arch, d, scale):
+    """The transform-path modules carry the writer too; it encodes e4m3 in integer arithmetic (no fp8
+    converter: gfx942's writes fnuz, gfx90a's and gfx11's do not exist) and runs no matrix op."""
+    spec = _spec(fmt, arch, d, 32, scale)
+    binary, funcs = _compiled(spec)
+    remarks = _remarks(binary.log)
+    for suffix in WRITERS:
+        body = funcs[entry_name(spec) + suffix]
+        assert not re.search(r"v_(mfma|wmma|cvt_pk_fp8|cvt_f32_fp8)", body), suffix
+        if fmt != "f16-f16":
+            assert "v_div_fixup_f32" in body  # x / s: IEEE division
+        r = remarks[entry_name(spec) + suffix]
+        assert r["ScratchSize"] == 0 and r["VGPRs Spill"] == 0, (suffix, r)
+
+
+# ---- the encoders, cut from the source and run on the host ---------------------------------------
+
+def _cut(source: str, signature: str) -> str:
+    """One device function of the rendered source, from its signature to its closing brace."""
+    m = re.search(re.escape(signature) + r"( \{[^\n]*\}\n|.*?\n\}\n)", source, re.S)
+    assert m, signature
+    return m.group(0)
+
+
+@pytest.fixture(scope="module")
+def host_encoders(tmp_path_factory):
+    source = render(_spec("e4m3-e4m3", "gfx942", qk="fp8"))
+    parts = [_cut(source, "QATTN_DEVICE u32 e4m3fn_code(float y)"), _cut(source, "QATTN_DEVICE u32 k_codes(u32 w)"),
+             _cut(source, "QATTN_DEVICE int group_slot(int k)")]
+    text = ("#define QATTN_DEVICE static inline\ntypedef unsigned u32;\n" + "".join(parts) + """
+extern "C" void encode(const float* y, u32* out, int n) { for (int i = 0; i < n; ++i) out[i] = e4m3fn_code(y[i]); }
+extern "C" void remap(const u32* w, u32* out, int n) { for (int i = 0; i < n; ++i) out[i] = k_codes(w[i]); }
+extern "C" int slot(int k) { return group_slot(k); }
+""")
+    folder = tmp_path_factory.mktemp("encoders")
+    src, obj, lib = folder / "enc.cpp", folder / "enc.o", folder / "enc.so"
+    src.write_text(text)
+    # __gfx942__ selects the fnuz remap, as on the target; -O2 without fast-math keeps IEEE rounding
+    run = subprocess.run([CLANG, "-x", "c++", "-std=c++17", "-O2", "-D__gfx942__=1", "-fPIC", "-c", str(src),
+                          "-o", str(obj)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    run = subprocess.run([CLANG, "-shared", str(obj), "-o", str(lib)], capture_output=True, text=True)
+    if run.returncode != 0:
+        pytest.skip(f"no host linker: {run.stderr[-500:]}")
+    return ctypes.CDLL(str(lib))
+
+
+def _encode(lib, y: np.ndarray) -> np.ndarray:
+    y = np.ascontiguousarray(y, np.float32)
+    out = np.zeros(y.size, np.uint32)
+    lib.encode(y.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p), ctypes.c_int(y.size))
+    return out
+
+
+def test_writer_e4m3_encoder_matches_ml_dtypes(host_encoders):
+    rng = np.random.default_rng(4)
+    grid = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    grid = np.unique(np.abs(grid[np.isfinite(grid)]))
+    mids = (grid[1:] + grid[:-1]) / 2  # ties: round to the even code
+    halves = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    halves = halves[np.isfinite(halves)]
+    y = np.concatenate([grid, -grid, mids, -mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf),
+                        halves, halves / np.float32(0.37), rng.uniform(-600, 600, 100000).astype(np.float32),
+                        np.float32([448, 449, 464, 465, 1e30, np.inf, -np.inf, np.nan, -0.0, 1e-30, -1e-30, 2 ** -10])])
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = to_e4m3(y).view(np.uint8).astype(np.uint32)
+    got = _encode(host_encoders, y)
+    nan = np.isnan(y)
+    assert np.all(got[nan] == 0x7F)  # the CUDA writer's satfinite NaN
+    bad = np.flatnonzero(got[~nan] != want[~nan])
+    assert bad.size == 0, [(float(y[~nan][i]), hex(got[~nan][i]), hex(want[~nan][i])) for i in bad[:5]]
+
+
+def test_gfx942_k_remap_reads_half_the_ocp_value(host_encoders):
+    codes = np.arange(256, dtype=np.uint32)
+    words = codes | np.roll(codes, 1) << 8 | np.roll(codes, 7) << 16 | np.roll(codes, 100) << 24
+    out = np.zeros_like(words)
+    host_encoders.remap(words.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
+                        ctypes.c_int(words.size))
+    fn = words.view(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    fnuz = out.view(np.uint8).view(ml_dtypes.float8_e4m3fnuz).astype(np.float64)
+    assert np.array_equal(np.isnan(fn), np.isnan(fnuz))
+    ok = ~np.isnan(fn)
+    np.testing.assert_array_equal(fnuz[ok], fn[ok] / 2)  # the product of two: 1/4, PRODUCT_UNIT puts it back
+
+
+def test_group_slot_is_the_cache_layout(host_encoders):
+    assert [host_encoders.slot(k) for k in range(16)] == list(pv_key_slot(np.arange(16)))
