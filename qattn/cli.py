@@ -694,55 +694,169 @@ def _parse_decode_shapes(ctx, param, values):
     return shapes
 
 
+_SIZE = re.compile(r"\s*(\d+)\s*([kKmM]?)\s*")
+
+
+def _parse_sizes(ctx, param, values):
+    """Repeatable comma lists of positive sizes; K and M mean 1024 and 1024² (32K = 32768)."""
+    sizes = []
+    for value in values:
+        for item in value.split(","):
+            match = _SIZE.fullmatch(item)
+            if not match or int(match.group(1)) < 1:
+                raise click.BadParameter(f"expected positive sizes such as 8, 4096 or 32K, got {item!r}")
+            sizes.append(int(match.group(1)) << {"": 0, "k": 10, "m": 20}[match.group(2).lower()])
+    return list(dict.fromkeys(sizes))
+
+
+def _decode_shapes(shapes, batches, ctxs) -> list[tuple[int, int]]:
+    """--shape pairs, then every --batch at every --ctx; the default shapes when none is given."""
+    if bool(batches) != bool(ctxs):
+        raise click.BadParameter("--batch and --ctx go together (every batch at every context)",
+                                 param_hint="'--batch' / '--ctx'")
+    from .bench.decode import DEFAULT_SHAPES
+
+    return list(dict.fromkeys([*shapes, *itertools.product(batches, ctxs)])) or list(DEFAULT_SHAPES)
+
+
+def _kv_head_counts(heads: int, kv_heads, gqa) -> list[int]:
+    """--kv-heads and heads / --gqa ratio for each ratio; 8 when neither is given."""
+    counts = list(kv_heads)
+    for ratio in gqa:
+        if heads % ratio:
+            raise click.BadParameter(f"{ratio} does not divide --heads {heads}", param_hint="'--gqa'")
+        counts.append(heads // ratio)
+    for kv in counts:
+        if heads % kv:
+            raise click.BadParameter(f"{heads} is not a multiple of --kv-heads {kv}", param_hint="'--heads'")
+    return list(dict.fromkeys(counts)) or [8]
+
+
+def _decode_runs(preset, shapes, batches, ctxs, heads, kv_heads, gqa, head_dims, page_sizes, cold):
+    """The runs of a bench decode call: a preset's, or the grid of the shape options in one L2 mode."""
+    from .bench import decode as timing
+
+    if preset:
+        given = [name for name, value in (("--shape", shapes), ("--batch", batches), ("--ctx", ctxs),
+                                          ("--heads", heads), ("--kv-heads", kv_heads), ("--gqa", gqa),
+                                          ("--head-dim", head_dims), ("--page-size", page_sizes), ("--cold", cold))
+                 if value]
+        if given:
+            raise click.BadParameter(f"the preset sets the grid and the L2 modes; leave out {', '.join(given)}",
+                                     param_hint="'--preset'")
+        return timing.preset_runs(preset)
+    heads = heads or 32
+    points = timing.grid(_decode_shapes(shapes, batches, ctxs), heads=heads,
+                         kv_heads=_kv_head_counts(heads, kv_heads, gqa),
+                         head_dims=[int(d) for d in head_dims] or [128],
+                         page_sizes=[int(p) for p in page_sizes] or [32])
+    return [timing.Run(point, ("cold",) if cold else ("warm",)) for point in points]
+
+
+def _decode_variants(preset, formats, qk_paths):
+    """(format, QK path) pairs: every requested path on the formats that have it; one path named
+    for formats named is checked on each of them."""
+    from .bench import decode as timing
+
+    default_formats = timing.contract_formats() if preset else timing.DEFAULT_FORMATS
+    default_paths = ("transform", "fp8", "int8") if preset else ("auto",)
+    strict = bool(formats) and len(qk_paths) == 1 and qk_paths[0] != "auto"
+    try:
+        return timing.qk_variants(formats or default_formats, qk_paths or default_paths, strict=strict)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc).removeprefix("qk: "), param_hint="'--qk'") from None
+
+
+def _stage_tiles(stages: int | None, runs) -> dict | None:
+    """{head_dim: the default decode tile with `stages` K/V slots} for --stages, else None."""
+    if stages is None:
+        return None
+    arch = device_arch()
+    return {d: make_spec("decode", None, d, None, None, stages, False, "cuda", arch).tile
+            for d in sorted({run.point.head_dim for run in runs})}
+
+
+def _command_line() -> str:
+    """This command as typed (the program name as click knows it), for the markdown header."""
+    import shlex
+
+    return shlex.join([click.get_current_context().find_root().info_name, *sys.argv[1:]])
+
+
 @bench.command("decode")
 @click.option("--shape", "shapes", multiple=True, callback=_parse_decode_shapes, metavar="BATCHxCTX",
-              help="sequences x cached tokens each (repeatable) [default: 8x32768, 64x4096, 1x131072]")
+              help="sequences x cached tokens each; repeatable [default: 8x32768, 64x4096, 1x131072]")
+@click.option("--batch", "batches", multiple=True, callback=_parse_sizes, metavar="N[,N...]",
+              help="sequences, timed at every --ctx; repeatable, comma lists allowed")
+@click.option("--ctx", "ctxs", multiple=True, callback=_parse_sizes, metavar="L[,L...]",
+              help="cached tokens per sequence, e.g. 1K,4K,32K,128K; repeatable, comma lists allowed")
+@click.option("--preset", type=click.Choice(["smoke", "contract"]),
+              help="a grid with its L2 modes: contract (batch 1-256 x context 1K-128K warm and cold, GQA 1/4/8, "
+                   "every page size and D64 at 8x32768; the K16/V16, K8/V16, K16/V8, K8/V8 formats of e4m3 and i8 on "
+                   "every QK path) or smoke (the same, small)")
 @click.option("--format", "-f", "formats", multiple=True, type=click.Choice(list(registry.recipes("decode"))),
-              help="decode format K-V (repeatable) [default: f16-f16, e4m3-e4m3, i8-i8, e4m3-f16, f16-e4m3]")
-@click.option("--heads", type=click.IntRange(min=1), default=32, show_default=True, help="query heads")
-@click.option("--kv-heads", type=click.IntRange(min=1), default=8, show_default=True, help="kv heads")
-@click.option("--head-dim", "-d", type=click.Choice(["64", "128"]), default="128", show_default=True)
+              help="decode format K-V; repeatable [default: f16-f16, e4m3-e4m3, i8-i8, e4m3-f16, f16-e4m3; the "
+                   "contract's seven with --preset]")
+@click.option("--qk", "qk_paths", multiple=True, type=click.Choice(["auto", "transform", "fp8", "int8"]),
+              help="QK paths to time each format on (those it has; one path named for formats named must be theirs); "
+                   "repeatable [default: auto; every path with --preset]")
+@click.option("--heads", type=click.IntRange(min=1), help="query heads [default: 32]")
+@click.option("--kv-heads", "kv_heads", multiple=True, type=click.IntRange(min=1),
+              help="kv heads; repeatable [default: 8]")
+@click.option("--gqa", multiple=True, type=click.IntRange(min=1),
+              help="query heads per kv head (kv heads = heads / GQA), beside --kv-heads; repeatable")
+@click.option("--head-dim", "-d", "head_dims", multiple=True, type=click.Choice(["64", "128"]),
+              help="head dimension; repeatable [default: 128]")
+@click.option("--page-size", "page_sizes", multiple=True, type=click.Choice(["16", "32", "64", "128"]),
+              help="tokens per page; repeatable [default: 32]")
 @click.option("--queries", type=click.IntRange(1, 16), default=1, show_default=True,
               help="new tokens per sequence (the peers run only for 1)")
-@click.option("--page-size", type=click.Choice(["16", "32", "64", "128"]), default="32", show_default=True)
 @click.option("--scale", type=click.Choice(("token", "head")), default="token", show_default=True,
               help="scales of the 8-bit sides")
+@click.option("--cold", is_flag=True,
+              help="HBM-cold timing: L2 evicted (a read of 4x its size) before every timed call [default: L2-warm]")
+@click.option("--max-kv-gib", type=click.FloatRange(min=0, min_open=True), default=8.0, show_default=True,
+              help="skip points whose fp16 K and V exceed this (every format's cache of a point lives at once)")
 @click.option("--splits", type=click.IntRange(1, 128), help="split count [default: chosen per shape]")
+@click.option("--stages", type=click.IntRange(2, 4), help="K/V slots in flight [default: the format's tile]")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True, help="interleaved timing rounds")
 @click.option("--write-tokens", type=click.IntRange(min=0), default=65536, show_default=True,
               help="tokens of the cache-write timing (0: skip it)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, path_type=Path),
-              help="also write the records as JSON to FILE")
+              callback=_json_path, help="also write the records as JSON to FILE")
+@click.option("--markdown", is_flag=True, help="also print the table as markdown for BENCHMARKS.md")
 @user_errors
-def bench_decode(shapes, formats, heads, kv_heads, head_dim, queries, page_size, scale, splits, rounds, write_tokens,
-                 json_path):
-    """Time the paged decode in each cache format beside torch SDPA (flash, cuDNN) on the same queries
-    over the same K/V in fp16, and the one-launch cache write beside a copy of the same bytes; GB/s
-    of the bytes a step must read, as a fraction of the copy bandwidth measured in the same run."""
+def bench_decode(shapes, batches, ctxs, preset, formats, qk_paths, heads, kv_heads, gqa, head_dims, page_sizes, queries,
+                 scale, cold, max_kv_gib, splits, stages, rounds, write_tokens, json_path, markdown):
+    """Time the paged decode in each cache format and QK path beside torch SDPA (flash, cuDNN) on the
+    same queries over the same K/V in fp16, L2-warm or HBM-cold, and the one-launch cache write beside
+    a copy of the same bytes; GB/s of the bytes a step must read, as a fraction of the copy bandwidth
+    measured in the same run, and the ratio to the faster SDPA backend."""
     from .bench import decode as timing
 
+    runs = _decode_runs(preset, shapes, batches, ctxs, heads, kv_heads, gqa, head_dims, page_sizes, cold)
+    variants = _decode_variants(preset, formats, qk_paths)
     if device_arch() is None:
         raise click.ClickException("bench decode: no CUDA GPU found; timing needs one")
-    if heads % kv_heads:
-        raise click.BadParameter(f"{heads} is not a multiple of --kv-heads {kv_heads}", param_hint="'--heads'")
-    records = timing.bench_decode(shapes or [(8, 32768), (64, 4096), (1, 131072)],
-                                  formats or ("f16-f16", "e4m3-e4m3", "i8-i8", "e4m3-f16", "f16-e4m3"), heads=heads,
-                                  kv_heads=kv_heads, head_dim=int(head_dim), queries=queries,
-                                  page_size=int(page_size), scale=scale, rounds=rounds, splits=splits)
-    writes = timing.bench_write(write_tokens, kv_heads=kv_heads, head_dim=int(head_dim), page_size=int(page_size),
-                                scale=scale) if write_tokens else []
-    ratios = sorted({k for r in records for k in r if k.startswith("vs_")})
+    runs, skipped = timing.within_cap(runs, int(max_kv_gib * (1 << 30)))
+    if skipped:
+        _note(f"skipped over --max-kv-gib {max_kv_gib:g}: {', '.join(r.point.label for r in skipped)}")
+    if not runs:
+        raise click.BadParameter(f"every point's fp16 K/V exceeds {max_kv_gib:g} GiB", param_hint="'--max-kv-gib'")
+    with _Progress("bench decode", len(runs)) as progress:
+        records = timing.bench_sweep(runs, variants, queries=queries, scale=scale, rounds=rounds, splits=splits,
+                                     tiles=_stage_tiles(stages, runs),
+                                     progress=lambda run, recs: progress.done(
+                                         f"{run.point.label} {'+'.join(run.modes)}: {len(recs)} records"))
+    first = runs[0].point
+    writes = timing.bench_write(write_tokens, kv_heads=first.kv_heads, head_dim=first.head_dim,
+                                page_size=first.page_size, scale=scale) if write_tokens else []
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": timing.gpu_name(), "command": _command_line()}
     copy = records[0]["copy_gbs"] if records else float("nan")
-    table = _table(f"decode, {heads}/{kv_heads} heads, D {head_dim}, page {page_size}, copy {copy:.0f} GB/s",
-                   "batch x ctx", "impl", "ms", "GB/s", "of copy", *ratios, "rel_l2 vs fp16",
-                   right=("ms", "GB/s", "of copy", *ratios, "rel_l2 vs fp16"))
+    table = _table(f"decode, {queries} new token(s) per sequence, {scale} scales, copy {copy:.0f} GB/s",
+                   *timing.COLUMNS, right=timing.NUMERIC_COLUMNS)
     for r in records:
-        if "error" in r:
-            table.add_row(f"{r['batch']}x{r['ctx']}", r["impl"], r["error"], *[""] * (4 + len(ratios)))
-            continue
-        table.add_row(f"{r['batch']}x{r['ctx']}", r["impl"], _fmt(r["ms"], ".4f"), _fmt(r["gbs"], ".0f"),
-                      _fmt(r["of_copy"], ".2f"), *[_fmt(r.get(k), ".2f") for k in ratios],
-                      _fmt(r.get("rel_l2_vs_fp16"), ".2e"))
+        table.add_row(*timing.row_cells(r))
     console = _console()
     console.print(table)
     if writes:
@@ -752,8 +866,10 @@ def bench_decode(shapes, formats, heads, kv_heads, head_dim, queries, page_size,
             wtable.add_row(w["format"], w["slots"], str(w["tokens"]), _fmt(w["write_ms"], ".4f"),
                            _fmt(w["copy_ms"], ".4f"), _fmt(w["ratio"], ".2f"))
         console.print(wtable)
+    if markdown:
+        click.echo(timing.markdown_table(records, **meta))
     if json_path is not None:
-        write_json(json_path, {"decode": records, "write": writes})
+        write_json(json_path, {"meta": meta, "decode": records, "write": writes})
 
 
 # ---- plan -------------------------------------------------------------------------------------

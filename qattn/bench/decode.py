@@ -1,16 +1,129 @@
-"""The decode benchmark: qattn's paged decode in each cache format beside torch SDPA's flash and cuDNN
-backends on the same queries over the same K/V in fp16 (dense), and a plain copy for the bandwidth
-ceiling, all in the same run in interleaved rounds (DESIGN §4). Bandwidth is the bytes that must
-cross HBM once: K and V codes, their scales and the block table (qattn); fp16 K and V (the peers).
+"""The decode benchmark: qattn's paged decode in each cache format (and on each QK path asked for)
+beside torch SDPA's flash and cuDNN backends on the same queries over the same K/V in fp16 (dense),
+and a plain copy for the bandwidth ceiling, all in the same run in interleaved rounds (DESIGN §4).
+Bandwidth is the bytes that must cross HBM once: K and V codes, their scales and the block table
+(qattn); fp16 K and V (the peers). A sweep times operating points (Point) each L2-warm (back-to-back
+calls) and/or HBM-cold (L2 evicted before every timed call); the presets are the decode contract's
+grid and a quick smoke grid.
 """
 from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from .peers import peer
-from .timing import time_cuda, time_interleaved, with_ratios
+from .timing import L2Flush, time_cuda, time_cuda_cold, time_interleaved, with_ratios
 
 DECODE_PEERS = ("sdpa_flash", "sdpa_cudnn")
+DEFAULT_FORMATS = ("f16-f16", "e4m3-e4m3", "i8-i8", "e4m3-f16", "f16-e4m3")
+DEFAULT_SHAPES = ((8, 32768), (64, 4096), (1, 131072))
+L2_MODES = ("warm", "cold")
+GQA_RATIOS = (1, 4, 8)
+# Every preset point's caches live at once (they are timed interleaved): the f16-f16 cache, the fp16
+# K/V it is written from, the peers' dense copy and six 8-bit caches come to about 7x the fp16 K/V.
+PRESET_MAX_KV_BYTES = 8 << 30
+
+
+def contract_formats(codes=("e4m3", "i8")) -> tuple[str, ...]:
+    """The decode contract's dtype controls, K16/V16 and for each 8-bit code K8/V16, K16/V8, K8/V8."""
+    names = ["f16-f16"]
+    for code in codes:
+        names += [f"{code}-f16", f"f16-{code}", f"{code}-{code}"]
+    return tuple(names)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One operating point: sequences x cached tokens each, query / kv heads, head dim, page size."""
+    batch: int
+    ctx: int
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    page_size: int = 32
+
+    @property
+    def fp16_kv_bytes(self) -> int:
+        """The fp16 K and V of all sequences: what the dense peers read."""
+        return 2 * 2 * self.batch * self.kv_heads * self.ctx * self.head_dim
+
+    @property
+    def label(self) -> str:
+        return f"{self.batch}x{self.ctx} {self.heads}/{self.kv_heads} d{self.head_dim} p{self.page_size}"
+
+
+@dataclass(frozen=True)
+class Run:
+    """A point and the L2 modes it is timed in ("warm", "cold")."""
+    point: Point
+    modes: tuple[str, ...]
+
+
+def grid(shapes, *, heads: int = 32, kv_heads=(8,), head_dims=(128,), page_sizes=(32,)) -> list[Point]:
+    """Every combination of (batch, ctx) shapes, kv head counts, head dims and page sizes."""
+    return [Point(batch, ctx, heads, kv, d, page)
+            for (batch, ctx), kv, d, page in itertools.product(shapes, kv_heads, head_dims, page_sizes)]
+
+
+def merge_runs(pairs) -> list[Run]:
+    """(point, modes) pairs as one run per point (in first-seen order) with the union of its modes,
+    warm before cold."""
+    modes: dict[Point, set] = {}
+    for point, wanted in pairs:
+        modes.setdefault(point, set()).update(wanted)
+    return [Run(point, tuple(m for m in L2_MODES if m in wanted)) for point, wanted in modes.items()]
+
+
+def within_cap(runs, max_kv_bytes: int | None) -> tuple[list[Run], list[Run]]:
+    """(kept, skipped): the runs whose fp16 K/V fit in max_kv_bytes (None: no cap)."""
+    kept = [r for r in runs if max_kv_bytes is None or r.point.fp16_kv_bytes <= max_kv_bytes]
+    return kept, [r for r in runs if r not in kept]
+
+
+# The contract's grid, sized for about eight minutes on an H200 with the seven contract formats on
+# all their QK paths: batch x context at GQA 32/8, D128, pages of 32, each L2-warm and HBM-cold; then
+# GQA 1/4/8, every page size and D64 at one shape whose K/V is far larger than L2 (warm only).
+PRESETS = {
+    "contract": {"batches": (1, 8, 64, 256), "ctxs": (1024, 4096, 32768, 131072), "at": (8, 32768)},
+    "smoke": {"batches": (1, 8), "ctxs": (1024, 4096), "at": (8, 4096)},
+}
+
+
+def preset_runs(name: str) -> list[Run]:
+    """The runs of a preset (before any size cap)."""
+    from ..formats.decode.recipes import PAGE_SIZES
+
+    preset = PRESETS[name]
+    main = grid(itertools.product(preset["batches"], preset["ctxs"]))
+    at = Point(*preset["at"])
+    side = ([replace(at, kv_heads=at.heads // ratio) for ratio in GQA_RATIOS]
+            + [replace(at, page_size=page) for page in PAGE_SIZES] + [replace(at, head_dim=64)])
+    return merge_runs([(p, L2_MODES) for p in main] + [(p, ("warm",)) for p in side])
+
+
+def qk_variants(formats, paths, *, strict: bool) -> list[tuple[str, str]]:
+    """(format, QK path) pairs to time: each format on each of `paths` it has ("auto" every format
+    has). A path a format lacks is skipped, or with strict (one path asked for by name) an error."""
+    from ..formats.decode.recipes import qk_paths
+
+    pairs = []
+    for fmt in formats:
+        have = qk_paths(fmt)
+        for path in paths:
+            if path == "auto" or path in have:
+                pairs.append((fmt, path))
+            elif strict:
+                raise ValueError(f"qk: {fmt} has no {path} path (its paths: {', '.join(have)})")
+    if not pairs:
+        raise ValueError(f"qk: none of {', '.join(formats)} has a {' or '.join(paths)} path")
+    return pairs
+
+
+def impl_name(fmt: str, qk: str) -> str:
+    return f"qattn:{fmt}" if qk == "auto" else f"qattn:{fmt}/{qk}"
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
@@ -31,7 +144,7 @@ def kv_bytes(fmt: str, batch: int, kv_heads: int, ctx: int, head_dim: int, page_
     return batch * kv_heads * ctx * per_token + batch * -(-ctx // page_size) * 4
 
 
-def _filled_cache(fmt, k, v, batch, ctx, kv_heads, head_dim, page_size, scale, rng):
+def filled_cache(fmt, k, v, batch, ctx, kv_heads, head_dim, page_size, scale, rng):
     """A cache holding k, v [batch * ctx, kv_heads, head_dim] in shuffled pages; returns it and its table."""
     import cupy
 
@@ -48,60 +161,185 @@ def _filled_cache(fmt, k, v, batch, ctx, kv_heads, head_dim, page_size, scale, r
     return cache, cupy.asarray(table)
 
 
-def bench_decode(shapes, formats=("f16-f16", "e4m3-e4m3", "i8-i8"), *, heads: int = 32, kv_heads: int = 8,
-                 head_dim: int = 128, queries: int = 1, page_size: int = 32, scale: str = "token",
-                 peers=DECODE_PEERS, rounds: int = 3, seed: int = 0, splits=None, tile=None) -> list[dict]:
-    """One record per (shape, implementation): median ms, GB/s, the ratio to each peer and to the copy
-    bandwidth, and rel_l2 against the fp16 SDPA answer on the same queries. shapes: (batch, ctx)."""
+def _first_line(exc: Exception) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
+
+
+def _peer_calls(point: Point, q, k, v, peers, base: dict):
+    """The peers' (record, call) pairs on dense fp16 copies of k, v, their error records, and the
+    first peer's output (the fp16 reference), or None where none runs."""
+    import cupy
+
+    fns = [(name, fn) for name in peers if (fn := peer(name)) is not None]
+    if not fns:
+        return [], [], None
+    import torch
+
+    shape = (point.batch, point.ctx, point.kv_heads, point.head_dim)
+    dense_k, dense_v = (torch.from_dlpack(x.reshape(shape).transpose(0, 2, 1, 3).copy()) for x in (k, v))
+    tq = torch.from_dlpack(q)
+    timed, failed, reference = [], [], None
+    for name, fn in fns:
+        call = functools.partial(fn, tq, dense_k, dense_v, False)
+        try:
+            result = call()
+        except Exception as exc:  # backend unavailable for this shape/GPU
+            failed.append(dict(base, impl=name, error=_first_line(exc)))
+            continue
+        reference = cupy.from_dlpack(result.contiguous()) if reference is None else reference
+        timed.append((dict(base, impl=name, bytes=point.fp16_kv_bytes), call))
+    return timed, failed, reference
+
+
+def _rel_l2(out, reference) -> float:
+    import cupy
+
+    ref = reference.astype(cupy.float64)
+    return float(cupy.linalg.norm(out.astype(cupy.float64) - ref) / cupy.linalg.norm(ref))
+
+
+def fastest_peer_ratio(record: dict) -> float | None:
+    """The faster SDPA backend's time over this record's (> 1: faster than both), or None."""
+    ratios = [record[f"vs_{p}"] for p in DECODE_PEERS if f"vs_{p}" in record]
+    return max(ratios) if ratios else None
+
+
+def bandwidth_fields(record: dict, copy_gbs: float) -> dict:
+    """GB/s of the record's bytes at its median time, its fraction of the copy bandwidth, and the
+    ratio to the faster SDPA backend."""
+    gbs = record["bytes"] / (record["ms"] * 1e-3) / 1e9
+    return {"gbs": gbs, "of_copy": gbs / copy_gbs, "vs_sdpa": fastest_peer_ratio(record)}
+
+
+def _cold_timer(flush):
+    """time_interleaved's timer with L2 evicted before every timed call (its default budget)."""
+    def timer(fn, rounds):
+        return time_cuda_cold(fn, flush, runs=max(5, 20 // rounds), min_ms=200.0 / rounds).median_ms
+    return timer
+
+
+def _time_mode(timed, mode: str, rounds: int, flush, copy_gbs: float) -> list[dict]:
+    """One L2 mode's records of a point: every (record, call) timed in interleaved rounds."""
+    runs = [(dict(rec, l2=mode), call) for rec, call in timed]
+    per_round = time_interleaved([call for _, call in runs], rounds, _cold_timer(flush) if mode == "cold" else None)
+    records = with_ratios(runs, per_round, DECODE_PEERS)
+    for rec in records:
+        rec.update(bandwidth_fields(rec, copy_gbs))
+    return records
+
+
+def _bench_point(run: Run, variants, *, queries, scale, peers, rounds, splits, tile, copy_gbs, flush, rng, crng):
+    """The records of one point: peers and (format, QK path) variants on the same K/V, in each mode."""
     import cupy
 
     from ..formats.decode import decode
 
+    p = run.point
+    base = {"batch": p.batch, "ctx": p.ctx, "heads": p.heads, "kv_heads": p.kv_heads, "head_dim": p.head_dim,
+            "queries": queries, "page_size": p.page_size, "scale": scale, "copy_gbs": copy_gbs}
+    k, v = (crng.standard_normal((p.batch * p.ctx, p.kv_heads, p.head_dim), dtype=cupy.float32).astype(cupy.float16)
+            for _ in range(2))
+    q = crng.standard_normal((p.batch, p.heads, queries, p.head_dim), dtype=cupy.float32).astype(cupy.float16)
+    lens = cupy.full(p.batch, p.ctx, dtype=cupy.int32)
+    timed, failed, reference = _peer_calls(p, q, k, v, peers, base) if queries == 1 else ([], [], None)
+    caches = {}
+    for fmt, qk in variants:
+        if fmt not in caches:
+            caches[fmt] = filled_cache(fmt, k, v, p.batch, p.ctx, p.kv_heads, p.head_dim, p.page_size, scale, rng)
+        cache, table = caches[fmt]
+        out = cupy.empty_like(q)
+        call = functools.partial(decode, q, cache, table, lens, out=out, qk=qk, splits=splits, tile=tile)
+        rec = dict(base, impl=impl_name(fmt, qk), format=fmt, qk=qk,
+                   bytes=kv_bytes(fmt, p.batch, p.kv_heads, p.ctx, p.head_dim, p.page_size, scale))
+        try:
+            call()
+        except (ValueError, TypeError, RuntimeError) as exc:  # a path or spec this build or GPU lacks
+            failed.append(dict(rec, error=_first_line(exc)))
+            continue
+        if reference is not None:
+            rec["rel_l2_vs_fp16"] = _rel_l2(out, reference)
+        timed.append((rec, call))
+    del k, v  # the caches and the peers' dense copies hold them now
+    records = failed
+    for mode in run.modes:
+        records += _time_mode(timed, mode, rounds, flush, copy_gbs)
+    return records
+
+
+def bench_sweep(runs, variants, *, queries: int = 1, scale: str = "token", peers=DECODE_PEERS, rounds: int = 3,
+                seed: int = 0, splits=None, tiles=None, progress=None) -> list[dict]:
+    """One record per (run, L2 mode, implementation): median ms, GB/s, its fraction of the copy
+    bandwidth, the ratio to each peer (vs_PEER) and to the faster one (vs_sdpa), rel_l2 against the
+    fp16 SDPA answer on the same queries; a record with "error" where a peer or variant cannot run.
+    runs: Run (point, modes); variants: (format, qk path) pairs; tiles: {head_dim: Tile} to override
+    the formats' default tiles; progress(run, records) after each run."""
+    import cupy
+
     rng = np.random.default_rng(seed)
     crng = cupy.random.default_rng(seed)
     copy_gbs = copy_bandwidth()
+    flush = L2Flush() if any("cold" in run.modes for run in runs) else None
     records = []
-    for batch, ctx in shapes:
-        base = {"batch": batch, "ctx": ctx, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-                "queries": queries, "page_size": page_size, "scale": scale, "copy_gbs": copy_gbs}
-        k = crng.standard_normal((batch * ctx, kv_heads, head_dim), dtype=cupy.float32).astype(cupy.float16)
-        v = crng.standard_normal((batch * ctx, kv_heads, head_dim), dtype=cupy.float32).astype(cupy.float16)
-        q = crng.standard_normal((batch, heads, queries, head_dim), dtype=cupy.float32).astype(cupy.float16)
-        lens = cupy.full(batch, ctx, dtype=cupy.int32)
-        timed = []
-        reference = None
-        peer_fns = [(name, fn) for name in peers if (fn := peer(name)) is not None] if queries == 1 else []
-        if peer_fns:
-            import torch
-
-            dense = [torch.from_dlpack(x.reshape(batch, ctx, kv_heads, head_dim).transpose(0, 2, 1, 3).copy())
-                     for x in (k, v)]
-            tq = torch.from_dlpack(q)
-            for name, fn in peer_fns:
-                try:
-                    result = fn(tq, dense[0], dense[1], False)
-                except Exception as exc:  # backend unavailable for this shape/GPU
-                    records.append(dict(base, impl=name, error=str(exc).splitlines()[0]))
-                    continue
-                reference = cupy.from_dlpack(result.contiguous()) if reference is None else reference
-                timed.append((dict(base, impl=name, bytes=2 * batch * kv_heads * ctx * head_dim * 2),
-                              lambda fn=fn: fn(tq, dense[0], dense[1], False)))
-        for fmt in formats:
-            cache, table = _filled_cache(fmt, k, v, batch, ctx, kv_heads, head_dim, page_size, scale, rng)
-            out = cupy.empty_like(q)
-            decode(q, cache, table, lens, out=out, splits=splits, tile=tile)
-            rec = dict(base, impl=f"qattn:{fmt}", bytes=kv_bytes(fmt, batch, kv_heads, ctx, head_dim, page_size, scale))
-            if reference is not None:
-                diff = out.astype(cupy.float64) - reference.astype(cupy.float64)
-                rec["rel_l2_vs_fp16"] = float(cupy.linalg.norm(diff) / cupy.linalg.norm(reference.astype(cupy.float64)))
-            timed.append((rec, lambda cache=cache, table=table, out=out: decode(q, cache, table, lens, out=out,
-                                                                                 splits=splits, tile=tile)))
-        per_round = time_interleaved([fn for _, fn in timed], rounds)
-        for rec in with_ratios(timed, per_round, DECODE_PEERS):
-            rec["gbs"] = rec["bytes"] / (rec["ms"] * 1e-3) / 1e9
-            rec["of_copy"] = rec["gbs"] / copy_gbs
-            records.append(rec)
+    for run in runs:
+        point_records = _bench_point(run, variants, queries=queries, scale=scale, peers=peers, rounds=rounds,
+                                     splits=splits, tile=(tiles or {}).get(run.point.head_dim), copy_gbs=copy_gbs,
+                                     flush=flush, rng=rng, crng=crng)
+        records += point_records
+        cupy.get_default_memory_pool().free_all_blocks()  # the next point's caches may differ in size
+        if progress is not None:
+            progress(run, point_records)
     return records
+
+
+def bench_decode(shapes, formats=("f16-f16", "e4m3-e4m3", "i8-i8"), *, heads: int = 32, kv_heads: int = 8,
+                 head_dim: int = 128, queries: int = 1, page_size: int = 32, scale: str = "token",
+                 peers=DECODE_PEERS, rounds: int = 3, seed: int = 0, splits=None, tile=None) -> list[dict]:
+    """bench_sweep over (batch, ctx) shapes at one head configuration, L2-warm, each format on its
+    automatic QK path (records named qattn:FORMAT)."""
+    runs = [Run(point, ("warm",)) for point in grid(shapes, heads=heads, kv_heads=(kv_heads,), head_dims=(head_dim,),
+                                                    page_sizes=(page_size,))]
+    return bench_sweep(runs, [(fmt, "auto") for fmt in formats], queries=queries, scale=scale, peers=peers,
+                       rounds=rounds, seed=seed, splits=splits, tiles=None if tile is None else {head_dim: tile})
+
+
+# ---- tables ------------------------------------------------------------------------------------
+
+COLUMNS = ("B x L", "heads", "D", "page", "L2", "impl", "ms", "GB/s", "of copy", "vs SDPA", "rel_l2 vs fp16")
+NUMERIC_COLUMNS = ("D", "page", "ms", "GB/s", "of copy", "vs SDPA", "rel_l2 vs fp16")
+
+
+def _cell(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def row_cells(record: dict) -> list[str]:
+    """A record's cells under COLUMNS; an error record carries its message in the ms column."""
+    head = [f"{record['batch']}x{record['ctx']}", f"{record['heads']}/{record['kv_heads']}", str(record["head_dim"]),
+            str(record["page_size"]), record.get("l2", "-"), record["impl"]]
+    if "error" in record:
+        return head + [record["error"], "", "", "", ""]
+    return head + [_cell(record["ms"], ".4f"), _cell(record["gbs"], ".0f"), _cell(record["of_copy"], ".2f"),
+                   _cell(record.get("vs_sdpa"), ".2f"), _cell(record.get("rel_l2_vs_fp16"), ".2e")]
+
+
+def markdown_table(records, *, date: str, gpu: str, command: str) -> str:
+    """The records as a BENCHMARKS.md table under a line naming the date, GPU, copy bandwidth and
+    command."""
+    copy = next((r["copy_gbs"] for r in records), None)
+    lines = [f"{date}, {gpu}, copy bandwidth {_cell(copy, '.0f')} GB/s, `{command}`", "",
+             "| " + " | ".join(COLUMNS) + " |",
+             "|" + "|".join("---:" if c in NUMERIC_COLUMNS else "---" for c in COLUMNS) + "|"]
+    for rec in records:
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row_cells(rec)) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def gpu_name(device: int | None = None) -> str:
+    import cupy
+
+    with cupy.cuda.Device(device) as dev:
+        name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 def bench_write(tokens: int = 65536, formats=("e4m3-e4m3", "i8-i8", "f16-f16"), *, kv_heads: int = 8,

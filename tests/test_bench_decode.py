@@ -1,0 +1,309 @@
+"""The decode benchmark without a GPU: byte accounting, the sweep's grid and presets, the QK variants,
+the table cells and markdown, the timing of a mode (timers faked), and `qattn bench decode`'s options
+(the sweep faked). CPU only."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import qattn.cli
+from qattn.bench import decode as bench
+from qattn.bench.timing import Timing
+from qattn.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---- bytes ---------------------------------------------------------------------------------------
+
+def test_kv_bytes_counts_codes_scales_and_table():
+    # f16 K and V: 2 x 2 bytes per channel; 8 kv heads, 128 channels, 1000 tokens, pages of 32 (32 pages)
+    assert bench.kv_bytes("f16-f16", 1, 8, 1000, 128, 32, "token") == 8 * 1000 * 512 + 32 * 4
+    # e4m3 K, f16 V, token scales: 128 + 4 bytes for K, 256 for V
+    assert bench.kv_bytes("e4m3-f16", 2, 8, 64, 128, 32, "token") == 2 * 8 * 64 * (132 + 256) + 2 * 2 * 4
+    # head scales live outside the pages: codes only
+    assert bench.kv_bytes("i8-i8", 1, 4, 128, 64, 16, "head") == 4 * 128 * 128 + 8 * 4
+
+
+def test_point_fp16_bytes_and_label():
+    point = bench.Point(8, 32768)
+    assert point.fp16_kv_bytes == 8 * 32768 * 8 * 128 * 4 == 1 << 30
+    assert point.label == "8x32768 32/8 d128 p32"
+
+
+# ---- the grid --------------------------------------------------------------------------------------
+
+def test_contract_formats_are_the_four_controls_per_code():
+    assert bench.contract_formats() == ("f16-f16", "e4m3-f16", "f16-e4m3", "e4m3-e4m3", "i8-f16", "f16-i8", "i8-i8")
+    assert bench.contract_formats(("i8",)) == ("f16-f16", "i8-f16", "f16-i8", "i8-i8")
+
+
+def test_grid_is_every_combination():
+    points = bench.grid([(1, 1024), (8, 4096)], heads=32, kv_heads=(8, 4), head_dims=(64, 128), page_sizes=(32,))
+    assert len(points) == 8
+    assert points[0] == bench.Point(1, 1024, 32, 8, 64, 32) and points[-1] == bench.Point(8, 4096, 32, 4, 128, 32)
+
+
+def test_merge_runs_unions_modes_per_point_in_order():
+    a, b = bench.Point(1, 1024), bench.Point(8, 4096)
+    runs = bench.merge_runs([(a, ("cold",)), (b, ("warm",)), (a, ("warm",))])
+    assert runs == [bench.Run(a, ("warm", "cold")), bench.Run(b, ("warm",))]
+
+
+def test_within_cap_splits_by_fp16_bytes():
+    small, big = bench.Run(bench.Point(1, 1024), ("warm",)), bench.Run(bench.Point(256, 131072), ("warm",))
+    assert bench.within_cap([small, big], 1 << 30) == ([small], [big])
+    assert bench.within_cap([small, big], None) == ([small, big], [])
+
+
+def test_contract_preset():
+    runs = bench.preset_runs("contract")
+    kept, skipped = bench.within_cap(runs, bench.PRESET_MAX_KV_BYTES)
+    main_grid = [r for r in runs if r.modes == ("warm", "cold")]
+    assert len(main_grid) == 16 and {r.point.batch for r in main_grid} == {1, 8, 64, 256}
+    assert {r.point.ctx for r in main_grid} == {1024, 4096, 32768, 131072}
+    assert {(r.point.batch, r.point.ctx) for r in skipped} == {(64, 131072), (256, 32768), (256, 131072)}
+    side = [r.point for r in runs if r.modes == ("warm",)]
+    assert all((p.batch, p.ctx) == (8, 32768) for p in side)
+    assert {p.kv_heads for p in side} == {32, 8, 4}  # GQA 1, 4, 8 (GQA 4 at p32 d128 is the main grid's point)
+    assert {p.page_size for p in side} == {16, 32, 64, 128} and {p.head_dim for p in side} == {64, 128}
+    assert sum(p != bench.Point(8, 32768) for p in side) == len(side) == 6
+    assert len(kept) == 19 and len(set(r.point for r in runs)) == len(runs)
+
+
+def test_smoke_preset_is_small():
+    runs = bench.preset_runs("smoke")
+    assert all(r.point.fp16_kv_bytes <= 1 << 30 for r in runs)
+    assert any(r.modes == ("warm", "cold") for r in runs)
+
+
+# ---- QK variants -----------------------------------------------------------------------------------
+
+def test_qk_variants_auto_is_every_formats():
+    assert bench.qk_variants(["f16-f16", "e4m3-e4m3"], ["auto"], strict=False) == [("f16-f16", "auto"),
+                                                                                   ("e4m3-e4m3", "auto")]
+
+
+def test_qk_variants_skip_paths_a_format_lacks():
+    pairs = bench.qk_variants(["f16-f16", "e4m3-f16", "f16-i8", "i8-i8"], ["transform", "fp8", "int8"], strict=False)
+    assert pairs == [("f16-f16", "transform"), ("e4m3-f16", "transform"), ("e4m3-f16", "fp8"),
+                     ("f16-i8", "transform"), ("i8-i8", "transform"), ("i8-i8", "int8")]
+
+
+def test_qk_variants_strict_names_the_format():
+    with pytest.raises(ValueError, match="i8-i8 has no fp8 path"):
+        bench.qk_variants(["e4m3-e4m3", "i8-i8"], ["fp8"], strict=True)
+    with pytest.raises(ValueError, match="none of f16-f16"):
+        bench.qk_variants(["f16-f16"], ["fp8", "int8"], strict=False)
+
+
+def test_impl_name():
+    assert bench.impl_name("e4m3-e4m3", "auto") == "qattn:e4m3-e4m3"
+    assert bench.impl_name("e4m3-e4m3", "fp8") == "qattn:e4m3-e4m3/fp8"
+
+
+# ---- ratios, cells, markdown ---------------------------------------------------------------------------
+
+def test_bandwidth_fields_and_the_faster_peer():
+    rec = {"bytes": 2e9, "ms": 1.0, "vs_sdpa_flash": 0.8, "vs_sdpa_cudnn": 1.25}
+    fields = bench.bandwidth_fields(rec, copy_gbs=4000.0)
+    assert fields == {"gbs": pytest.approx(2000.0), "of_copy": pytest.approx(0.5), "vs_sdpa": 1.25}
+    assert bench.fastest_peer_ratio({"vs_sdpa_flash": 0.9}) == 0.9
+    assert bench.fastest_peer_ratio({"vs_sageattn": 2.0}) is None
+
+
+BASE = {"batch": 8, "ctx": 32768, "heads": 32, "kv_heads": 8, "head_dim": 128, "page_size": 32, "copy_gbs": 4200.0}
+
+
+def test_row_cells():
+    rec = dict(BASE, impl="qattn:e4m3-e4m3/fp8", l2="cold", ms=0.25, gbs=2300.4, of_copy=0.55, vs_sdpa=1.19,
+               rel_l2_vs_fp16=3.7e-2)
+    assert bench.row_cells(rec) == ["8x32768", "32/8", "128", "32", "cold", "qattn:e4m3-e4m3/fp8", "0.2500", "2300",
+                                    "0.55", "1.19", "3.70e-02"]
+    peer = dict(BASE, impl="sdpa_flash", l2="warm", ms=0.3, gbs=3600.0, of_copy=0.86, vs_sdpa=None)
+    assert bench.row_cells(peer)[-2:] == ["-", "-"]
+    error = dict(BASE, impl="qattn:i8-i8/int8", error="qk: not built | yet")
+    assert bench.row_cells(error) == ["8x32768", "32/8", "128", "32", "-", "qattn:i8-i8/int8", "qk: not built | yet",
+                                      "", "", "", ""]
+    assert len(bench.row_cells(rec)) == len(bench.COLUMNS)
+
+
+def test_markdown_table():
+    records = [dict(BASE, impl="sdpa_cudnn", l2="warm", ms=0.287, gbs=3736.0, of_copy=0.89),
+               dict(BASE, impl="qattn:e4m3-e4m3", l2="warm", ms=0.24, gbs=2299.0, of_copy=0.55, vs_sdpa=1.19),
+               dict(BASE, impl="qattn:i8-i8/int8", error="a | b")]
+    text = bench.markdown_table(records, date="2026-12-03", gpu="NVIDIA H200", command="qattn bench decode --preset x")
+    lines = text.splitlines()
+    assert lines[0] == "2026-12-03, NVIDIA H200, copy bandwidth 4200 GB/s, `qattn bench decode --preset x`"
+    assert lines[2] == "| " + " | ".join(bench.COLUMNS) + " |"
+    assert lines[3].count("|") == len(bench.COLUMNS) + 1 and "---:" in lines[3]
+    assert lines[5] == "| 8x32768 | 32/8 | 128 | 32 | warm | qattn:e4m3-e4m3 | 0.2400 | 2299 | 0.55 | 1.19 | - |"
+    assert "a \\| b" in lines[6] and len(re.split(r"(?<!\\)\|", lines[6])) == len(bench.COLUMNS) + 2  # one cell
+
+
+# ---- timing a mode (timers faked) ----------------------------------------------------------------------
+
+def test_time_mode_cold_flushes_and_keeps_records_apart(monkeypatch):
+    flushed, timed_fns = [], []
+
+    def fake_cold(fn, flush, **kwargs):
+        flush()
+        timed_fns.append(fn)
+        return Timing(0.5 if fn is peer_call else 0.25, 0.2, 5)
+
+    def peer_call():
+        pass
+
+    def qattn_call():
+        pass
+
+    monkeypatch.setattr(bench, "time_cuda_cold", fake_cold)
+    timed = [(dict(BASE, impl="sdpa_flash", bytes=int(1e9)), peer_call),
+             (dict(BASE, impl="qattn:e4m3-e4m3", bytes=int(5e8)), qattn_call)]
+    records = bench._time_mode(timed, "cold", 2, lambda: flushed.append(1), 4000.0)
+    assert len(flushed) == len(timed_fns) == 4  # every timed call after a flush, 2 rounds x 2 calls
+    assert [r["l2"] for r in records] == ["cold", "cold"]
+    assert "l2" not in timed[0][0]  # each mode's records are copies
+    peer, ours = records
+    assert ours["ms"] == 0.25 and ours["vs_sdpa_flash"] == 2.0 and ours["vs_sdpa"] == 2.0
+    assert ours["gbs"] == pytest.approx(2000.0) and peer["gbs"] == pytest.approx(2000.0)
+
+
+def test_time_mode_warm_uses_the_default_timer(monkeypatch):
+    seen = {}
+
+    def fake_interleaved(fns, rounds, timer=None):
+        seen["timer"] = timer
+        return [[1.0] * rounds for _ in fns]
+
+    monkeypatch.setattr(bench, "time_interleaved", fake_interleaved)
+    records = bench._time_mode([(dict(BASE, impl="qattn:f16-f16", bytes=int(1e9)), None)], "warm", 3, None, 4000.0)
+    assert seen["timer"] is None and records[0]["l2"] == "warm" and records[0]["vs_sdpa"] is None
+
+
+# ---- the command (sweep faked) -------------------------------------------------------------------------
+
+def run(*args):
+    return CliRunner().invoke(main, ["bench", "decode", *args], prog_name="qattn")
+
+
+@pytest.fixture
+def fake_sweep(monkeypatch):
+    """bench_sweep, bench_write and the GPU name replaced; returns what the sweep was called with."""
+    calls = {}
+
+    def sweep(runs, variants, **kwargs):
+        calls.update(kwargs, runs=runs, variants=variants)
+        records = []
+        for r in runs:
+            p = r.point
+            base = dict(batch=p.batch, ctx=p.ctx, heads=p.heads, kv_heads=p.kv_heads, head_dim=p.head_dim,
+                        page_size=p.page_size, copy_gbs=4000.0)
+            for mode in r.modes:
+                records.append(dict(base, impl="sdpa_flash", l2=mode, ms=0.5, gbs=3000.0, of_copy=0.75, vs_sdpa=None))
+                records += [dict(base, impl=bench.impl_name(f, qk), l2=mode, ms=0.25, gbs=2000.0, of_copy=0.5,
+                                 vs_sdpa=2.0, vs_sdpa_flash=2.0) for f, qk in variants]
+        return records
+
+    monkeypatch.setattr(qattn.cli, "device_arch", lambda: "sm_90a")
+    monkeypatch.setattr(bench, "bench_sweep", sweep)
+    monkeypatch.setattr(bench, "bench_write", lambda *a, **k: [])
+    monkeypatch.setattr(bench, "gpu_name", lambda: "NVIDIA H200")
+    return calls
+
+
+def assert_usage_error(result, option):
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    assert option in result.output, result.output
+
+
+def test_defaults_are_the_old_shapes_and_formats(fake_sweep):
+    result = run("--write-tokens", "0")
+    assert result.exit_code == 0, result.output
+    assert [(r.point.batch, r.point.ctx) for r in fake_sweep["runs"]] == list(bench.DEFAULT_SHAPES)
+    assert all(r.modes == ("warm",) and r.point.kv_heads == 8 and r.point.heads == 32 for r in fake_sweep["runs"])
+    assert fake_sweep["variants"] == [(f, "auto") for f in bench.DEFAULT_FORMATS]
+    assert fake_sweep["tiles"] is None and fake_sweep["rounds"] == 3
+
+
+def test_grid_options(fake_sweep):
+    result = run("--batch", "1,8", "--ctx", "1K", "--ctx", "32k", "--shape", "2x100", "--gqa", "1", "--gqa", "8",
+                 "--kv-heads", "8", "-d", "64", "-d", "128", "--page-size", "16", "--cold", "--write-tokens", "0")
+    assert result.exit_code == 0, result.output
+    points = [r.point for r in fake_sweep["runs"]]
+    assert {(p.batch, p.ctx) for p in points} == {(2, 100), (1, 1024), (1, 32768), (8, 1024), (8, 32768)}
+    assert {p.kv_heads for p in points} == {8, 32, 4} and {p.head_dim for p in points} == {64, 128}
+    assert len(points) == 5 * 3 * 2 and all(r.modes == ("cold",) for r in fake_sweep["runs"])
+    assert "│ cold" in result.output
+
+
+def test_qk_lists_skip_formats_without_the_path(fake_sweep):
+    result = run("-f", "f16-f16", "-f", "e4m3-e4m3", "--qk", "transform", "--qk", "fp8", "--write-tokens", "0")
+    assert result.exit_code == 0, result.output
+    assert fake_sweep["variants"] == [("f16-f16", "transform"), ("e4m3-e4m3", "transform"), ("e4m3-e4m3", "fp8")]
+    assert "qattn:e4m3-e4m3/fp8" in result.output
+
+
+def test_one_qk_path_a_named_format_lacks_is_an_error(fake_sweep):
+    assert_usage_error(run("-f", "i8-i8", "--qk", "fp8"), "--qk")
+    assert "i8-i8 has no fp8 path" in run("-f", "i8-i8", "--qk", "fp8").output
+    result = run("--qk", "fp8", "--write-tokens", "0")  # the default formats: those with the path
+    assert result.exit_code == 0, result.output
+    assert fake_sweep["variants"] == [("e4m3-e4m3", "fp8"), ("e4m3-f16", "fp8")]
+
+
+def test_preset_contract(fake_sweep, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["qattn", "bench", "decode", "--preset", "contract"])
+    out = tmp_path / "decode.json"
+    result = run("--preset", "contract", "--write-tokens", "0", "--json", str(out), "--markdown")
+    assert result.exit_code == 0, result.output
+    assert len(fake_sweep["runs"]) == 19 and "skipped over --max-kv-gib 8: 64x131072" in result.output
+    assert {f for f, _ in fake_sweep["variants"]} == set(bench.contract_formats())
+    assert len(fake_sweep["variants"]) == 11  # 7 transform, 2 fp8, 2 int8
+    data = json.loads(out.read_text())
+    assert data["meta"]["gpu"] == "NVIDIA H200" and data["meta"]["command"].endswith("--preset contract")
+    assert {r["l2"] for r in data["decode"]} == {"warm", "cold"} and data["write"] == []
+    command = "`qattn bench decode --preset contract`"
+    header = next(line for line in result.output.splitlines() if line.endswith(command))
+    assert "NVIDIA H200, copy bandwidth 4000 GB/s" in header
+    assert "| 1x1024 | 32/8 | 128 | 32 | cold | qattn:e4m3-e4m3/fp8 | 0.2500 |" in result.output
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--preset", "smoke", "--shape", "1x1024"], "--preset"),
+    (["--preset", "smoke", "--cold"], "--preset"),
+    (["--batch", "8"], "--batch"),
+    (["--ctx", "0"], "--ctx"),
+    (["--ctx", "4Q"], "--ctx"),
+    (["--heads", "32", "--gqa", "3"], "--gqa"),
+    (["--heads", "32", "--kv-heads", "5"], "--heads"),
+    (["--shape", "8x0"], "--shape"),
+    (["--qk", "fp4"], "--qk"),
+    (["--stages", "9"], "--stages"),
+    (["--max-kv-gib", "0"], "--max-kv-gib"),
+])
+def test_usage_errors_name_the_option(fake_sweep, args, option):
+    assert_usage_error(run(*args), option)
+
+
+def test_cap_that_skips_everything_is_an_error(fake_sweep):
+    assert_usage_error(run("--shape", "64x131072", "--max-kv-gib", "1"), "--max-kv-gib")
+
+
+def test_needs_a_gpu(monkeypatch):
+    monkeypatch.setattr(qattn.cli, "device_arch", lambda: None)
+    result = run("--shape", "1x1024")
+    assert result.exit_code == 1 and "no CUDA GPU" in result.output
+
+
+def test_tool_is_the_same_command():
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_decode.py"), "--ctx", "0"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "--ctx" in result.stderr and "tools/bench_decode.py" in result.stderr
