@@ -97,13 +97,14 @@ def bias(*, batch=1, heads=1, kv_heads=None, queries=128, ctx=1024, head_dim=128
     norm is ``ratio`` (default 30) times the typical norm of the token-varying part. The bias
     moves every score of a row by the same q·b, so softmax ignores it, but it eats the
     operand's dynamic range: fp16/int8 K lose precision on the part that matters. Q and V are
-    N(0, 1)."""
+    N(0, 1). The bias is a model's: the same for every sequence of the batch, also returned as
+    k_bias [kv_heads, head_dim] (what a pre-bias residual K cache is given)."""
     q_shape, kv_shape = _shapes(batch, heads, kv_heads, queries, ctx, head_dim)
     rng = np.random.default_rng(seed)
     q, k, v = _normal(rng, q_shape), _normal(rng, kv_shape), _normal(rng, kv_shape)
-    b = _normal(rng, kv_shape[:2] + (1, head_dim))
+    b = _normal(rng, (1, kv_shape[1], 1, head_dim))
     b *= np.float32(ratio * math.sqrt(head_dim)) / np.linalg.norm(b, axis=-1, keepdims=True)
-    return dict(q=q, k=k + b, v=v)
+    return dict(q=q, k=k + b, v=v, k_bias=np.ascontiguousarray(b[0, :, 0]))
 
 
 def _rotate(x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
@@ -182,7 +183,8 @@ PRESETS: dict[str, Callable[..., dict]] = {
 
 def preset(name: str, *, ctx: int, queries: int = 128, batch: int = 1, heads: int = 1, kv_heads: int | None = None,
            head_dim: int = 128, seed: int = 0) -> dict:
-    """Generate the named preset: dict(q, k, v) of float32 BHSD arrays (see each generator)."""
+    """Generate the named preset: dict(q, k, v) of float32 BHSD arrays (see each generator; bias
+    also gives its k_bias)."""
     if name not in PRESETS:
         raise ValueError(f"preset: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
     return PRESETS[name](batch=batch, heads=heads, kv_heads=kv_heads, queries=queries, ctx=ctx, head_dim=head_dim,

@@ -10,6 +10,11 @@ vLLM's slot mapping; negative slots are padding) in one kernel launch::
     cache = qattn.PagedKVCache(num_pages=1024, page_size=32, kv_heads=8, head_dim=128, k="e4m3", v="e4m3")
     cache.write(k_new, v_new, slots)          # [T, 8, 128] fp16, slots [T] int32 or int64
     out = qattn.decode(q, cache, block_table, seq_lens)
+
+A pre-bias residual K (``k_bias=b``, [kv_heads, head_dim], kept exact in fp32): the writer stores
+K − b (so a large K-projection bias no longer sets the 8-bit scale and rounds the token-varying part
+away) and the decode kernel adds q·b back to every score of the row, so the scores are those of the
+stored residual plus b exactly. For K without RoPE (or biases added after it); see DESIGN §2.
 """
 from __future__ import annotations
 
@@ -36,7 +41,8 @@ class PagedKVCache:
     "f16", "bf16", "e4m3", "i8" (a 16-bit side is the queries' type; both 16-bit sides alike)."""
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, *, k: str = "f16",
-                 v: str = "f16", scale: str = "token", k_scale=None, v_scale=None, device: int | None = None):
+                 v: str = "f16", scale: str = "token", k_scale=None, v_scale=None, k_bias=None,
+                 device: int | None = None):
         import cupy
 
         self.num_pages = _positive(num_pages, "num_pages")
@@ -68,6 +74,7 @@ class PagedKVCache:
                                       self.page_size * (2 if v in HALF else 1)), dtype=cupy.uint8)
             self.k_scale = self._scale_buffer(k, k_scale, "k_scale")
             self.v_scale = self._scale_buffer(v, v_scale, "v_scale")
+            self.k_bias = self._bias_buffer(k_bias)
         # head scales left to the first write (token scales are the writer's, per token)
         self._calibrated = {name: scale != "head" or given is not None or side in HALF
                             for name, side, given in (("k", k, k_scale), ("v", v, v_scale))}
@@ -88,6 +95,17 @@ class PagedKVCache:
         if scale.shape != (self.kv_heads,) or not bool(cupy.all(cupy.isfinite(scale) & (scale > 0))):
             raise ValueError(f"{name}: expected one positive finite scale per kv head ({self.kv_heads}), got {given!r}")
         return scale
+
+    def _bias_buffer(self, given):
+        import cupy
+
+        if given is None:
+            return None
+        bias = cupy.asarray(given, dtype=cupy.float32)
+        if bias.shape != (self.kv_heads, self.head_dim) or not bool(cupy.all(cupy.isfinite(bias))):
+            raise ValueError(f"k_bias: expected finite values [kv_heads, head_dim] = [{self.kv_heads}, "
+                             f"{self.head_dim}], got shape {tuple(bias.shape)}")
+        return cupy.ascontiguousarray(bias)
 
     # ---- the kernel module -----------------------------------------------------------------------
     def spec(self, arch: str | None = None, tile=None, qk: str = "auto"):
@@ -150,7 +168,8 @@ class PagedKVCache:
             self._launches[key] = launch
         pointers = {"k": k.data.ptr, "v": v.data.ptr, "slots": slots.data.ptr, "kp": self.k_pool.data.ptr,
                     "vp": self.v_pool.data.ptr, "ks": 0 if self.k_scale is None else self.k_scale.data.ptr,
-                    "vs": 0 if self.v_scale is None else self.v_scale.data.ptr}
+                    "vs": 0 if self.v_scale is None else self.v_scale.data.ptr,
+                    "kb": 0 if self.k_bias is None else self.k_bias.data.ptr}
         launch(pointers, launch_stream(stream, example))
 
     def _write_launch(self, k, v, slots, tokens: int) -> PackedLaunch:
@@ -159,20 +178,24 @@ class PagedKVCache:
         head = self.scale == "head"
         args = (Pointer("k"), Pointer("v"), Pointer("slots"), Pointer("kp"), Pointer("vp"),
                 Pointer("ks") if not head else Pointer(None), Pointer("vs") if not head else Pointer(None),
-                Pointer("ks") if head else Pointer(None), Pointer("vs") if head else Pointer(None),
+                Pointer("ks") if head else Pointer(None), Pointer("vs") if head else Pointer(None), Pointer("kb"),
                 np.int64(k.strides[0] // 2), np.int64(k.strides[1] // 2), np.int64(v.strides[0] // 2),
                 np.int64(v.strides[1] // 2), np.int32(tokens), np.int32(self.kv_heads))
         return PackedLaunch(kernel.function(suffix), (-(-tokens // WRITE_TOKENS), self.kv_heads, 1), 32 * WRITE_WARPS, 0,
                             args)
 
     def _calibrate(self, k, v) -> None:
-        """Head scales not given: max|x| / QMAX over the first write's tokens and channels."""
+        """Head scales not given: max|x| / QMAX over the first write's tokens and channels (of K - b
+        with a bias: what is stored)."""
         import cupy
 
         for name, x, side in (("k", k, self.k_dtype), ("v", v, self.v_dtype)):
             if self._calibrated[name]:
                 continue
-            absmax = cupy.abs(x.astype(cupy.float32)).max(axis=(0, 2))
+            x = x.astype(cupy.float32)
+            if name == "k" and self.k_bias is not None:
+                x = x - self.k_bias[None]
+            absmax = cupy.abs(x).max(axis=(0, 2))
             scale = (absmax / np.float32(QMAX[side])).astype(cupy.float32)
             getattr(self, f"{name}_scale")[...] = cupy.where(scale > 0, scale, cupy.float32(1))
             self._calibrated[name] = True
@@ -201,4 +224,5 @@ class PagedKVCache:
             return None if buffer is None else cupy.asnumpy(buffer)
 
         return HostPagedCache(self.format, self.page_size, values(self.k_pool, self.k_dtype, False),
-                              values(self.v_pool, self.v_dtype, True), scales(self.k_scale), scales(self.v_scale))
+                              values(self.v_pool, self.v_dtype, True), scales(self.k_scale), scales(self.v_scale),
+                              scales(self.k_bias))

@@ -19,7 +19,8 @@ from .recipes import resolve_qk, sides, tolerance
 
 
 def _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, preset, seed):
-    """q [B, Hq, Lq, D] and the tokens k, v [B, L, Hkv, D] in the format's query type."""
+    """q [B, Hq, Lq, D] and the tokens k, v [B, L, Hkv, D] in the format's query type, and the K
+    bias of the data ([Hkv, D] fp32: the preset's own, else K's channel mean over every token)."""
     dtype = numpy_dtype(recipe(fmt, "decode").input_dtypes[0])
     if preset is None:
         rng = np.random.default_rng(seed)
@@ -31,14 +32,17 @@ def _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, preset, seed):
         x = data.preset(preset, ctx=ctx, queries=queries, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                         batch=batch, seed=seed)
         q, k, v = x["q"], x["k"].transpose(0, 2, 1, 3), x["v"].transpose(0, 2, 1, 3)
-    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+        if "k_bias" in x:
+            return q.astype(dtype), k.astype(dtype), v.astype(dtype), x["k_bias"].astype(np.float32)
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), k.astype(np.float32).mean(axis=(0, 1))
 
 
 def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, heads: int = 8, kv_heads: int = 8,
           head_dim: int = 128, page_size: int = 32, scale: str = "token", preset: str | None = None, seed: int = 0,
-          time_it: bool = True, qk: str = "auto", arch: str | None = None) -> dict:
+          time_it: bool = True, qk: str = "auto", arch: str | None = None, k_bias: bool = False) -> dict:
     """One record (JSON-ready apart from non-finite floats) for fmt at ctx cached tokens per sequence,
-    the last `queries` of them new (bottom-right causal among them)."""
+    the last `queries` of them new (bottom-right causal among them). k_bias: a pre-bias residual K
+    cache, given the data's K bias (see _inputs)."""
     if queries > ctx:
         raise ValueError(f"shape: {queries} new tokens need at least as many cached ones, got ctx {ctx}")
     if backend == "cuda" and arch is None:
@@ -46,7 +50,8 @@ def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, hea
 
         arch = device_arch()
     qk = resolve_qk(fmt, arch or "sm_90a", qk)
-    q, k, v = _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, preset, seed)
+    q, k, v, bias = _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, preset, seed)
+    bias = bias if k_bias else None
     pages_per_seq = -(-ctx // page_size)
     rng = np.random.default_rng([seed, 1])
     table = rng.permutation(batch * pages_per_seq).reshape(batch, pages_per_seq).astype(np.int32)
@@ -57,9 +62,9 @@ def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, hea
     ms, kernel = None, None
     if backend == "cuda":
         out, ms, kernel, host = _run_cuda(fmt, q, flat_k, flat_v, slots.reshape(-1), table, lens, page_size, scale,
-                                          time_it, qk)
+                                          time_it, qk, bias)
     else:
-        host = HostPagedCache.empty(fmt, batch * pages_per_seq, page_size, kv_heads, head_dim, scale)
+        host = HostPagedCache.empty(fmt, batch * pages_per_seq, page_size, kv_heads, head_dim, scale, k_bias=bias)
         host.write(flat_k, flat_v, slots.reshape(-1), scale=scale)
         out = emulate.emulate(q, host, table, lens, qk=qk)
     ref = emulate.reference(q, host, table, lens)
@@ -73,7 +78,7 @@ def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, hea
     return {
         "kind": "decode", "format": fmt, "ctx": ctx, "queries": queries, "batch": batch, "heads": heads,
         "kv_heads": kv_heads, "head_dim": head_dim, "page_size": page_size, "scale": scale,
-        "data": preset or "normal", "backend": backend, "kernel": kernel, "qk": qk,
+        "data": preset or "normal", "backend": backend, "kernel": kernel, "qk": qk, "k_bias": bias is not None,
         "input_dtype": recipe(fmt, "decode").input_dtypes[0], "seed": seed,
         "max_rel": err.max_rel, "rel_l2": err.rel_l2, "cos": err.cos, "nonfinite": err.nonfinite,
         "worst_index": list(err.worst_index), "failures": metrics.failures(out32, ref, tol.max_rel),
@@ -84,7 +89,7 @@ def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, hea
     }
 
 
-def _run_cuda(fmt, q, k, v, slots, table, lens, page_size, scale, time_it, qk):
+def _run_cuda(fmt, q, k, v, slots, table, lens, page_size, scale, time_it, qk, bias):
     import cupy
 
     from ...bench.timing import time_cuda
@@ -92,7 +97,8 @@ def _run_cuda(fmt, q, k, v, slots, table, lens, page_size, scale, time_it, qk):
     from .host import decode
 
     k_side, v_side = sides(fmt)
-    cache = PagedKVCache(int(table.size), page_size, k.shape[1], k.shape[2], k=k_side, v=v_side, scale=scale)
+    cache = PagedKVCache(int(table.size), page_size, k.shape[1], k.shape[2], k=k_side, v=v_side, scale=scale,
+                         k_bias=bias)
     cache.write(cupy.asarray(k), cupy.asarray(v), cupy.asarray(slots))
     qd, td, ld = cupy.asarray(q), cupy.asarray(table), cupy.asarray(lens)
     out = cupy.full(q.shape, math.nan, dtype=qd.dtype)  # any element left unwritten stays NaN

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ...check.quant import E4M3, E4M3_MAX, INT8_MAX, to_e4m3
+from ...engine.arrays import numpy_dtype
 
 QMAX = {"e4m3": E4M3_MAX, "i8": float(INT8_MAX)}
 CODE_DTYPES = {"e4m3": E4M3, "i8": np.int8}
@@ -66,7 +67,8 @@ class HostPagedCache:
     """A paged K-V cache on the host in natural layout: k, v [pages, kv heads, page_size, D] float32
     holding each token's stored values (8-bit codes as their exact values, or the 16-bit values);
     k_scale, v_scale [pages, kv heads, page_size] (token scales), [kv heads] (head scales) or None (a
-    16-bit side). A token's value is stored value x scale."""
+    16-bit side); k_bias [kv heads, D] fp32 or None (a pre-bias residual K stores K - b). A token's
+    value is stored value x scale (+ k_bias for K)."""
 
     fmt: str
     page_size: int
@@ -74,10 +76,11 @@ class HostPagedCache:
     v: np.ndarray
     k_scale: np.ndarray | None
     v_scale: np.ndarray | None
+    k_bias: np.ndarray | None = None
 
     @classmethod
     def empty(cls, fmt: str, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
-              scale: str = "token", k_scale=None, v_scale=None) -> "HostPagedCache":
+              scale: str = "token", k_scale=None, v_scale=None, k_bias=None) -> "HostPagedCache":
         sides = fmt.split("-")
         shape = (num_pages, kv_heads, page_size, head_dim)
 
@@ -89,7 +92,8 @@ class HostPagedCache:
             return np.zeros(shape[:3], np.float32)
 
         return cls(fmt, page_size, np.zeros(shape, np.float32), np.zeros(shape, np.float32),
-                   side_scale(sides[0], k_scale), side_scale(sides[1], v_scale))
+                   side_scale(sides[0], k_scale), side_scale(sides[1], v_scale),
+                   None if k_bias is None else np.asarray(k_bias, np.float32).reshape(kv_heads, head_dim))
 
     def write(self, k: np.ndarray, v: np.ndarray, slots: np.ndarray, *, scale: str = "token") -> None:
         """Store new tokens k, v [T, kv heads, D] at slots [T] (page * page_size + offset; negative:
@@ -99,9 +103,12 @@ class HostPagedCache:
         pages, offsets = slots[keep] // self.page_size, slots[keep] % self.page_size
         for name, x, code in (("k", k, self.fmt.split("-")[0]), ("v", v, self.fmt.split("-")[1])):
             x = np.asarray(x, np.float32)[keep]
+            if name == "k" and self.k_bias is not None:
+                x = (x - self.k_bias[None]).astype(np.float32)
             store = getattr(self, name)
-            if code not in QMAX:
-                store[pages, :, offsets] = x
+            if code not in QMAX:  # rounded to the 16-bit type, as the writer stores it
+                half = np.dtype(np.float16) if code == "f16" else numpy_dtype("bfloat16")
+                store[pages, :, offsets] = x.astype(half).astype(np.float32)
                 continue
             if scale == "head":
                 if getattr(self, f"{name}_scale") is None:
@@ -125,10 +132,13 @@ class HostPagedCache:
         return values, scale
 
     def dequantize(self, name: str, table_row: np.ndarray, length: int) -> np.ndarray:
-        """One sequence's side as float64 [kv heads, length, D]: stored value x scale, exactly."""
+        """One sequence's side as float64 [kv heads, length, D]: stored value x scale (+ the K bias),
+        exactly."""
         values, scale = self.gather(name, table_row, length)
         values = values.astype(np.float64)
-        if scale is None:
-            return values
-        scale = np.asarray(scale, np.float64)
-        return values * (scale[:, :, None] if scale.ndim == 2 else scale[:, None, None])
+        if scale is not None:
+            scale = np.asarray(scale, np.float64)
+            values = values * (scale[:, :, None] if scale.ndim == 2 else scale[:, None, None])
+        if name == "k" and self.k_bias is not None:
+            values = values + self.k_bias[:, None, :].astype(np.float64)
+        return values

@@ -48,18 +48,17 @@ def qk_paths(fmt: str) -> tuple[str, ...]:
     return ("transform",) + tuple(path for path, code in QK_CODE.items() if code == k)
 
 
-# qk="auto" per arch and K code, from the H200 sweep (docs/notes/decode.md); an arch not listed takes
-# the 8-bit MMA where it is native (sm_89, sm_120: mma.sync e4m3 and s8).
-AUTO_QK = {"sm_90a": {"e4m3": "fp8", "i8": "int8"}}
+# qk="auto" per arch and format, from the H200 measurements (docs/notes/decode.md): the 8-bit MMA path
+# where it was faster at every contract shape; elsewhere, and on archs not measured, the transform
+# path (it adds no rounding of Q).
+AUTO_QK = {"sm_90a": {"i8-i8": "int8"}}
 
 
-def resolve_qk(fmt: str, arch: str, qk: str = "auto") -> str:
+def resolve_qk(fmt: str, arch: str | None, qk: str = "auto") -> str:
     """The QK path a call runs: qk itself when the format has it, or the pick for "auto"."""
     paths = qk_paths(fmt)
     if qk == "auto":
-        k = sides(fmt)[0]
-        native = {"e4m3": "fp8", "i8": "int8"}.get(k, "transform")
-        return AUTO_QK.get(arch, {}).get(k, native)
+        return AUTO_QK.get(arch, {}).get(fmt, "transform")
     if qk not in paths:
         raise ValueError(f"qk: {fmt} takes 'auto' or one of {', '.join(paths)}, got {qk!r}")
     return qk
