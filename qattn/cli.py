@@ -152,18 +152,37 @@ def decode_options(kind: str, page_size: int | None, scale: str | None, qk: str 
             raise click.BadParameter(f"{kind} kernels take no {', '.join(given)}; they are decode options",
                                      param_hint=" / ".join(f"'{name}'" for name in given))
         return {}
-    if qk not in (None, "auto", "transform"):
-        raise click.BadParameter(f"{qk!r}: the decode kernels build the transform path (K8 converted on chip); "
-                                 "the 8-bit-MMA paths fp8 and int8 are not built yet", param_hint="'--qk'")
-    options = {"page_size": page_size, "scale_mode": scale}
+    options = {"page_size": page_size, "scale_mode": scale, "qk": qk or "auto"}
     return {name: value for name, value in options.items() if value is not None}
+
+
+def _resolve_qk(fmt: str, backend: str, arch: str, options: dict) -> dict:
+    """A decode spec's options with --qk resolved for its backend and arch ("auto": the path a call
+    runs there); a format without QK paths (16-bit K) takes auto or transform and no option."""
+    from .formats.decode.recipes import resolve_qk
+
+    rest = {name: value for name, value in options.items() if name != "qk"}
+    qk = options.get("qk", "auto")
+    paths = recipe(fmt, "decode").family(backend).options.get("qk")
+    if paths is None:
+        if qk not in ("auto", "transform"):
+            raise click.BadParameter(f"{fmt} on {backend} has only the transform path, got {qk!r}", param_hint="'--qk'")
+        return rest
+    try:
+        path = resolve_qk(fmt, arch, qk) if backend == "cuda" else (paths[0] if qk == "auto" else qk)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc).removeprefix("qk: "), param_hint="'--qk'") from None
+    return {**rest, "qk": path}
 
 
 def make_spec(kind: str, fmt: str | None, head_dim: int, tile: str | None, warps: int | None, stages: int | None,
               causal: bool, backend: str, arch: str, mma: str | None = None, options: dict | None = None) -> KernelSpec:
     """A validated KernelSpec from command-line values. Without --tile the family's tuned tile is
     used; --warps and --stages override its warps and stages."""
-    spec = KernelSpec(kind=kind, recipe=fmt or DEFAULT_FORMAT[kind], head_dim=head_dim, causal=causal,
+    fmt = fmt or DEFAULT_FORMAT[kind]
+    if kind == "decode":
+        options = _resolve_qk(fmt, backend, arch, options or {})
+    spec = KernelSpec(kind=kind, recipe=fmt, head_dim=head_dim, causal=causal,
                       backend=backend, arch=arch, mma=mma, options=options or {})
     given = [name for name, value in (("--tile", tile), ("--warps", warps), ("--stages", stages)) if value is not None]
     if not given:
@@ -199,7 +218,9 @@ def spec_options(repeatable: bool = False):
         click.option("--page-size", type=int, help="decode: tokens per cache page (default 32)"),
         click.option("--scale", type=click.Choice(("token", "head")),
                      help="decode: scales of an 8-bit cache side, per token or per kv head (default token)"),
-        click.option("--qk", metavar="PATH", help="decode: the K8 path, transform (the one built; default)"),
+        click.option("--qk", type=click.Choice(("auto", "transform", "fp8", "int8")),
+                     help="decode: the QK path over an 8-bit K: transform (codes converted on chip), fp8 / int8 "
+                          "(Q quantized, 8-bit MMA), or auto (the arch's pick; default)"),
         click.option("--arch", "arch", multiple=repeatable, metavar="ARCH",
                      help=f"target, e.g. sm_90a or gfx942 (default: the current GPU's, else "
                           f"{FALLBACK_ARCH['cuda']} / {FALLBACK_ARCH['hip']}){many}"),
@@ -562,9 +583,15 @@ def write_json(path: Path, records) -> None:
 @click.option("--scale", type=click.Choice(("token", "head")), help="decode: scales of 8-bit sides [default: token]")
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), help="decode: K/V from a qattn.data preset "
                                                                   "[default: N(0,1)]")
+@click.option("--qk", "qk_paths", multiple=True, type=click.Choice(("auto", "transform", "fp8", "int8")),
+              help="decode: QK paths over an 8-bit K, each checked on the formats that have it; repeatable "
+                   "[default: auto]")
+@click.option("--k-bias/--no-k-bias", "k_bias", default=None,
+              help="decode: a pre-bias residual K cache (K - b stored, q·b added back), given the preset's K "
+                   "bias (bias) or K's channel mean [default: off]")
 @user_errors
 def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, json_path, seed, time_it, kind, page_size,
-           scale, preset):
+           scale, preset, qk_paths, k_bias):
     """Check formats against FP64 on fresh random inputs and time their kernels; exit 1 if any
     check fails its format's tolerance. With --kind decode, each format's paged decode against FP64
     on the dequantized cache (its tolerance) and on the original K/V (format_rel_l2: the format's cost)."""
@@ -577,25 +604,32 @@ def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, j
         if causal:
             raise click.BadParameter("decode rows are always bottom-right causal among the new tokens",
                                      param_hint="'--causal'")
-        options = {"page_size": int(page_size or 32), "scale": scale or "token", "preset": preset}
-    elif page_size or scale or preset:
-        raise click.BadParameter("--page-size, --scale and --preset are decode options", param_hint="'--kind'")
+        options = {"page_size": int(page_size or 32), "scale": scale or "token", "preset": preset,
+                   "k_bias": bool(k_bias)}
+    elif page_size or scale or preset or qk_paths or k_bias is not None:
+        raise click.BadParameter("--page-size, --scale, --preset, --qk and --k-bias are decode options",
+                                 param_hint="'--kind'")
+    runs = _qk_runs(formats, qk_paths) if kind == "decode" else [(formats, {})]
     gpu = device_arch() is not None
-    checks = job.plan(formats, shapes, backend=backend, head_dim=head_dim, causal=causal, gpu=gpu, kind=kind)
+    checks = [c for fmts, _ in runs
+              for c in job.plan(fmts, shapes, backend=backend, head_dim=head_dim, causal=causal, gpu=gpu, kind=kind)]
     if backend == "auto":
         if not gpu:
             _note("no CUDA GPU found: running the CPU emulators (backend numpy); nothing is timed")
         elif emulated := sorted({fmt for fmt, ran, *_ in checks if ran == "numpy"}):
             _note(f"no CUDA kernel for {', '.join(emulated)}: running the CPU emulator there; not timed")
     with _Progress("parity", len(checks)) as progress:
-        records = job.run_parity(formats, shapes, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                                 causal=causal, backend=backend, seed=seed, time_it=time_it, kind=kind,
-                                 progress=lambda r: progress.done(f"{r['format']} {r['ctx']}/{r['queries']} "
-                                                                  f"{r['backend']}: {_verdict(r)}"), **options)
+        records = [r for fmts, path in runs
+                   for r in job.run_parity(fmts, shapes, batch=batch, heads=heads, kv_heads=kv_heads,
+                                           head_dim=head_dim, causal=causal, backend=backend, seed=seed,
+                                           time_it=time_it, kind=kind,
+                                           progress=lambda r: progress.done(f"{r['format']} {r['ctx']}/{r['queries']} "
+                                                                            f"{r['backend']}: {_verdict(r)}"),
+                                           **options, **path)]
     kv = heads if kv_heads is None else kv_heads
     if kind == "decode":
         title = (f"decode parity vs FP64: batch {batch}, heads {heads}/{kv}, D {head_dim}, page {options['page_size']}, "
-                 f"{options['scale']} scales, {preset or 'N(0,1)'} K/V")
+                 f"{options['scale']} scales, {preset or 'N(0,1)'} K/V{', pre-bias residual K' if k_bias else ''}")
         speed = ("GB/s", "gbs", ".0f")
         extra = ("format rel_l2",)
     else:
@@ -609,7 +643,8 @@ def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, j
         tol = r["tolerance"]
         verdict = _verdict(r)
         cells = [_fmt(r["format_rel_l2"], ".2e")] if extra else []
-        table.add_row(r["format"], f"{r['ctx']}/{r['queries']}", r["backend"], _fmt(r["max_rel"], ".2e"),
+        table.add_row(r["format"] + (f" ({r['qk']})" if r.get("qk", "transform") != "transform" else ""),
+                      f"{r['ctx']}/{r['queries']}", r["backend"], _fmt(r["max_rel"], ".2e"),
                       _fmt(r["rel_l2"], ".2e"), *cells, str(r["failures"]), _fmt(r["ms"], ".3f"),
                       _fmt(r[speed[1]], speed[2]), f"{tol['max_rel']:g} / {tol['rel_l2']:g}",
                       verdict if r["passed"] else f"[red]{verdict}[/red]")
@@ -620,6 +655,24 @@ def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, j
     if bad:
         click.echo(f"{len(bad)} of {len(records)} checks failed their format's tolerance", err=True)
         sys.exit(1)
+
+
+def _qk_runs(formats, qk_paths) -> list[tuple[tuple, dict]]:
+    """(formats, options) per QK path: a path other than auto or transform runs on the given formats
+    that have it (all decode formats that have it when none are given); a format given without it is
+    an error."""
+    from .formats.decode.recipes import FORMATS, qk_paths as paths_of
+
+    runs = []
+    for path in qk_paths or ("auto",):
+        if path in ("auto", "transform"):
+            runs.append((formats, {"qk": path}))
+            continue
+        lacking = [fmt for fmt in formats if path not in paths_of(fmt)]
+        if lacking:
+            raise click.BadParameter(f"{', '.join(lacking)} has no {path} path", param_hint="'--qk'")
+        runs.append((tuple(formats) or tuple(f for f in FORMATS if path in paths_of(f)), {"qk": path}))
+    return runs
 
 
 # ---- bench -------------------------------------------------------------------------------------
