@@ -833,7 +833,7 @@ def _command_line() -> str:
     """This command as typed (the program name as click knows it), for the markdown header."""
     import shlex
 
-    return shlex.join([click.get_current_context().find_root().info_name, *sys.argv[1:]])
+    return " ".join([click.get_current_context().find_root().info_name, *map(shlex.quote, sys.argv[1:])])
 
 
 @bench.command("decode")

@@ -1,5 +1,5 @@
 """The decode benchmark without a GPU: byte accounting, the sweep's grid and presets, the QK variants,
-the table cells and markdown, the timing of a mode (timers faked), and `qattn bench decode`'s options
+the table cells and markdown, the timing of a mode (the GPU parts faked), and `qattn bench decode`'s options
 (the sweep faked). CPU only."""
 from __future__ import annotations
 
@@ -149,11 +149,11 @@ def test_markdown_table():
 
 # ---- timing a mode (timers faked) ----------------------------------------------------------------------
 
-def test_time_mode_cold_flushes_and_keeps_records_apart(monkeypatch):
-    flushed, timed_fns = [], []
+def test_time_mode_runs_the_prelude_ahead_of_every_timed_call(monkeypatch):
+    preludes, timed_fns = [], []
 
-    def fake_cold(fn, flush, **kwargs):
-        flush()
+    def fake_after(fn, before, **kwargs):
+        before()
         timed_fns.append(fn)
         return Timing(0.5 if fn is peer_call else 0.25, 0.2, 5)
 
@@ -163,28 +163,28 @@ def test_time_mode_cold_flushes_and_keeps_records_apart(monkeypatch):
     def qattn_call():
         pass
 
-    monkeypatch.setattr(bench, "time_cuda_cold", fake_cold)
+    monkeypatch.setattr(bench, "time_cuda_after", fake_after)
     timed = [(dict(BASE, impl="sdpa_flash", bytes=int(1e9)), peer_call),
              (dict(BASE, impl="qattn:e4m3-e4m3", bytes=int(5e8)), qattn_call)]
-    records = bench._time_mode(timed, "cold", 2, lambda: flushed.append(1), 4000.0)
-    assert len(flushed) == len(timed_fns) == 4  # every timed call after a flush, 2 rounds x 2 calls
+    records = bench._time_mode(timed, "cold", 2, lambda: preludes.append(1), 4000.0)
+    assert len(preludes) == len(timed_fns) == 4  # 2 rounds x 2 calls, each after the prelude
+    assert timed_fns == [peer_call, qattn_call, qattn_call, peer_call]  # odd rounds in reverse
     assert [r["l2"] for r in records] == ["cold", "cold"]
     assert "l2" not in timed[0][0]  # each mode's records are copies
     peer, ours = records
     assert ours["ms"] == 0.25 and ours["vs_sdpa_flash"] == 2.0 and ours["vs_sdpa"] == 2.0
-    assert ours["gbs"] == pytest.approx(2000.0) and peer["gbs"] == pytest.approx(2000.0)
+    assert ours["gbs"] == pytest.approx(2000.0) and peer["gbs"] == pytest.approx(2000.0) and peer["vs_sdpa"] is None
 
 
-def test_time_mode_warm_uses_the_default_timer(monkeypatch):
-    seen = {}
-
-    def fake_interleaved(fns, rounds, timer=None):
-        seen["timer"] = timer
-        return [[1.0] * rounds for _ in fns]
-
-    monkeypatch.setattr(bench, "time_interleaved", fake_interleaved)
-    records = bench._time_mode([(dict(BASE, impl="qattn:f16-f16", bytes=int(1e9)), None)], "warm", 3, None, 4000.0)
-    assert seen["timer"] is None and records[0]["l2"] == "warm" and records[0]["vs_sdpa"] is None
+def test_mode_preludes(monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench, "GpuSpin", lambda: lambda: calls.append("spin"))
+    monkeypatch.setattr(bench, "L2Flush", lambda: lambda: calls.append("flush"))
+    assert set(bench.mode_preludes({"warm"})) == {"warm"}
+    preludes = bench.mode_preludes({"warm", "cold"})
+    preludes["cold"]()
+    preludes["warm"]()
+    assert calls == ["flush", "spin", "spin"]  # cold: evict L2, then cover the host's enqueue time
 
 
 # ---- the command (sweep faked) -------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def stalls(long_scoreboard: str) -> dict:
 
 # K16/V8: 400 us, 1.2 GB read (3 TB/s); K8/V8: 350 us, 0.8 GB read, 20 M more F2FP, 700 M instructions
 K16_CSV = raw_csv(K16_NAME, {
-    "gpu__time_duration.sum": ("400,000", "nsecond"),
+    "gpu__time_duration.sum": ("400,000", "ns"),
     "dram__bytes_read.sum": ("1,200,000,000", "byte"),
     "sm__warps_active.avg.pct_of_peak_sustained_active": ("45.5", "%"),
     "sm__maximum_warps_per_active_cycle_pct": ("50", "%"),
@@ -56,11 +56,11 @@ K16_CSV = raw_csv(K16_NAME, {
     **stalls("12.0"),
 })
 K8_CSV = raw_csv(K8_NAME, {
-    "gpu__time_duration.sum": ("350", "usecond"),
+    "gpu__time_duration.sum": ("0.35", "ms"),
     "dram__bytes_read.sum": ("800", "Mbyte"),
     "sm__warps_active.avg.pct_of_peak_sustained_active": ("40.0", "%"),
     "sm__maximum_warps_per_active_cycle_pct": ("50", "%"),
-    "launch__registers_per_thread": ("128", "register/thread"),
+    "launch__registers_per_thread": ("128 (0: 128)", "register/thread"),
     "launch__shared_mem_per_block_static": ("1,024", "byte"),
     "launch__shared_mem_per_block_dynamic": ("40,960", "byte"),
     "smsp__inst_executed.sum": ("700,000,000", "inst"),
@@ -72,7 +72,8 @@ K8_CSV = raw_csv(K8_NAME, {
 
 
 def test_units_scale_to_base():
-    assert ncu_decode.unit_scale("nsecond") == 1e-9 and ncu_decode.unit_scale("usecond") == 1e-6
+    assert [ncu_decode.unit_scale(u) for u in ("ns", "us", "ms", "s")] == [1e-9, 1e-6, 1e-3, 1.0]  # ncu's durations
+    assert ncu_decode.unit_scale("nsecond") == 1e-9 and ncu_decode.unit_scale("pass") == 1.0
     assert ncu_decode.unit_scale("Kbyte") == 1e3 and ncu_decode.unit_scale("Gbyte/second") == 1e9
     assert ncu_decode.unit_scale("byte/nsecond") == pytest.approx(1e9)
     assert ncu_decode.unit_scale("%") == 1.0 and ncu_decode.unit_scale("register/thread") == 1.0
@@ -91,7 +92,7 @@ def test_parse_raw_csv_skips_messages_and_units():
     kernels = ncu_decode.parse_raw_csv(K16_CSV)
     assert len(kernels) == 1
     assert kernels[0]["Kernel Name"] == (K16_NAME, "")
-    assert kernels[0]["gpu__time_duration.sum"] == ("400,000", "nsecond")
+    assert kernels[0]["gpu__time_duration.sum"] == ("400,000", "ns")
     with pytest.raises(ValueError, match="header"):
         ncu_decode.parse_raw_csv("==PROF== nothing profiled\n")
 
@@ -192,3 +193,18 @@ def test_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         ncu_decode.parse_args(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_real_profiles():
+    """The CSVs of a real run (tests/data/ncu_decode: B8 L4096, GQA 32/8, D128, H200)."""
+    data = Path(__file__).resolve().parent / "data" / "ncu_decode"
+    k8, k16 = (ncu_decode.only_kernel((data / f"{fmt}.csv").read_text()) for fmt in ("e4m3-e4m3", "f16-e4m3"))
+    assert re.search(ncu_decode.kernel_regex("e4m3-e4m3", 128, 32), k8.name)
+    assert re.search(ncu_decode.kernel_regex("f16-e4m3", 128, 32), k16.name)
+    assert k8.duration_s == pytest.approx(29.12e-6) and k8.dram_read_bytes == 69_320_960
+    assert (k8.registers, k8.smem_bytes, k8.theoretical_occupancy_pct) == (120, 44_032, 25)
+    assert sum(k8.opcodes.values()) == k8.instructions == 13_357_792 and k8.categories["other"] < 0.15 * k8.instructions
+    assert set(k8.stalls) == set(ncu_decode.STALL_REASONS)
+    parts = ncu_decode.decompose(k8, k16)
+    assert parts["bytes_s"] < 0 < parts["prep_s"]
+    assert parts["bytes_s"] + parts["prep_s"] + parts["pipeline_s"] == pytest.approx(k8.duration_s - k16.duration_s)

@@ -64,7 +64,8 @@ CATEGORIES = {
     "convert": ("F2FP", "F2F", "I2F", "I2FP", "F2I", "I2I", "F2IP"),
     "mma": ("HMMA", "IMMA", "QMMA", "HGMMA", "IGMMA", "QGMMA", "DMMA"),
     "fp": ("FADD", "FMUL", "FFMA", "FMNMX", "HADD2", "HMUL2", "HFMA2", "HMNMX2", "MUFU", "FSETP", "FSEL"),
-    "int": ("IMAD", "IADD3", "LOP3", "SHF", "PRMT", "LEA", "ISETP", "SEL", "IABS", "IMNMX", "MOV", "SHFL"),
+    "int": ("IMAD", "IADD3", "VIADD", "LOP3", "SHF", "PRMT", "LEA", "ISETP", "SEL", "IABS", "IMNMX", "VIMNMX", "MOV",
+            "SHFL"),
     "memory": ("LDG", "LDGSTS", "LDS", "LDSM", "STS", "STG", "LDC", "ULDC", "LDGDEPBAR", "DEPBAR", "MOVM"),
 }
 PREP = ("convert", "mma")
@@ -147,7 +148,7 @@ def profile(fmt: str, args) -> str:
 # ---- reading ncu's CSV --------------------------------------------------------------------------------
 
 PREFIXES = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
-BASE_UNITS = ("second", "byte", "cycle", "inst", "warp", "hz")
+BASE_UNITS = ("second", "byte", "cycle", "inst", "hz", "s")  # "s": ncu prints durations as ns, us, ms
 
 
 def _prefixed(unit: str) -> float:
@@ -158,15 +159,16 @@ def _prefixed(unit: str) -> float:
 
 
 def unit_scale(unit: str) -> float:
-    """The factor from `unit` to its base unit: nsecond 1e-9, Kbyte 1e3, Gbyte/second 1e9, % 1."""
+    """The factor from `unit` to its base unit: ns 1e-9, Kbyte 1e3, Gbyte/second 1e9, % 1."""
     numerator, _, denominator = unit.partition("/")
     return _prefixed(numerator) / (_prefixed(denominator) if denominator else 1.0)
 
 
 def number(text: str, unit: str = "") -> float | None:
-    """A CSV value in base units, None where ncu has none ("n/a", empty)."""
+    """A CSV value in base units, None where ncu has none ("n/a", empty). A launch attribute printed
+    with its instances ("120 (0: 120)") is its total."""
     try:
-        return float(text.replace(",", "")) * unit_scale(unit)
+        return float(text.partition(" (")[0].replace(",", "")) * unit_scale(unit)
     except ValueError:
         return None
 

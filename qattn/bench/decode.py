@@ -2,9 +2,10 @@
 beside torch SDPA's flash and cuDNN backends on the same queries over the same K/V in fp16 (dense),
 and a plain copy for the bandwidth ceiling, all in the same run in interleaved rounds (DESIGN §4).
 Bandwidth is the bytes that must cross HBM once: K and V codes, their scales and the block table
-(qattn); fp16 K and V (the peers). A sweep times operating points (Point) each L2-warm (back-to-back
-calls) and/or HBM-cold (L2 evicted before every timed call); the presets are the decode contract's
-grid and a quick smoke grid.
+(qattn); fp16 K and V (the peers). A sweep times operating points (Point) L2-warm (L2 as the
+previous call of the same implementation left it) and/or HBM-cold (L2 evicted before every timed
+call); either way a GPU spin ahead of each timed call covers the host's time to enqueue it, so the
+CUDA events time the GPU alone. The presets are the decode contract's grid and a small smoke grid.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .peers import peer
-from .timing import L2Flush, time_cuda, time_cuda_cold, time_interleaved, with_ratios
+from .timing import GpuSpin, L2Flush, time_cuda, time_cuda_after, time_interleaved, with_ratios
 
 DECODE_PEERS = ("sdpa_flash", "sdpa_cudnn")
 DEFAULT_FORMATS = ("f16-f16", "e4m3-e4m3", "i8-i8", "e4m3-f16", "f16-e4m3")
@@ -211,24 +212,36 @@ def bandwidth_fields(record: dict, copy_gbs: float) -> dict:
     return {"gbs": gbs, "of_copy": gbs / copy_gbs, "vs_sdpa": fastest_peer_ratio(record)}
 
 
-def _cold_timer(flush):
-    """time_interleaved's timer with L2 evicted before every timed call (its default budget)."""
+def mode_preludes(modes) -> dict:
+    """What runs on the GPU ahead of each timed call, per L2 mode (GpuSpin, L2Flush): a spin that
+    covers the host's time to enqueue the call (the events then time the GPU alone), after an L2
+    eviction in the cold mode."""
+    spin = GpuSpin()
+    result = {"warm": spin}
+    if "cold" in modes:
+        flush = L2Flush()
+        result["cold"] = lambda: (flush(), spin())
+    return result
+
+
+def _timer(prelude):
+    """time_interleaved's timer (its default budget) with prelude() ahead of every timed call."""
     def timer(fn, rounds):
-        return time_cuda_cold(fn, flush, runs=max(5, 20 // rounds), min_ms=200.0 / rounds).median_ms
+        return time_cuda_after(fn, prelude, runs=max(5, 20 // rounds), min_ms=200.0 / rounds).median_ms
     return timer
 
 
-def _time_mode(timed, mode: str, rounds: int, flush, copy_gbs: float) -> list[dict]:
+def _time_mode(timed, mode: str, rounds: int, prelude, copy_gbs: float) -> list[dict]:
     """One L2 mode's records of a point: every (record, call) timed in interleaved rounds."""
     runs = [(dict(rec, l2=mode), call) for rec, call in timed]
-    per_round = time_interleaved([call for _, call in runs], rounds, _cold_timer(flush) if mode == "cold" else None)
+    per_round = time_interleaved([call for _, call in runs], rounds, _timer(prelude))
     records = with_ratios(runs, per_round, DECODE_PEERS)
     for rec in records:
         rec.update(bandwidth_fields(rec, copy_gbs))
     return records
 
 
-def _bench_point(run: Run, variants, *, queries, scale, peers, rounds, splits, tile, copy_gbs, flush, rng, crng):
+def _bench_point(run: Run, variants, *, queries, scale, peers, rounds, splits, tile, copy_gbs, preludes, rng, crng):
     """The records of one point: peers and (format, QK path) variants on the same K/V, in each mode."""
     import cupy
 
@@ -262,7 +275,7 @@ def _bench_point(run: Run, variants, *, queries, scale, peers, rounds, splits, t
     del k, v  # the caches and the peers' dense copies hold them now
     records = failed
     for mode in run.modes:
-        records += _time_mode(timed, mode, rounds, flush, copy_gbs)
+        records += _time_mode(timed, mode, rounds, preludes[mode], copy_gbs)
     return records
 
 
@@ -278,12 +291,12 @@ def bench_sweep(runs, variants, *, queries: int = 1, scale: str = "token", peers
     rng = np.random.default_rng(seed)
     crng = cupy.random.default_rng(seed)
     copy_gbs = copy_bandwidth()
-    flush = L2Flush() if any("cold" in run.modes for run in runs) else None
+    preludes = mode_preludes({mode for run in runs for mode in run.modes})
     records = []
     for run in runs:
         point_records = _bench_point(run, variants, queries=queries, scale=scale, peers=peers, rounds=rounds,
                                      splits=splits, tile=(tiles or {}).get(run.point.head_dim), copy_gbs=copy_gbs,
-                                     flush=flush, rng=rng, crng=crng)
+                                     preludes=preludes, rng=rng, crng=crng)
         records += point_records
         cupy.get_default_memory_pool().free_all_blocks()  # the next point's caches may differ in size
         if progress is not None:

@@ -50,9 +50,34 @@ class L2Flush:
         cupy.sum(self._buffer, out=self._sink)
 
 
-def time_cuda_cold(fn, flush, *, warmup: int = 3, runs: int = 20, min_ms: float = 200.0) -> Timing:
-    """time_cuda with flush() enqueued before every timed call, outside the CUDA events: each call
-    reads its inputs from HBM, none from L2 (HBM-cold timing)."""
+_SPIN_SOURCE = r"""
+extern "C" __global__ void qattn_spin(unsigned long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < ns);
+}
+"""
+
+
+class GpuSpin:
+    """One GPU thread busy for `us` microseconds, touching no memory. Enqueued ahead of a timed call
+    it covers the host's time to enqueue that call (tens of microseconds for a Python call), so that
+    the CUDA events around the call time its GPU work alone, and L2 keeps what it held."""
+
+    def __init__(self, us: float = 200.0):
+        import cupy
+        import numpy as np
+
+        self._kernel = cupy.RawKernel(_SPIN_SOURCE, "qattn_spin")
+        self._ns = np.uint64(us * 1000)
+
+    def __call__(self) -> None:
+        self._kernel((1,), (1,), (self._ns,))
+
+
+def time_cuda_after(fn, before, *, warmup: int = 3, runs: int = 20, min_ms: float = 200.0) -> Timing:
+    """time_cuda with before() enqueued ahead of every timed call, outside the CUDA events: a GpuSpin
+    (the GPU's time alone, L2 as the previous call left it), or an L2Flush and a spin (HBM-cold)."""
     import cupy
 
     for _ in range(warmup):
@@ -61,13 +86,14 @@ def time_cuda_cold(fn, flush, *, warmup: int = 3, runs: int = 20, min_ms: float 
     times: list[float] = []
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
     while len(times) < runs or (sum(times) < min_ms and len(times) < 10 * runs):
-        flush()
+        before()
         start.record()
         fn()
         stop.record()
         stop.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, stop))
     return Timing(statistics.median(times), min(times), len(times))
+
 
 @dataclass
 class Queued:
