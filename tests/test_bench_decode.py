@@ -244,6 +244,13 @@ def test_grid_options(fake_sweep):
     assert "│ cold" in result.output
 
 
+def test_stages_override_the_default_tile_per_head_dim(fake_sweep):
+    result = run("--stages", "3", "-d", "64", "-d", "128", "--write-tokens", "0")
+    assert result.exit_code == 0, result.output
+    assert {d: (t.block_m, t.block_n, t.warps, t.stages) for d, t in fake_sweep["tiles"].items()} == {
+        64: (8, 64, 4, 3), 128: (8, 64, 4, 3)}
+
+
 def test_qk_lists_skip_formats_without_the_path(fake_sweep):
     result = run("-f", "f16-f16", "-f", "e4m3-e4m3", "--qk", "transform", "--qk", "fp8", "--write-tokens", "0")
     assert result.exit_code == 0, result.output
