@@ -307,13 +307,23 @@ def test_plan_picks_the_fastest_format_within_the_gate():
     assert plan.choose({"f16-f16": 1e-4, "e4m3-e4m3": 0.9, "f16-e4m3": 0.02}, {"f16-f16": 1.0}, 0.05)[0] == "f16-e4m3"
 
 
-def test_cli_plan_decode_on_the_h200_table():
+def test_cli_plan_decode_on_the_h200_table(tmp_path):
+    from qattn import data
     from qattn.cli import main
 
-    result = CliRunner().invoke(main, ["plan", "decode", "--ctx", "2048", "--heads", "8", "--kv-heads", "2",
-                                       "--head-dim", "64", "--preset", "bias", "--no-measure", "--max-rel-l2", "0.05"])
+    args = ["plan", "decode", "--ctx", "2048", "--heads", "8", "--kv-heads", "2", "--head-dim", "64", "--no-measure",
+            "--max-rel-l2", "0.05"]
+    # the bias preset carries its K bias: the residual-K variants are weighed, and one passes the gate
+    result = CliRunner().invoke(main, args + ["--preset", "bias"])
     assert result.exit_code == 0, result.output
-    assert "chosen: f16-e4m3" in result.output  # the bias preset ruins every 8-bit K cache
+    assert "e4m3-e4m3/fp8" in result.output and "+k_bias" in result.output
+    assert "chosen: e4m3-e4m3 +k_bias" in result.output or "chosen: i8-i8/int8 +k_bias" in result.output, result.output
+    # the same tensors without their bias: every 8-bit K fails the gate, K16/V8 is the fallback
+    x = data.preset("bias", ctx=2048, queries=2048, heads=8, kv_heads=2, head_dim=64)
+    np.savez(tmp_path / "qkv.npz", q=x["q"], k=x["k"], v=x["v"])
+    result = CliRunner().invoke(main, args + ["--npz", str(tmp_path / "qkv.npz")])
+    assert result.exit_code == 0, result.output
+    assert "chosen: f16-e4m3" in result.output and "+k_bias" not in result.output
     refused = CliRunner().invoke(main, ["plan", "decode", "--heads", "6", "--kv-heads", "4", "--no-measure"])
     assert refused.exit_code == 2 and "--heads" in refused.output
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """A small decode workload for compute-sanitizer: every decode format's writer (prompt runs and
-scattered single tokens) and decode kernel (GQA, speculative rows, short and empty sequences, one and
-several splits), each output checked against the emulator (rel_l2 1e-3) so a silent corruption fails.
+scattered single tokens; with and without a pre-bias residual K) and decode kernel on each of its QK
+paths (GQA, speculative rows, short and empty sequences, one and several splits), each output checked
+against the emulator (rel_l2 1e-3) so a silent corruption fails.
 
     compute-sanitizer --tool memcheck python tools/sanitize_decode.py
     compute-sanitizer --tool racecheck python tools/sanitize_decode.py --format e4m3-e4m3
@@ -17,7 +18,7 @@ import numpy as np  # noqa: E402
 import qattn  # noqa: E402
 from qattn.check import metrics  # noqa: E402
 from qattn.formats.decode import emulate  # noqa: E402
-from qattn.formats.decode.recipes import FORMATS  # noqa: E402
+from qattn.formats.decode.recipes import FORMATS, qk_paths  # noqa: E402
 
 
 def main() -> int:
@@ -31,11 +32,12 @@ def main() -> int:
     rng = np.random.default_rng(0)
     failures = 0
     d, page, kv_heads = args.head_dim, 16, 2
-    for fmt in args.format or FORMATS:
+    for fmt, bias in ((f, b) for f in args.format or FORMATS for b in (None, rng.standard_normal((kv_heads, d)) * 4)):
         dtype = ml_dtypes.bfloat16 if "bf16" in fmt else np.float16
         lens = np.array([0, 5, 70, 300], np.int32)
         max_pages = -(-int(lens.max()) // page) + 1
-        cache = qattn.PagedKVCache(4 * max_pages, page, kv_heads, d, k=fmt.split("-")[0], v=fmt.split("-")[1])
+        cache = qattn.PagedKVCache(4 * max_pages, page, kv_heads, d, k=fmt.split("-")[0], v=fmt.split("-")[1],
+                                   k_bias=bias)
         table = rng.permutation(4 * max_pages).reshape(4, max_pages).astype(np.int32)
         for b, n in enumerate(lens):
             k, v = (rng.standard_normal((n, kv_heads, d)).astype(dtype) for _ in range(2))
@@ -45,16 +47,18 @@ def main() -> int:
             if n:
                 cache.write(cupy.asarray(k[-1:]), cupy.asarray(v[-1:]), cupy.asarray(slots[-1:]))
         host = cache.host()
-        for lq, splits in ((1, 1), (3, 3), (2, None)):
+        for (lq, splits), path in ((shape, path) for shape in ((1, 1), (3, 3), (2, None)) for path in qk_paths(fmt)):
             q = rng.standard_normal((4, 4 * kv_heads, lq, d)).astype(dtype)
             lens_q = np.maximum(lens, 0)
-            out = qattn.decode(cupy.asarray(q), cache, cupy.asarray(table), cupy.asarray(lens_q), splits=splits)
-            used = splits or qattn.formats.decode.host.splits_for(cache, 4, 4 * kv_heads, lq, max_pages)
-            want = emulate.emulate(q, host, table, lens_q, splits=used)
+            out = qattn.decode(cupy.asarray(q), cache, cupy.asarray(table), cupy.asarray(lens_q), splits=splits,
+                               qk=path)
+            used = splits or qattn.formats.decode.host.splits_for(cache, 4, 4 * kv_heads, lq, max_pages, qk=path)
+            want = emulate.emulate(q, host, table, lens_q, splits=used, qk=path)
             err = metrics.compare(cupy.asnumpy(out).astype(np.float32), want)
             ok = err.nonfinite == 0 and err.rel_l2 <= 1e-3
             failures += not ok
-            print(f"{fmt:10} lq={lq} splits={used}: rel_l2 vs emulator {err.rel_l2:.2e} {'ok' if ok else 'FAIL'}")
+            print(f"{fmt:10} {path:9} {'bias' if bias is not None else 'plain':5} lq={lq} splits={used}: "
+                  f"rel_l2 vs emulator {err.rel_l2:.2e} {'ok' if ok else 'FAIL'}")
     cupy.cuda.runtime.deviceSynchronize()
     return 1 if failures else 0
 

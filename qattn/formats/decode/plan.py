@@ -1,16 +1,20 @@
 """Dispatch by operating point (`qattn plan decode`): for a batch, context, head layout and the K/V
-a model produces (an .npz of captured tensors or a qattn.data preset), each cache format's error
+a model produces (an .npz of captured tensors or a qattn.data preset), each cache format on each of
+its QK paths (and, where the data carries a K bias, with the pre-bias residual K) with its error
 against FP64 on the original K/V (its emulator) and its speed (a quick run on the local GPU, else
-the times measured on the H200 and recorded in BENCHMARKS.md), and the choice: the fastest format
+the times measured on the H200 and recorded in BENCHMARKS.md), and the choice: the fastest candidate
 within the error gate, K16/V8 (f16-e4m3) when no 8-bit K passes, f16-f16 when nothing 8-bit does.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from ...check import metrics
 from . import emulate
 from .quant import HostPagedCache
+from .recipes import EIGHT_BIT, qk_paths, sides
 
 # The fp16-query formats a plan weighs, the 16-bit one first.
 PLAN_FORMATS = ("f16-f16", "e4m3-e4m3", "i8-i8", "e4m3-f16", "f16-e4m3", "i8-f16", "f16-i8")
@@ -21,25 +25,55 @@ H200_RELATIVE_TIME = {"f16-f16": 1.0, "e4m3-e4m3": 0.82, "i8-i8": 0.99, "e4m3-f1
 ERROR_CTX = 4096  # keys per sequence of the error estimate (the emulator runs on the CPU)
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A cache format read on one QK path, with or without the pre-bias residual K."""
+
+    fmt: str
+    qk: str = "transform"
+    k_bias: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.fmt + ("" if self.qk == "transform" else f"/{self.qk}") + (" +k_bias" if self.k_bias else "")
+
+    @property
+    def timed_as(self) -> str:
+        """The name its speed is looked up under (the residual K costs one dot product per block)."""
+        return Candidate(self.fmt, self.qk).name
+
+
+def candidates(formats=PLAN_FORMATS, *, with_bias: bool = False) -> list[Candidate]:
+    """Each format on each QK path it has; with_bias adds the residual-K variants of the 8-bit K ones."""
+    out = [Candidate(fmt, qk) for fmt in formats for qk in qk_paths(fmt)]
+    if with_bias:
+        out += [Candidate(c.fmt, c.qk, True) for c in list(out) if sides(c.fmt)[0] in EIGHT_BIT]
+    return out
+
+
 def _tensors(npz, preset, ctx, heads, kv_heads, head_dim, seed):
-    """q [1, Hq, 1, D] (the last position) and k, v [1, L, Hkv, D] (float32)."""
+    """q [1, Hq, 1, D] (the last position), k, v [1, L, Hkv, D] (float32) and the K bias [Hkv, D]
+    when the data has one (an npz's k_bias, the bias preset's), else None."""
     if npz is not None:
         with np.load(npz) as z:
             q, k, v = (np.asarray(z[name], np.float32) for name in ("q", "k", "v"))
+            bias = np.asarray(z["k_bias"], np.float32) if "k_bias" in z else None
         if q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or q.shape[-1] != k.shape[-1]:
             raise ValueError(f"npz: expected q [B, Hq, L, D], k and v [B, Hkv, L, D], got {q.shape}, {k.shape}")
-        return q[:1, :, -1:], k[:1].transpose(0, 2, 1, 3), v[:1].transpose(0, 2, 1, 3)
+        if bias is not None and bias.shape != (k.shape[1], k.shape[3]):
+            raise ValueError(f"npz: expected k_bias [Hkv, D] = [{k.shape[1]}, {k.shape[3]}], got {bias.shape}")
+        return q[:1, :, -1:], k[:1].transpose(0, 2, 1, 3), v[:1].transpose(0, 2, 1, 3), bias
     from ... import data
 
     x = data.preset(preset, ctx=ctx, queries=1, heads=heads, kv_heads=kv_heads, head_dim=head_dim, seed=seed)
-    return x["q"], x["k"].transpose(0, 2, 1, 3), x["v"].transpose(0, 2, 1, 3)
+    return x["q"], x["k"].transpose(0, 2, 1, 3), x["v"].transpose(0, 2, 1, 3), x.get("k_bias")
 
 
 def format_errors(formats=PLAN_FORMATS, *, npz=None, preset: str = "normal", ctx: int = ERROR_CTX, heads: int = 32,
                   kv_heads: int = 8, head_dim: int = 128, page_size: int = 32, scale: str = "token",
                   seed: int = 0) -> dict:
-    """rel_l2 of each format's emulator against FP64 on the original K/V."""
-    q, k, v = _tensors(npz, preset, min(ctx, ERROR_CTX), heads, kv_heads, head_dim, seed)
+    """rel_l2 of each candidate's emulator against FP64 on the original K/V, by candidate name."""
+    q, k, v, bias = _tensors(npz, preset, min(ctx, ERROR_CTX), heads, kv_heads, head_dim, seed)
     q, k, v = (x.astype(np.float16) for x in (q, k, v))
     length, kv_heads, head_dim = k.shape[1], k.shape[2], k.shape[3]
     pages = -(-length // page_size)
@@ -50,28 +84,41 @@ def format_errors(formats=PLAN_FORMATS, *, npz=None, preset: str = "normal", ctx
     dense = emulate.reference_dense(q, [k[0].transpose(1, 0, 2).astype(np.float64)],
                                     [v[0].transpose(1, 0, 2).astype(np.float64)])
     errors = {}
-    for fmt in formats:
-        cache = HostPagedCache.empty(fmt, pages, page_size, kv_heads, head_dim, scale)
+    for c in candidates(formats, with_bias=bias is not None):
+        cache = HostPagedCache.empty(c.fmt, pages, page_size, kv_heads, head_dim, scale,
+                                     k_bias=bias if c.k_bias else None)
         cache.write(k[0], v[0], slots, scale=scale)
-        out = emulate.emulate(q, cache, table, lens)
-        errors[fmt] = metrics.compare(np.asarray(out, np.float32), dense).rel_l2
+        out = emulate.emulate(q, cache, table, lens, qk=c.qk)
+        errors[c.name] = metrics.compare(np.asarray(out, np.float32), dense).rel_l2
     return errors
 
 
-def measured_times(formats, *, batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, page_size: int,
+def measured_times(names, *, batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, page_size: int,
                    scale: str) -> dict:
-    """Milliseconds of each format's decode at the operating point on the local GPU (no peers)."""
-    from ...bench.decode import bench_decode
+    """Milliseconds of each candidate's decode at the operating point on the local GPU (no peers), by
+    candidate name."""
+    from ...bench.decode import Point, Run, bench_sweep
 
-    records = bench_decode([(batch, ctx)], formats, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                           page_size=page_size, scale=scale, peers=(), rounds=2)
-    return {r["impl"].removeprefix("qattn:"): r["ms"] for r in records if "ms" in r}
+    pool = {c.name: c for c in candidates(with_bias=True)}
+    chosen = [pool[name] for name in names]
+    variants = sorted({(c.fmt, c.qk) for c in chosen})
+    run = Run(Point(batch, ctx, heads, kv_heads, head_dim, page_size), ("warm",))
+    records = bench_sweep([run], variants, scale=scale, peers=(), rounds=2)
+    ms = {Candidate(r["format"], r["qk"]).name: r["ms"] for r in records if r.get("ms") is not None}
+    return {c.name: ms[c.timed_as] for c in chosen if c.timed_as in ms}
+
+
+def table_times(names) -> dict:
+    """The H200 relative times of the candidates named (those the table has)."""
+    pool = {c.name: c for c in candidates(with_bias=True)}
+    return {name: H200_RELATIVE_TIME[pool[name].timed_as] for name in names
+            if name in pool and pool[name].timed_as in H200_RELATIVE_TIME}
 
 
 def choose(errors: dict, times: dict, max_rel_l2: float) -> tuple[str, str]:
     """(format, why): the fastest timed format whose error is within the gate; K16/V8 when no format
     with an 8-bit K passes; f16-f16 when no 8-bit format does."""
-    passing = [f for f in times if errors.get(f, np.inf) <= max_rel_l2]
+    passing = [f for f in times if errors.get(f, np.inf) <= max_rel_l2]  # names; f16-f16 has no variants
     eight_bit = [f for f in passing if f != "f16-f16"]
     if eight_bit:
         best = min(eight_bit, key=lambda f: times[f])
