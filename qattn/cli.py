@@ -950,10 +950,11 @@ def plan():
               help="time the formats on the local GPU [default: when one is present; else the H200 table]")
 @user_errors
 def plan_decode(batch, ctx, heads, kv_heads, head_dim, npz, preset, max_rel_l2, page_size, scale, measure):
-    """For an operating point, each cache format's error against FP64 on the original K/V (its CPU
-    emulator, on --npz tensors or a preset, at up to 4096 keys) and its decode time (a quick run on the
-    local GPU, else relative to f16-f16 as measured on the H200), and the one to use: the fastest
-    within --max-rel-l2, K16/V8 when no 8-bit K passes."""
+    """For an operating point, each cache format on each QK path (and with the pre-bias residual K
+    where the data has a K bias: an npz's k_bias, the bias preset's) with its error against FP64 on
+    the original K/V (its CPU emulator, on --npz tensors or a preset, at up to 4096 keys) and its
+    decode time (a quick run on the local GPU, else relative to f16-f16 as measured on the H200), and
+    the one to use: the fastest within --max-rel-l2, K16/V8 when no 8-bit K passes."""
     from .formats.decode import plan as planner
 
     if heads % kv_heads:
@@ -968,12 +969,12 @@ def plan_decode(batch, ctx, heads, kv_heads, head_dim, npz, preset, max_rel_l2, 
                                        head_dim=int(head_dim), page_size=int(page_size), scale=scale)
         unit, source = "ms", "measured on this GPU"
     else:
-        times = dict(planner.H200_RELATIVE_TIME)
+        times = planner.table_times(errors)
         unit, source = "x f16-f16", "relative times measured on the H200 (BENCHMARKS.md)"
     chosen, why = planner.choose(errors, times, max_rel_l2)
     data = str(npz) if npz else f"preset {preset}"
     table = _table(f"decode at batch {batch}, ctx {ctx}, heads {heads}/{kv_heads}, D {head_dim}: errors on {data}; "
-                   f"times {source}", "format", "rel_l2 vs FP64", f"time ({unit})", "within gate", "",
+                   f"times {source}", "format / QK path", "rel_l2 vs FP64", f"time ({unit})", "within gate", "",
                    right=("rel_l2 vs FP64", f"time ({unit})"))
     for fmt, err in errors.items():
         table.add_row(fmt, _fmt(err, ".2e"), _fmt(times.get(fmt), ".3f"), "yes" if err <= max_rel_l2 else "no",

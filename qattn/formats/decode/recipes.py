@@ -75,8 +75,8 @@ def stage_bytes(fmt: str, tile: Tile, d: int) -> int:
     """One pipeline slot: K rows, V^T channel rows and the 8-bit sides' token scales."""
     k, v = sides(fmt)
     kb, vb = (2 if side in HALF else 1 for side in (k, v))
-    k_tile = tile.block_n * (d * kb + 32)
-    v_tile = d * (tile.block_n * vb + (16 if vb == 1 else 32))
+    k_tile = tile.block_n * (d * kb + (32 if kb == 2 else 0))  # 8-bit rows swizzled, 16-bit padded
+    v_tile = d * tile.block_n * vb
     return k_tile + v_tile + 4 * tile.block_n * sum(side in EIGHT_BIT for side in (k, v))
 
 
