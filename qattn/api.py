@@ -8,6 +8,16 @@ from .engine.kernel import Kernel, build_kernel
 from .engine.spec import KernelSpec, default_spec
 from .engine.tile import Tile
 
+# The format a call without format= runs, by the queries' dtype.
+DEFAULT_FORMATS = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+
+
+def default_format(dtype_name: str) -> str:
+    """The format of a call without format=: f16, bf16 or f32 by the queries' dtype (f16 for any
+    other dtype, whose kernel then names the dtypes it takes)."""
+    return DEFAULT_FORMATS.get(dtype_name, "f16")
+
+
 # attention()'s kernels by (format, head_dim, causal, tile, device): a repeated call looks its kernel
 # up instead of building and validating a KernelSpec (microseconds of host time before the GPU starts).
 _CALL_KERNELS: dict[tuple, Kernel] = {}
@@ -43,7 +53,8 @@ def _check_options(options: dict, format: str | None, k) -> None:
 
 def attention(q, k, v=None, *, format: str | None = None, causal: bool = False, scale: float | None = None,
               return_lse: bool = False, out=None, tile: Tile | None = None, smooth_k: bool | None = None):
-    """softmax(q kᵀ·scale) v on the GPU in the given format (default "f16"). q [B, Hq, Lq, D], k and v
+    """softmax(q kᵀ·scale) v on the GPU in the given format (default: f16, bf16 or f32 by q's dtype,
+    see default_format). q [B, Hq, Lq, D], k and v
     [B, Hkv, Lk, D] (any strides on batch, head and sequence; D contiguous), Hq a multiple of
     Hkv; causal masks are bottom-right aligned. Returns out (and the natural-log LSE [B, Hq, Lq]
     in fp32 when return_lse). With an int8 KV cache, attention(q, cache, ...) (a qattn.KVCacheInt8)
@@ -57,10 +68,10 @@ def attention(q, k, v=None, *, format: str | None = None, causal: bool = False, 
                            tile=tile, **options)
     if v is None:
         raise ValueError("v: expected V [B, Hkv, Lk, D] (or pass a qattn.KVCacheInt8 as k)")
-    format = "f16" if format is None else format
     q_dev = as_device_array(q, "q")
     if q_dev.ndim != 4:
         raise ValueError(f"q: expected 4 dimensions [batch, heads, seq, head_dim], got shape {q_dev.shape}")
+    format = default_format(q_dev.dtype.name) if format is None else format
     return _call_kernel(format, q_dev, causal, tile)(q, k, v, scale=scale, return_lse=return_lse, out=out, **options)
 
 

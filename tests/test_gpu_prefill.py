@@ -190,3 +190,17 @@ def test_attention_looks_its_kernel_up_and_still_checks_its_arguments():
         qattn.attention(q, q, q, format="f16", tile=(64, 64, 4, 2))
     with pytest.raises(ValueError, match="head_dim"):
         qattn.attention(q[..., :48], q[..., :48], q[..., :48], format="f16")
+
+
+@pytest.mark.parametrize("fmt", ["f16", "bf16", "f32"])
+def test_the_default_format_follows_the_dtype(fmt):
+    """attention() without format= runs f16, bf16 or f32 by q's dtype, bit for bit the explicit call."""
+    rng = np.random.default_rng(11)
+    host, (q, k, v) = _inputs(rng, fmt, 1, 4, 2, 70, 300, 64)
+    implicit = qattn.attention(q, k, v, causal=True)
+    explicit = qattn.attention(q, k, v, format=fmt, causal=True)
+    import cupy
+
+    assert implicit.dtype == q.dtype
+    assert np.array_equal(cupy.asnumpy(implicit).view(np.uint8), cupy.asnumpy(explicit).view(np.uint8))
+    _check(fmt, implicit, reference.attention(*host, causal=True))

@@ -271,3 +271,13 @@ def test_a_tile_over_the_arch_shared_memory_is_refused_by_name():
     KernelSpec(recipe="f16", head_dim=128, arch="sm_90a", tile=tile)
     with pytest.raises(ValueError, match=r"m128n64w4s2 .*needs \d+ B of shared memory per block; sm_89 allows 101376"):
         KernelSpec(recipe="f16", head_dim=128, arch="sm_89", tile=tile)
+
+
+def test_the_default_format_of_a_call_follows_the_query_dtype():
+    from qattn.api import default_format
+
+    assert [default_format(n) for n in ("float16", "bfloat16", "float32")] == ["f16", "bf16", "f32"]
+    assert default_format("int8") == "f16"  # its kernel then names the dtypes it takes
+    for name in ("f16", "bf16", "f32"):  # each default is a format whose queries have that dtype
+        dtype = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}[name]
+        assert qattn.recipe(name).input_dtypes == (dtype,)
