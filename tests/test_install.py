@@ -2,8 +2,9 @@
 package and its templates (package data) are installed, every family renders, NVRTC compiles,
 and the `qattn` console script runs.
 
-The venv reuses the system site-packages (cupy, numpy, jinja2, ...), so only qattn itself is
-installed. Where the system can build a wheel without fetching anything (setuptools >= 70.1, or
+The venv sees the site-packages of the interpreter running the tests (cupy, numpy, jinja2, ...:
+the outer venv's when the suite itself runs in one, through a .pth file, since `--system-site-packages`
+would show only the base interpreter's), so only qattn itself is installed. Where the system can build a wheel without fetching anything (setuptools >= 70.1, or
 the wheel package), the build runs without isolation; otherwise pip fetches the build
 requirements of pyproject.toml, as CI's `pip install -e .` does.
 """
@@ -11,6 +12,7 @@ import importlib.util
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import textwrap
@@ -25,8 +27,8 @@ pytestmark = pytest.mark.slow
 
 # Checkout clutter the install must not depend on (and in-tree build output must not land in
 # the shared checkout, so the install runs from a copy).
-_NOT_COPIED = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
-                                     ".benchmarks", "shared")
+_NOT_COPIED = shutil.ignore_patterns(".git", ".venv", ".ci-venv", "build", "dist", "*.egg-info", "__pycache__",
+                                     ".pytest_cache", ".benchmarks", "shared")
 
 
 def _builds_wheels_offline() -> bool:
@@ -55,6 +57,7 @@ def installed(tmp_path_factory):
         pytest.skip(f"cannot create a venv here: {made.stderr.strip()[-500:]}")
     bindir = venv / ("Scripts" if os.name == "nt" else "bin")
     python = bindir / "python"
+    _see_outer_packages(python)
     src = tmp / "src"
     shutil.copytree(ROOT, src, ignore=_NOT_COPIED)
     env = _clean_env(tmp)
@@ -66,6 +69,15 @@ def installed(tmp_path_factory):
     done = subprocess.run(args, capture_output=True, text=True, cwd=work, env=env, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return python, bindir, work, env
+
+
+def _see_outer_packages(python: Path) -> None:
+    """Put this interpreter's site-packages on the venv's path, after the venv's own (a .pth file of
+    plain paths: their own .pth files, such as an editable install's finder, are not run)."""
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    outer = [p for p in (*site.getsitepackages(), site.getusersitepackages()) if Path(p).is_dir()]
+    Path(purelib, "_qattn_test_outer_site.pth").write_text("".join(f"{p}\n" for p in outer))
 
 
 def _run(args, installed, timeout=120):

@@ -3,9 +3,11 @@ HIP offline checks. Compile errors raise CompileError carrying the spec name, th
 compiler log and the numbered source lines around each reported error."""
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,9 +51,33 @@ class Binary:
     ptx: str = ""
 
 
+# Where the nvidia-cuda-nvrtc wheels keep the library, under a sys.path entry.
+_NVRTC_WHEEL_LIBS = ("nvidia/cu13/lib/libnvrtc.so.13", "nvidia/cuda_nvrtc/lib/libnvrtc.so.13")
+
+
+@functools.cache
+def _preload_nvrtc() -> None:
+    """Load NVRTC from its wheel wherever that is on sys.path. CuPy looks for the wheel in the
+    interpreter's own site-packages only, which misses one on a path a venv inherits or is given (a
+    venv made inside another, PYTHONPATH); a library already loaded is the one CuPy then takes."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    for base in sys.path:
+        for rel in _NVRTC_WHEEL_LIBS:
+            lib = Path(base or ".", rel)
+            if lib.is_file():  # the builtins first: NVRTC opens them by name when it compiles
+                for builtins in sorted(lib.parent.glob("libnvrtc-builtins.so.13.*")):
+                    ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+                ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+                return
+
+
 def nvrtc_version() -> str:
     from cupy.cuda import nvrtc
 
+    _preload_nvrtc()
     major, minor = nvrtc.getVersion()
     return f"nvrtc-{major}.{minor}"
 
@@ -98,6 +124,7 @@ def compile_cuda(source: str, arch: str, spec_name: str, options: list[str] | No
     `entry` (the module's main kernel) when given, else of the first kernel ptxas reports."""
     from cupy.cuda import nvrtc
 
+    _preload_nvrtc()
     options = options or cuda_options(arch)
     program = nvrtc.createProgram(source, spec_name + ".cu", [], [])
     try:
