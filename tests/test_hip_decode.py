@@ -18,7 +18,8 @@ import pytest
 
 import qattn
 from qattn.check.quant import to_e4m3
-from qattn.engine.compile import compile_hip_offline, disassemble, find_tool
+from qattn.engine.compile import (compile_hip_offline, disassemble, find_tool, functions_by_symbol,
+                                  resource_remarks)
 from qattn.engine.family import HIP_ARCHS
 from qattn.engine.fragments import pv_key_slot
 from qattn.engine.render import entry_name, render
@@ -58,32 +59,7 @@ SPECS = _subset()
 @functools.lru_cache(maxsize=None)
 def _compiled(spec: KernelSpec):
     binary = compile_hip_offline(render(spec), spec.arch, spec.name)
-    return binary, _functions(disassemble(binary.data, "hip"))
-
-
-def _functions(asm: str) -> dict:
-    """Disassembly text per symbol."""
-    out = {}
-    for part in re.split(r"\n(?=[0-9a-f]+ <)", asm):
-        m = re.match(r"[0-9a-f]+ <([\w.]+)>:", part)
-        if m:
-            out[m.group(1)] = part
-    return out
-
-
-def _remarks(log: str) -> dict:
-    """clang's kernel-resource-usage remarks per function name."""
-    out, name = {}, None
-    for line in log.splitlines():
-        m = re.search(r"remark: Function Name: (\S+)", line)
-        if m:
-            name = m.group(1)
-            out[name] = {}
-            continue
-        m = re.search(r"remark:\s+([A-Za-z ]+?)(?: \[[^\]]*\])?: (\d+)", line)
-        if m and name:
-            out[name][m.group(1)] = int(m.group(2))
-    return out
+    return binary, functions_by_symbol(disassemble(binary.data, "hip"))
 
 
 def _count(op: str, text: str) -> int:
@@ -149,7 +125,7 @@ def test_8bit_qk_compiles_to_8bit_matrix_ops(spec):
         assert "v_cvt_pk_fp8_f32" in main  # Q's codes on the target's converter
     for suffix in ["_f16", "_merge_f16", *WRITERS]:
         assert name + suffix in funcs, (name + suffix, sorted(funcs))
-    remarks = _remarks(binary.log)
+    remarks = resource_remarks(binary.log)
     for entry in [name + s for s in ["_f16", "_merge_f16", *WRITERS]]:
         r = remarks[entry]
         # (SGPR spills, which the transform path has too, go to VGPR lanes, not to scratch)
@@ -165,7 +141,7 @@ def test_writer_entries_on_every_format_kind(fmt, arch, d, scale):
     converter: gfx942's writes fnuz, gfx90a's and gfx11's do not exist) and runs no matrix op."""
     spec = _spec(fmt, arch, d, 32, scale)
     binary, funcs = _compiled(spec)
-    remarks = _remarks(binary.log)
+    remarks = resource_remarks(binary.log)
     for suffix in WRITERS:
         body = funcs[entry_name(spec) + suffix]
         assert not re.search(r"v_(mfma|wmma|cvt_pk_fp8|cvt_f32_fp8)", body), suffix

@@ -16,7 +16,8 @@ from qattn.engine.render import entry_name, render
 from qattn.engine.spec import KernelSpec
 from qattn.formats.int8qk import host as int8
 from qattn.engine.tile import Tile
-from qattn.engine.compile import CompileError, compile_hip_offline, disassemble, find_tool
+from qattn.engine.compile import (CompileError, compile_hip_offline, disassemble, find_tool, functions_by_symbol,
+                                  resource_remarks)
 
 pytestmark = pytest.mark.skipif(find_tool("clang++-19", "clang++-20", "clang++") is None,
                                 reason="offline HIP compiles need clang-19 (.ci/run installs it)")
@@ -44,32 +45,6 @@ def _entries(spec: KernelSpec) -> list[str]:
 def _compiled(spec: KernelSpec):
     binary = compile_hip_offline(render(spec), spec.arch, spec.name)
     return binary, disassemble(binary.data, "hip")
-
-
-def _functions(asm: str) -> dict:
-    """Disassembly text per symbol."""
-    parts = re.split(r"\n(?=[0-9a-f]+ <)", asm)
-    out = {}
-    for part in parts:
-        m = re.match(r"[0-9a-f]+ <([\w.]+)>:", part)
-        if m:
-            out[m.group(1)] = part
-    return out
-
-
-def _remarks(log: str) -> dict:
-    """clang's kernel-resource-usage remarks per function name."""
-    out, name = {}, None
-    for line in log.splitlines():
-        m = re.search(r"remark: Function Name: (\S+)", line)
-        if m:
-            name = m.group(1)
-            out[name] = {}
-            continue
-        m = re.search(r"remark:\s+([A-Za-z ]+?)(?: \[[^\]]*\])?: (\d+)", line)
-        if m and name:
-            out[name][m.group(1)] = int(m.group(2))
-    return out
 
 
 def expected_ops(spec: KernelSpec) -> dict:
@@ -126,7 +101,7 @@ def test_compiles_to_matrix_instructions(spec):
     assert "mma.sync" not in source and "cp.async" not in source and "asm(" not in source  # no CUDA leaks in
     binary, asm = _compiled(spec)
     assert asm is not None, "llvm-objdump-19 should disassemble the code object"
-    funcs = _functions(asm)
+    funcs = functions_by_symbol(asm)
     for name in _entries(spec):
         assert name in funcs, (name, sorted(funcs))
     other = "wmma" if spec.arch.startswith("gfx9") else "mfma"
@@ -147,7 +122,7 @@ def test_compiles_to_matrix_instructions(spec):
             assert not re.search(r"v_(mfma|wmma)", funcs[name]), name
     if spec.recipe == "i8-f8":
         assert "v_cvt_pk_fp8_f32" in funcs[entry_name(spec) + "_quant_v_f16"]
-    remarks = _remarks(binary.log)
+    remarks = resource_remarks(binary.log)
     for name in _entries(spec):
         r = remarks[name]
         assert r["ScratchSize"] == 0 and r["VGPRs Spill"] == 0 and r["SGPRs Spill"] == 0, (name, r)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from qattn.engine.compile import compile_hip_offline, disassemble  # noqa: E402
+from qattn.engine.compile import compile_hip_offline, disassemble, functions_by_symbol, resource_remarks  # noqa: E402
 from qattn.engine.family import HIP_ARCHS  # noqa: E402
 from qattn.engine.render import entry_name, render  # noqa: E402
 from qattn.engine.spec import KernelSpec  # noqa: E402
@@ -46,26 +46,11 @@ def specs(paths):
                     yield qk, KernelSpec(kind="decode", recipe=fmt, head_dim=d, backend="hip", arch=arch, options=options)
 
 
-def remarks(log: str) -> dict:
-    out, name = {}, None
-    for line in log.splitlines():
-        m = re.search(r"remark: Function Name: (\S+)", line)
-        if m:
-            name = m.group(1)
-            out[name] = {}
-            continue
-        m = re.search(r"remark:\s+([A-Za-z ]+?)(?: \[[^\]]*\])?: (\d+)", line)
-        if m and name:
-            out[name][m.group(1)] = int(m.group(2))
-    return out
-
-
 def check(item):
     qk, spec = item
     binary = compile_hip_offline(render(spec), spec.arch, spec.name)
     asm = disassemble(binary.data, "hip")
-    funcs = {m.group(1): part for part in re.split(r"\n(?=[0-9a-f]+ <)", asm)
-             if (m := re.match(r"[0-9a-f]+ <([\w.]+)>:", part))}
+    funcs = functions_by_symbol(asm)
     name, problems = entry_name(spec), []
     main = funcs.get(name + "_f16", "")
     qk_ops = len(re.findall(rf"\b{OPS[qk, spec.arch]}\b", main))
@@ -74,7 +59,7 @@ def check(item):
     pv = waves * nt * dt
     if qk != "transform" and (qk_ops == 0 or f16_ops != pv):
         problems.append(f"{qk} ops {qk_ops}, fp16 ops {f16_ops} (PV {pv})")
-    res = remarks(binary.log)
+    res = resource_remarks(binary.log)
     for entry in ENTRIES:
         r = res.get(name + entry)
         if r is None:

@@ -15,20 +15,7 @@ class Timing:
 def time_cuda(fn, *, warmup: int = 3, runs: int = 20, min_ms: float = 200.0) -> Timing:
     """Median per-call time of fn() on the current CuPy stream. Runs at least `runs` times and
     keeps going (up to 10x) until min_ms of GPU time has been measured."""
-    import cupy
-
-    for _ in range(warmup):
-        fn()
-    cupy.cuda.get_current_stream().synchronize()
-    times: list[float] = []
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    while len(times) < runs or (sum(times) < min_ms and len(times) < 10 * runs):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return Timing(statistics.median(times), min(times), len(times))
+    return time_cuda_after(fn, lambda: None, warmup=warmup, runs=runs, min_ms=min_ms)
 
 
 

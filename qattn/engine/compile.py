@@ -231,3 +231,28 @@ def disassemble(binary: bytes, backend: str) -> str | None:
         args = [tool, str(path)] if backend == "cuda" else [tool, "-d", str(path)]
         run = subprocess.run(args, capture_output=True, text=True)
         return run.stdout if run.returncode == 0 else None
+
+
+def functions_by_symbol(asm: str) -> dict:
+    """llvm-objdump text split per symbol: {name: its disassembly}."""
+    out = {}
+    for part in re.split(r"\n(?=[0-9a-f]+ <)", asm):
+        m = re.match(r"[0-9a-f]+ <([\w.]+)>:", part)
+        if m:
+            out[m.group(1)] = part
+    return out
+
+
+def resource_remarks(log: str) -> dict:
+    """clang's kernel-resource-usage remarks per function: {name: {"VGPRs": n, "ScratchSize": n, ...}}."""
+    out, name = {}, None
+    for line in log.splitlines():
+        m = re.search(r"remark: Function Name: (\S+)", line)
+        if m:
+            name = m.group(1)
+            out[name] = {}
+            continue
+        m = re.search(r"remark:\s+([A-Za-z ]+?)(?: \[[^\]]*\])?: (\d+)", line)
+        if m and name:
+            out[name][m.group(1)] = int(m.group(2))
+    return out
