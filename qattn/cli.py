@@ -260,9 +260,14 @@ def list_():
                        f"{rec.tolerance.max_rel:g} / {rec.tolerance.rel_l2:g}")
     console.print(decode)
     if family is not None:
+        from .formats.decode.recipes import QK_CODE, tolerance
+
+        paths = ", ".join(f"{path} ({code} K; tolerance {tolerance('i8-i8', path).max_rel:g} / "
+                          f"{tolerance('i8-i8', path).rel_l2:g})" for path, code in QK_CODE.items())
         console.print(f"decode kernels: head dims {', '.join(map(str, family.head_dims))}; "
-                      + "; ".join(f"{k} {', '.join(map(str, v))}" for k, v in family.options.items())
-                      + f"; archs {', '.join(family.archs)} (e4m3 sides from sm_89)")
+                      + "; ".join(f"{k} {', '.join(map(str, v))}" for k, v in family.options.items() if k != "qk")
+                      + f"; qk transform, {paths}, auto (per arch and format); archs {', '.join(family.archs)} "
+                        "(e4m3 sides from sm_89)")
     # One row per Family object: formats share a row only where they share head dims, tiles and archs.
     # A family that some archs build instead of the backend's (Recipe.arch_families) lists those archs.
     families: dict[tuple, tuple] = {}  # (backend, id(family)) -> (family, formats using it, archs or None)

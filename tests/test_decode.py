@@ -213,6 +213,7 @@ def test_cli_generates_and_lists_decode_kernels():
     assert refused.exit_code == 2 and "i8-i8 takes 'auto' or one of transform, int8" in refused.output
     listing = runner.invoke(main, ["list"])
     assert listing.exit_code == 0 and "e4m3-f16" in listing.output and "page_size" in listing.output
+    assert "qk transform, fp8 (e4m3 K" in " ".join(listing.output.split())
     built = runner.invoke(main, ["compile", "decode", "-f", "i8-f16", "-d", "64", "--scale", "head", "--arch", "sm_80"])
     assert built.exit_code == 0 and "1 of 1 compiled" in built.output
     assert all(p in PAGE_SIZES for p in (16, 32, 64, 128))
