@@ -1009,13 +1009,16 @@ def _parse_grids(ctx, param, values):
 @click.option("--npz", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="tensors to probe: an .npz with q, k and optionally v (BHSD; optional scalar scale); "
                    "each context is its last CTX keys")
-@click.option("--preset", metavar="NAME", help="synthetic tensors from qattn.data: outliers, outliers_token, bias, "
-                                               "rope, diffuse or normal")
+@click.option("--preset", metavar="NAME", help=f"synthetic tensors from qattn.data: {', '.join(PRESETS)}")
 @click.option("--ctx", "contexts", multiple=True, type=click.IntRange(min=1),
               help="context length (keys); repeatable [default: 4096 and 32768; for --npz those shorter than "
                    "the file, and the whole file]")
 @click.option("--format", "-f", "formats", multiple=True, callback=_split_formats, metavar="FORMAT[,FORMAT...]",
               help="recipes whose emulated error vs FP64 is reported; repeatable [default: i8-f16, i8-i8, i8-f8]")
+@click.option("--smoothing", "smoothings", multiple=True, type=click.Choice(["mean", "mean+balance", "none"]),
+              help="what the int8-QK formats do to Q and K before quantizing (mean: subtract K's channel mean; "
+                   "mean+balance: then balance Q's and K's channels; none: nothing); each is reported as "
+                   "FORMAT+SMOOTHING; repeatable [default: mean and mean+balance]")
 @click.option("--grid", "grids", multiple=True, callback=_parse_grids, metavar="NAME=FLOOR",
               help="another P grid: the p below which it rounds to zero; repeatable (int8 and e4m3 are always shown)")
 @click.option("--queries", type=click.IntRange(min=1), default=128, show_default=True,
@@ -1028,12 +1031,12 @@ def _parse_grids(ctx, param, values):
               help="also write the report as JSON to FILE (keys: see qattn.check.probe)")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="also write a two-panel PNG to FILE: mass by decade with both 8-bit grids; K channels "
-                   "before/after smoothing (needs matplotlib)")
+                   "as given, smoothed and balanced (needs matplotlib)")
 @user_errors
-def probe(npz, preset, contexts, formats, grids, queries, key_block, seed, json_path, plot_path):
+def probe(npz, preset, contexts, formats, smoothings, grids, queries, key_block, seed, json_path, plot_path):
     """Where attention rows keep their probability mass, how much of it the int8 and e4m3 P grids
-    flush to zero, how K smoothing tames K's outlier channels, and what each format's emulator
-    costs against FP64, by context length. Runs on the CPU."""
+    flush to zero, how K smoothing and Q/K channel balancing tame K's outlier channels, and what each
+    format's emulator costs against FP64 under each smoothing, by context length. Runs on the CPU."""
     from .check import probe as probing
 
     if (npz is None) == (preset is None):
@@ -1045,7 +1048,9 @@ def probe(npz, preset, contexts, formats, grids, queries, key_block, seed, json_
             raise click.ClickException(str(exc)) from None
     report = probing.run_probe(npz=None if npz is None else str(npz), preset=preset, ctx=list(contexts) or None,
                                formats=formats or probing.PROBE_FORMATS, grids=grids, queries=queries,
-                               key_block=key_block, seed=seed)
+                               key_block=key_block, seed=seed,
+                               smoothings=[None if s == "none" else s for s in smoothings]
+                               or probing.DEFAULT_SMOOTHINGS)
     console = _console()
     for table in probing.format_tables(report):
         console.print(table)

@@ -18,6 +18,11 @@ OUTLIER_RATIOS = (12.0, 18.5, 26.0, 37.0, 44.0)
 # what smoothing leaves. The largest stays under ~4× the median channel's absmax (4.4 at worst over
 # 3600 draws of 256–4096 keys).
 OUTLIER_SPREADS = (1.2, 1.6, 2.0, 2.4, 2.8)
+# Channel absmax over the median channel's of the outliers_scale preset's five zero-mean channels: the
+# 50–200× scale-type outliers (sign varying by token) that K smoothing cannot touch.
+SCALE_OUTLIER_RATIOS = (50.0, 80.0, 110.0, 150.0, 200.0)
+# Absmax of rope_massive's rotating channel pair over the median channel's.
+MASSIVE_RATIO = 50.0
 # Score of the diffuse preset's heavy keys above its tail (natural log), calibrated so that
 # ~10% (4K) and ~40% (32K) of a row's mass lies below int8's rounding floor.
 HEAVY_GAP = 8.5
@@ -74,22 +79,42 @@ def outliers(*, batch=1, heads=1, kv_heads=None, queries=128, ctx=1024, head_dim
     return dict(q=q, k=k, v=v)
 
 
+def _token_varying_outliers(name, ratios, gain_spread, batch, heads, kv_heads, queries, ctx, head_dim, seed):
+    """N(0, 1) Q, K, V with len(ratios) zero-mean K channels, each N(0, 1) times a per-token
+    log-normal gain exp(gain_spread·N(0, 1)) (none when gain_spread is 0), scaled so that its absmax
+    is its ratio times the median channel's."""
+    q_shape, kv_shape = _shapes(batch, heads, kv_heads, queries, ctx, head_dim)
+    if head_dim < 2 * len(ratios):
+        raise ValueError(f"head_dim: the {name} preset needs at least {2 * len(ratios)} channels")
+    rng = np.random.default_rng(seed)
+    q, k, v = _normal(rng, q_shape), _normal(rng, kv_shape), _normal(rng, kv_shape)
+    channels = rng.choice(head_dim, len(ratios), replace=False)
+    median = _median_channel_absmax(k, channels)
+    raw = k[..., channels]
+    if gain_spread:
+        raw = raw * np.exp(np.float32(gain_spread) * rng.standard_normal(kv_shape[:3] + (len(channels),),
+                                                                         dtype=np.float32))
+    k[..., channels] = raw * (np.asarray(ratios, np.float32) * median / np.abs(raw).max(axis=-2, keepdims=True))
+    return dict(q=q, k=k, v=v)
+
+
 def outliers_token(*, batch=1, heads=1, kv_heads=None, queries=128, ctx=1024, head_dim=128, seed=0):
     """K with five zero-mean outlier channels whose scale varies from token to token (a
     log-normal per-token gain), scaled so that their absmax is 12–44× the median channel's.
     The mean is ~0, so K smoothing cannot remove them: the case that per-block and per-thread
     scales exist for. Q and V are N(0, 1)."""
-    q_shape, kv_shape = _shapes(batch, heads, kv_heads, queries, ctx, head_dim)
-    if head_dim < 2 * len(OUTLIER_RATIOS):
-        raise ValueError(f"head_dim: the outliers_token preset needs at least {2 * len(OUTLIER_RATIOS)} channels")
-    rng = np.random.default_rng(seed)
-    q, k, v = _normal(rng, q_shape), _normal(rng, kv_shape), _normal(rng, kv_shape)
-    channels = rng.choice(head_dim, len(OUTLIER_RATIOS), replace=False)
-    median = _median_channel_absmax(k, channels)
-    gain = np.exp(rng.standard_normal(kv_shape[:3] + (len(channels),), dtype=np.float32))
-    raw = k[..., channels] * gain
-    k[..., channels] = raw * (np.asarray(OUTLIER_RATIOS, np.float32) * median / np.abs(raw).max(axis=-2, keepdims=True))
-    return dict(q=q, k=k, v=v)
+    return _token_varying_outliers("outliers_token", OUTLIER_RATIOS, 1.0, batch, heads, kv_heads, queries, ctx,
+                                   head_dim, seed)
+
+
+def outliers_scale(*, batch=1, heads=1, kv_heads=None, queries=128, ctx=1024, head_dim=128, seed=0):
+    """K with five scale-type outlier channels: N(0, 1) times a constant, so that their absmax is
+    50, 80, 110, 150 and 200× the median channel's. Their sign varies by token and their mean is ~0,
+    so K smoothing leaves them whole; each int8 K scale is set by them and the ordinary channels
+    round to a few levels. Q and V are N(0, 1), so these channels dominate the scores: rows are
+    peaked (the largest p averages ~0.9 at 4K keys). Q/K channel balancing is made for this case."""
+    return _token_varying_outliers("outliers_scale", SCALE_OUTLIER_RATIOS, 0.0, batch, heads, kv_heads, queries,
+                                   ctx, head_dim, seed)
 
 
 def bias(*, batch=1, heads=1, kv_heads=None, queries=128, ctx=1024, head_dim=128, seed=0, ratio=30.0):
@@ -138,6 +163,30 @@ def rope(*, batch=1, heads=1, kv_heads=None, queries=128, ctx=1024, head_dim=128
     return dict(q=q.astype(np.float32), k=k.astype(np.float32), v=_normal(rng, kv_shape))
 
 
+def rope_massive(*, batch=1, heads=1, kv_heads=None, queries=128, ctx=1024, head_dim=128, seed=0, base=10000.0):
+    """K with a massive RoPE channel pair: a constant vector per (batch, kv head), rotated by RoPE at
+    each key's position on the slowest pair (channels D/2 − 1 and D − 1 in the rotate-half layout),
+    where trained models keep their massive Q/K values; it is scaled so that the pair's larger
+    channel peaks at MASSIVE_RATIO (50) times the median channel's absmax. The pair turns once
+    every ~54K positions at D = 128: over a short context it is an offset that K smoothing removes,
+    over a long one (32K) an arc whose ends smoothing cannot bring in, a scale-type outlier. Q, V
+    and the rest of K are N(0, 1) (isotropic, so rotating them changes nothing in distribution)."""
+    q_shape, kv_shape = _shapes(batch, heads, kv_heads, queries, ctx, head_dim)
+    if head_dim % 2:
+        raise ValueError(f"head_dim: RoPE needs an even head_dim, got {head_dim}")
+    rng = np.random.default_rng(seed)
+    q, k, v = _normal(rng, q_shape), _normal(rng, kv_shape), _normal(rng, kv_shape)
+    half = head_dim // 2
+    pair = np.array([half - 1, head_dim - 1])
+    massive = np.zeros(kv_shape[:2] + (1, head_dim), np.float32)
+    phase = rng.uniform(0, 2 * np.pi, size=kv_shape[:2] + (1,))
+    massive[..., pair] = np.stack([np.cos(phase), np.sin(phase)], axis=-1)
+    rotated = _rotate(massive, np.arange(ctx), base)[..., pair]  # [B, Hkv, ctx, 2]
+    peak = np.abs(rotated).max(axis=(-2, -1), keepdims=True)
+    k[..., pair] += rotated * (np.float32(MASSIVE_RATIO) * _median_channel_absmax(k, pair) / peak)
+    return dict(q=q, k=k, v=v)
+
+
 def _heavy_positions(rng, ctx: int, count: int) -> np.ndarray:
     """A sink at 0, the last 4 tokens and random ones between: count distinct key positions."""
     fixed = np.unique(np.r_[0, np.arange(max(0, ctx - 4), ctx)])
@@ -175,8 +224,10 @@ PRESETS: dict[str, Callable[..., dict]] = {
     "normal": normal,
     "outliers": outliers,
     "outliers_token": outliers_token,
+    "outliers_scale": outliers_scale,
     "bias": bias,
     "rope": rope,
+    "rope_massive": rope_massive,
     "diffuse": diffuse,
 }
 

@@ -108,7 +108,7 @@ def test_cli_outliers_table_json_and_png(tmp_path, seed):
     for entry in report["contexts"]:
         assert set(entry["mass_below"]) == {"int8", "e4m3", "int4"}
         assert all(0 <= x <= 1 for x in entry["mass_below"].values())
-        assert set(entry["k_channel_ratio"]) == {"raw", "smoothed"}
+        assert set(entry["k_channel_ratio"]) == {"raw", "smoothed", "balanced"}
     png = out_png.read_bytes()
     assert png[:8] == PNG_SIGNATURE
     import matplotlib.image

@@ -23,6 +23,7 @@ answer each recipe is judged against (the dequantized cache there).
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -147,6 +148,11 @@ def formats() -> list[str]:
     return [name for family in registry.FAMILIES.values() for name in family.emulators]
 
 
+def takes_option(fmt: str, option: str) -> bool:
+    """Whether recipe fmt's emulator takes the keyword option (e.g. smoothing: the int8-QK recipes)."""
+    return option in inspect.signature(emulator(fmt)).parameters
+
+
 def _kv(fmt: str, k, v):
     """K and V as the recipe's kernel reads them: its family's cache where it has one, else float32."""
     to_cache = registry.family_of(fmt).kv_cache
@@ -161,9 +167,9 @@ def _prepare(fmt, q, k, v, scale, block_n, opts):
     if not isinstance(block_n, (int, np.integer)) or block_n < 1:
         raise ValueError(f"block_n: expected a positive number of keys per tile, got {block_n!r}")
     for option in opts:
-        takers = registry.formats_with_option(option)
-        if takers and fmt not in takers:
-            raise ValueError(f"{option}: format {fmt!r} does not take it; only {', '.join(takers)} do")
+        if not takes_option(fmt, option):
+            takers = [name for name in formats() if takes_option(name, option)]
+            raise ValueError(f"{option}: format {fmt!r} does not take it; only {', '.join(takers) or 'none'} do")
     q = np.asarray(to_numpy(q), F32)
     k, v = _kv(fmt, k, v)
     dims = check_shapes(q.shape, k.shape, v.shape)
@@ -177,7 +183,8 @@ def emulate(fmt: str, q, k, v, *, causal: bool = False, scale: float | None = No
     """Run the emulator of recipe fmt: out [B, Hq, Lq, D] (and LSE [B, Hq, Lq], natural log, when
     return_lse); same semantics as reference.attention, except that O is float32 (float16 / bfloat16
     for f16 / bf16) and LSE float32. Options are the recipe's (its family's emulate.py): the int8-QK
-    recipes take block_m, q_granularity / k_granularity, warps and smooth_k; kv8-split fp16_shift."""
+    recipes take block_m, q_granularity / k_granularity, warps, smoothing and alpha_rule (smooth_k, deprecated);
+    kv8-split fp16_shift."""
     tiles, (b, hq, hkv, lq, lk, d) = _prepare(fmt, q, k, v, scale, block_n, opts)
     out, lse2 = flash_loop(tiles, (b, hkv, hq // hkv), lq, lk, d, causal, block_n)
     out = out.reshape(b, hq, lq, d).astype(tiles.out_dtype)
@@ -191,7 +198,7 @@ def emulate(fmt: str, q, k, v, *, causal: bool = False, scale: float | None = No
 def scores(fmt: str, q, k, v, *, scale: float | None = None, block_n: int = 64, **opts) -> np.ndarray:
     """The float32 log2-domain scores S₂ [B, Hq, Lq, Lk] that recipe fmt's kernel feeds its
     softmax (without causal masking; K smoothing's row constant q·K̄ left out, as the kernel
-    does). Materializes the whole matrix: for probes on sampled rows."""
+    does; Q/K channel balancing changes them only by rounding). Materializes the whole matrix: for probes on sampled rows."""
     tiles, (b, hq, hkv, lq, lk, d) = _prepare(fmt, q, k, v, scale, block_n, opts)
     s = np.concatenate([tiles.scores(j0, min(lk, j0 + block_n)) for j0 in range(0, lk, block_n)], axis=-1)
     return s.reshape(b, hq, lq, lk)

@@ -1,5 +1,6 @@
 """The probe: how much of a row's probability mass a P format can represent at a context
-length, what that costs each format, and how far K smoothing tames K's outlier channels.
+length, what that costs each format, and how far K smoothing and Q/K channel balancing tame K's
+outlier channels.
 
 ``run_probe`` takes attention tensors per context length (given, from an ``.npz`` holding q,
 k and optionally v, BHSD, or from a ``qattn.data`` preset), samples query rows (every query
@@ -16,6 +17,8 @@ JSON-serialisable report (``qattn probe --json FILE`` writes it, non-finite numb
                 keeps is 2⁻⁹/448 ≈ 4.4e-6). User grids (``--grid NAME=FLOOR``) are added as given.
 ``decades``     the bin edges of ``mass_by_decade``: 0, 1e-8, 1e-7, …, 0.1, 1.
 ``formats``     the recipes whose errors are reported.
+``smoothings``  the smoothings the int8-QK formats' errors are reported under ("mean", "mean+balance",
+                "none": see qattn.formats.int8qk.quant.SMOOTHINGS).
 ``key_block``   keys per K scale and per online-softmax step of the int8-QK formats (the
                 emulators' ``block_n``; 64 by default, 128 as the i8-f8 wgmma kernels on sm_90a).
 ``contexts``    one entry per context length, in increasing order:
@@ -28,11 +31,15 @@ JSON-serialisable report (``qattn probe --json FILE`` writes it, non-finite numb
                        FP64 (``qattn.check.metrics``); ``kl`` is the mean over rows of
                        KL(P_ref ‖ softmax of the format's scores), the cost of its QK path,
                        while the rounding of P shows in ``mass_below`` and the output errors.
-  ``k_channel_ratio``  {raw, smoothed}: worst channel absmax over the median channel absmax of
-                       K (before / after subtracting the mean over keys), the worst over heads.
-  ``k_channel_absmax`` {raw, smoothed}: every channel's absmax over the median channel's, for
-                       the kv head with the worst raw ratio (the plot's right panel).
-  ``k_int8_levels``    {raw, smoothed}: {per_tensor, per_block}: int8 levels the median channel
+                       The int8-QK formats appear once per smoothing, as "FORMAT+SMOOTHING"
+                       (e.g. "i8-f8+mean+balance"), and as plain "FORMAT" for their default,
+                       "mean", when it is among the smoothings.
+  ``k_channel_ratio``  {raw, smoothed, balanced}: worst channel absmax over the median channel
+                       absmax of K (as given / after subtracting the mean over keys / then divided
+                       by the balancing factors α of the sampled query rows), the worst over heads.
+  ``k_channel_absmax`` {raw, smoothed, balanced}: every channel's absmax over the median
+                       channel's, for the kv head with the worst raw ratio (the plot's right panel).
+  ``k_int8_levels``    {raw, smoothed, balanced}: {per_tensor, per_block}: int8 levels the median channel
                        spans, 127 · median channel absmax / absmax of the scale's group, with one
                        scale per (batch, kv head) tensor or per block of ``key_block`` keys
                        (mean over blocks and heads).
@@ -41,7 +48,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..formats.int8qk.quant import smooth_k
+from ..formats.int8qk.quant import SMOOTHINGS, smooth
 from . import emulate, metrics, quant
 from .reference import check_shapes, softmax_rows
 
@@ -49,6 +56,8 @@ FLOORS = {"int8": 0.5 / quant.INT8_MAX, "e4m3": 2.0 ** -10 / quant.E4M3_MAX}
 DECADES = [0.0] + [10.0 ** e for e in range(-8, 1)]
 PROBE_FORMATS = ("i8-f16", "i8-i8", "i8-f8")
 DEFAULT_CTX = (4096, 32768)
+DEFAULT_SMOOTHINGS = ("mean", "mean+balance")
+K_VARIANTS = ("raw", "smoothed", "balanced")  # K as given, after smoothing, after balancing
 
 
 def grid_points(grid: str) -> np.ndarray:
@@ -130,28 +139,52 @@ def _int8_levels(k: np.ndarray, key_block: int) -> dict:
     return {"per_tensor": per_tensor, "per_block": per_block}
 
 
-def _k_stats(k: np.ndarray, key_block: int) -> dict:
-    smoothed, _ = smooth_k(k)
-    raw_rel, smooth_rel = _channel_absmax(k), _channel_absmax(smoothed)
-    worst = np.unravel_index(int(np.argmax(raw_rel.max(axis=-1))), raw_rel.shape[:2])
+def _k_stats(q: np.ndarray, k: np.ndarray, key_block: int) -> dict:
+    """K's channel statistics as given, smoothed and balanced (α from q, k; the softmax scale cancels
+    in α's normalization)."""
+    keys = {"raw": k, "smoothed": smooth(q, k, "mean")[1], "balanced": smooth(q, k, "mean+balance")[1]}
+    rel = {name: _channel_absmax(x) for name, x in keys.items()}
+    worst = np.unravel_index(int(np.argmax(rel["raw"].max(axis=-1))), rel["raw"].shape[:2])
     return {
-        "k_channel_ratio": {"raw": float(raw_rel.max()), "smoothed": float(smooth_rel.max())},
-        "k_channel_absmax": {"raw": raw_rel[worst].tolist(), "smoothed": smooth_rel[worst].tolist()},
-        "k_int8_levels": {"raw": _int8_levels(k, key_block), "smoothed": _int8_levels(smoothed, key_block)},
+        "k_channel_ratio": {name: float(r.max()) for name, r in rel.items()},
+        "k_channel_absmax": {name: r[worst].tolist() for name, r in rel.items()},
+        "k_int8_levels": {name: _int8_levels(x, key_block) for name, x in keys.items()},
     }
 
 
-def _errors(fmt: str, q, k, v, scale, p_ref, key_block: int) -> dict:
-    out = emulate.emulate(fmt, q, k, v, scale=scale, block_n=key_block)
+def smoothing_name(smoothing: str | None) -> str:
+    """A smoothing as the report and the CLI spell it: None is "none"."""
+    return "none" if smoothing is None else smoothing
+
+
+def _errors(fmt: str, q, k, v, scale, p_ref, key_block: int, **opts) -> dict:
+    out = emulate.emulate(fmt, q, k, v, scale=scale, block_n=key_block, **opts)
     errors = metrics.compare(out, emulate.reference(fmt, q, k, v, scale=scale))
-    s2 = emulate.scores(fmt, q, k, v, scale=scale, block_n=key_block).astype(np.float64)
+    s2 = emulate.scores(fmt, q, k, v, scale=scale, block_n=key_block, **opts).astype(np.float64)
     p_fmt = np.exp2(s2 - s2.max(axis=-1, keepdims=True))
     p_fmt /= p_fmt.sum(axis=-1, keepdims=True)
     return {"max_rel": errors.max_rel, "rel_l2": errors.rel_l2, "cos": errors.cos,
             "kl": float(metrics.kl_rows(p_ref, p_fmt).mean())}
 
 
-def _probe_context(ctx: int, tensors: dict, formats, floors: dict, queries: int, key_block: int, rng) -> dict:
+def _format_errors(formats, smoothings, q, k, v, scale, p_ref, key_block: int) -> dict:
+    """Each format's errors; an int8-QK format's under each smoothing, as "FORMAT+SMOOTHING", and as
+    plain "FORMAT" under its default, "mean"."""
+    errors = {}
+    for fmt in formats:
+        if not emulate.takes_option(fmt, "smoothing"):
+            errors[fmt] = _errors(fmt, q, k, v, scale, p_ref, key_block)
+            continue
+        for smoothing in smoothings:
+            errors[f"{fmt}+{smoothing_name(smoothing)}"] = _errors(fmt, q, k, v, scale, p_ref, key_block,
+                                                                   smoothing=smoothing)
+        if "mean" in smoothings:
+            errors[fmt] = errors[f"{fmt}+mean"]
+    return errors
+
+
+def _probe_context(ctx: int, tensors: dict, formats, smoothings, floors: dict, queries: int, key_block: int,
+                   rng) -> dict:
     q = _sample_rows(np.asarray(tensors["q"], np.float32), queries, rng)
     k, v = np.asarray(tensors["k"], np.float32), np.asarray(tensors["v"], np.float32)
     scale = tensors.get("scale")
@@ -161,23 +194,27 @@ def _probe_context(ctx: int, tensors: dict, formats, floors: dict, queries: int,
         "ctx": ctx, "rows": int(q.shape[-2]), "heads": int(q.shape[1]),
         "mass_below": {name: float(metrics.mass_below(p_rel, floor).mean()) for name, floor in floors.items()},
         "mass_by_decade": metrics.mass_histogram(p_rel, DECADES).reshape(-1, len(DECADES) - 1).mean(axis=0).tolist(),
-        "errors": {fmt: _errors(fmt, q, k, v, scale, p_ref, key_block) for fmt in formats},
-        **_k_stats(k, key_block),
+        "errors": _format_errors(formats, smoothings, q, k, v, scale, p_ref, key_block),
+        **_k_stats(q, k, key_block),
     }
 
 
 def run_probe(tensors_by_ctx: dict[int, dict] | None = None, *, npz: str | None = None, preset: str | None = None,
               ctx=None, formats=PROBE_FORMATS, grids: dict[str, float] | None = None, queries: int = 128,
-              key_block: int = 64, seed: int = 0) -> dict:
+              key_block: int = 64, seed: int = 0, smoothings=DEFAULT_SMOOTHINGS) -> dict:
     """Probe the tensors at each context length; see the module docstring for the report.
     Give exactly one of tensors_by_ctx ({ctx: dict(q, k, v[, scale])}), npz (a file holding
     q, k and optionally v, BHSD, whose last ctx keys make each context) or preset (a qattn.data
     preset name, generated at each ctx). ctx defaults to 4096 and 32768 (for an npz, those
     shorter than the file, and the whole file). queries bounds the query rows sampled per context;
-    key_block is the int8-QK formats' keys per K scale and softmax step."""
+    key_block is the int8-QK formats' keys per K scale and softmax step; smoothings (of SMOOTHINGS,
+    None for none) those their errors are reported under."""
     unknown = [f for f in formats if f not in emulate.formats()]
     if unknown:
         raise ValueError(f"format: unknown recipes {unknown}; expected names from {sorted(emulate.formats())}")
+    smoothings = list(smoothings)
+    if not smoothings or any(s not in SMOOTHINGS for s in smoothings):
+        raise ValueError(f"smoothing: expected one or more of {SMOOTHINGS}, got {smoothings}")
     if queries < 1:
         raise ValueError(f"queries: expected a positive number of rows, got {queries}")
     if not isinstance(key_block, (int, np.integer)) or key_block < 1:
@@ -189,9 +226,11 @@ def run_probe(tensors_by_ctx: dict[int, dict] | None = None, *, npz: str | None 
         floors[name] = float(floor)
     source, v, by_ctx = _load(tensors_by_ctx, npz, preset, ctx, queries, seed)
     rng = np.random.default_rng(seed)
-    contexts = [_probe_context(c, by_ctx[c], formats, floors, queries, key_block, rng) for c in sorted(by_ctx)]
+    contexts = [_probe_context(c, by_ctx[c], formats, smoothings, floors, queries, key_block, rng)
+                for c in sorted(by_ctx)]
     return {"source": source, "v": v, "floors": floors, "decades": DECADES, "formats": list(formats),
-            "key_block": int(key_block), "contexts": contexts}
+            "smoothings": [smoothing_name(s) for s in smoothings], "key_block": int(key_block),
+            "contexts": contexts}
 
 
 def _share(fraction: float) -> str:
@@ -208,20 +247,22 @@ def format_tables(report: dict) -> list:
     mass.add_column("ctx", justify="right")
     for name, floor in report["floors"].items():
         mass.add_column(f"mass < {name}\nfloor ({floor:.2g})", justify="right")
-    mass.add_column("K worst/median channel\nraw → smoothed", justify="right")
-    mass.add_column(f"int8 levels, median channel\nper tensor / per {report['key_block']} keys\nraw → smoothed",
-                    justify="right")
+    mass.add_column("K worst/median channel\nraw → smoothed → balanced", justify="right")
+    mass.add_column(f"int8 levels, median channel\nper tensor / per {report['key_block']} keys\n"
+                    "raw → smoothed → balanced", justify="right")
     for entry in report["contexts"]:
         ratio, levels = entry["k_channel_ratio"], entry["k_int8_levels"]
-        level_cells = [f"{levels[s]['per_tensor']:.0f} / {levels[s]['per_block']:.0f}" for s in ("raw", "smoothed")]
+        level_cells = [f"{levels[s]['per_tensor']:.0f} / {levels[s]['per_block']:.0f}" for s in K_VARIANTS]
         mass.add_row(f"{entry['ctx']}", *[_share(entry["mass_below"][name]) for name in report["floors"]],
-                     f"{ratio['raw']:.1f}× → {ratio['smoothed']:.1f}×", " → ".join(level_cells))
+                     " → ".join(f"{ratio[s]:.1f}×" for s in K_VARIANTS), " → ".join(level_cells))
     errors = Table(title=f"emulated formats vs FP64 ({report['key_block']} keys per K scale and softmax step)",
                    title_justify="left")
     for name in ("ctx", "format", "max_rel", "rel_l2", "cos", "KL(P_ref ‖ P)"):
         errors.add_column(name, justify="left" if name == "format" else "right")
     for entry in report["contexts"]:
         for fmt, e in entry["errors"].items():
+            if f"{fmt}+mean" in entry["errors"]:  # the default's plain name: shown as FORMAT+mean
+                continue
             errors.add_row(f"{entry['ctx']}", fmt, f"{e['max_rel']:.2e}", f"{e['rel_l2']:.2e}", f"{e['cos']:.6f}",
                            f"{e['kl']:.2e}")
     return [mass, errors] if report["formats"] else [mass]
@@ -257,23 +298,23 @@ def _plot_mass(ax, report: dict) -> None:
 
 
 def _plot_channels(ax, report: dict) -> None:
-    """Every K channel's absmax over the median channel's, before and after smoothing."""
+    """Every K channel's absmax over the median channel's: as given, smoothed, balanced."""
     entry = report["contexts"][-1]
     ratio = entry["k_channel_ratio"]
-    for key, color in (("raw", "tab:orange"), ("smoothed", "tab:blue")):
+    for key, color in zip(K_VARIANTS, ("tab:orange", "tab:blue", "tab:green")):
         values = np.asarray(entry["k_channel_absmax"][key])
         ax.bar(np.arange(len(values)), values, width=1.0, color=color, alpha=0.6,
                label=f"{key}: worst {ratio[key]:.1f}× the median")
     ax.axhline(1.0, color="gray", linewidth=0.8)
     ax.set(yscale="log", xlabel="channel", ylabel="channel absmax / median channel",
-           title=f"K channels before / after smoothing (ctx {entry['ctx']})")
+           title=f"K channels as given, smoothed, balanced (ctx {entry['ctx']})")
     ax.legend(fontsize=8)
 
 
 def plot(report: dict, path) -> None:
     """Write the two-panel PNG: left, where a row's mass lies by decade of p at the shortest and
     longest context, with the floors and the int8 / e4m3 grids marked; right, K's channel
-    magnitudes before and after smoothing."""
+    magnitudes as given, after smoothing and after balancing."""
     figure_class = require_matplotlib()
     fig = figure_class(figsize=(12, 4.5), layout="constrained")
     mass_ax, channel_ax = fig.subplots(1, 2)

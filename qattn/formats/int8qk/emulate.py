@@ -4,8 +4,10 @@ e4m3·e4m3 tile products are exact in float64 (8-bit significands over 36 binade
 float32 once per tile: the two-level accumulation of DESIGN §2.
 
 Options: block_m (query rows per Q scale block, 128), q_granularity / k_granularity ("block",
-"warp", "thread"; see quant), warps (4) and smooth_k (True; False quantizes K without subtracting
-K̄, so the LSE has no q·K̄ to add back)."""
+"warp", "thread"; see quant), warps (4), smoothing ("mean": K̄ subtracted; "mean+balance": then Q's
+and K̃'s channels balanced by quant.balance_factors; None: K quantized as given, so the LSE has no
+q·K̄ to add back), alpha_rule (the balancing factors' rule, "sqrt" or "pow2") and smooth_k, the
+deprecated alias of smoothing (True: "mean", False: None)."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,17 +19,13 @@ from . import quant
 FORMATS = ("i8-f16", "i8-i8", "i8-f8")
 
 
-def _int8_qk(lay, q, k, scale, block_n, block_m, q_granularity, k_granularity, warps, smooth_k=True):
-    """int8 QK with exact K smoothing (smooth_k False: K quantized as given, K̄ = 0): returns
-    (scores, lse_shift)."""
-    if smooth_k:
-        k_smooth, k_mean = quant.smooth_k(np.asarray(k, F32))
-    else:
-        k_smooth = np.asarray(k, F32)
-        k_mean = np.zeros(k_smooth.shape[:-2] + (1, k_smooth.shape[-1]), F32)
+def _int8_qk(lay, q, k, scale, block_n, block_m, q_granularity, k_granularity, warps, smoothing, alpha_rule):
+    """int8 QK after the smoothing (see the module docstring): returns (scores, lse_shift). Balancing
+    scales Q's channels up and K̃'s down by the same α, so the scores keep q̃·K̃ and the shift q̃·K̄."""
     q2 = common.fold_softmax_scale(q, scale)
-    q8 = quant.quantize_int8(q2, block_m, granularity=q_granularity, warps=warps, operand="q")
-    k8 = quant.quantize_int8(k_smooth, block_n, granularity=k_granularity, warps=warps, operand="k")
+    q_in, k_in, k_mean = quant.smooth(q2, k, smoothing, alpha_rule)
+    q8 = quant.quantize_int8(q_in, block_m, granularity=q_granularity, warps=warps, operand="q")
+    k8 = quant.quantize_int8(k_in, block_n, granularity=k_granularity, warps=warps, operand="k")
     qc, qs = exact(lay.q(q8.codes)), lay.q(q8.scale)
     kc, ks = exact(lay.kv(k8.codes)), lay.kv(k8.scale)
 
@@ -41,11 +39,12 @@ def _int8_qk(lay, q, k, scale, block_n, block_m, q_granularity, k_granularity, w
 
 def _int8_pv_tiles(pv_format):
     def build(lay, q, k, v, scale, block_n, *, block_m=128, q_granularity="block", k_granularity="block", warps=4,
-              smooth_k=True):
-        if not isinstance(smooth_k, (bool, np.bool_)):
-            raise ValueError(f"smooth_k: expected True or False, got {smooth_k!r}")
+              smoothing=quant.UNSET, alpha_rule=quant.DEFAULT_ALPHA_RULE, smooth_k=None):
+        smoothing = quant.smoothing_option(smoothing, smooth_k)
+        if alpha_rule not in quant.ALPHA_RULES:
+            raise ValueError(f"alpha_rule: expected one of {quant.ALPHA_RULES}, got {alpha_rule!r}")
         scores, shift = _int8_qk(lay, q, k, scale, block_n, block_m, q_granularity, k_granularity, warps,
-                                 bool(smooth_k))
+                                 smoothing, alpha_rule)
         if pv_format == "f16":
             v16 = lay.kv(np.asarray(v, F32).astype(np.float16).astype(F32))
 

@@ -1,5 +1,6 @@
-"""The int8-QK formats' quantizers in NumPy, exactly as DESIGN §2 defines them: K smoothing, int8 Q/K
-codes per scale group, V per channel (int8 or e4m3) and P with its static scale.
+"""The int8-QK formats' quantizers in NumPy, exactly as DESIGN §2 defines them: K smoothing and Q/K
+channel balancing, int8 Q/K codes per scale group, V per channel (int8 or e4m3) and P with its
+static scale.
 
 Every function works on NumPy arrays laid out BHSD ([batch, heads, seq, head_dim]); the
 sequence axis is -2 and the channel axis -1. Scales are float32 and are returned expanded to
@@ -19,11 +20,22 @@ Granularities of the int8 Q/K scales (``quantize_int8``), along the sequence axi
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from ...check.quant import E4M3_MAX, INT8_MAX, Quantized, symmetric_int8, to_e4m3
 
 GRANULARITIES = ("block", "warp", "thread")
+# What is done to Q and K before they are quantized: "mean" subtracts K̄ (K smoothing), "mean+balance"
+# also moves part of each K channel's range into Q (balance_factors), None quantizes K as given.
+SMOOTHINGS = ("mean", "mean+balance", None)
+DEFAULT_SMOOTHING = "mean"
+# How a channel's balancing factor α is taken: "sqrt" as computed, "pow2" rounded to a power of two
+# (then scaling by it is exact in floating point too).
+ALPHA_RULES = ("sqrt", "pow2")
+DEFAULT_ALPHA_RULE = "sqrt"
+UNSET = object()  # an option the caller did not give
 
 
 def smooth_k(k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -34,6 +46,64 @@ def smooth_k(k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     dtype = np.float64 if k.dtype == np.float64 else np.float32
     mean = k.astype(np.float64).mean(axis=-2, keepdims=True).astype(dtype)
     return k.astype(dtype) - mean, mean
+
+
+def smoothing_option(smoothing=UNSET, smooth_k=None):
+    """The smoothing a call asks for (one of SMOOTHINGS). smooth_k is its deprecated alias: True
+    means "mean" and False None; giving both is an error."""
+    if smooth_k is None:
+        smoothing = DEFAULT_SMOOTHING if smoothing is UNSET else smoothing
+        if smoothing not in SMOOTHINGS:
+            raise ValueError(f"smoothing: expected 'mean', 'mean+balance' or None, got {smoothing!r}")
+        return smoothing
+    if not isinstance(smooth_k, (bool, np.bool_)):
+        raise ValueError(f"smooth_k: expected True or False, got {smooth_k!r}")
+    if smoothing is not UNSET:
+        raise ValueError("smooth_k: give smoothing or its deprecated alias smooth_k, not both")
+    warnings.warn("smooth_k is deprecated: use smoothing='mean' (smooth_k=True) or smoothing=None (smooth_k=False)",
+                  DeprecationWarning, stacklevel=2)
+    return "mean" if smooth_k else None
+
+
+def balance_factors(q: np.ndarray, k: np.ndarray, rule: str = DEFAULT_ALPHA_RULE) -> np.ndarray:
+    """Q/K channel balancing: α [B, Hkv, 1, D] float32 with α_c = sqrt(max|k_c| / max|q_c|), the
+    absmax of q taken over every query head of the kv head's GQA group and every row, of k over
+    every key; normalized so that the median channel's α is 1 ("pow2": then rounded to the nearest
+    power of two in log2). q·k = Σ (q_c·α_c)(k_c/α_c) exactly, so quantizing q·α and k/α changes no
+    score in real arithmetic; it moves half of a large K channel's range (in log scale) into Q, where
+    it is shared with Q's own ranges instead of setting K's scale alone. A channel that is zero in q
+    or in k contributes nothing to any score and keeps α = 1. q [B, Hq, Lq, D] (the softmax scale
+    folded in or not: the normalization cancels it), k [B, Hkv, Lk, D] (after smoothing)."""
+    if rule not in ALPHA_RULES:
+        raise ValueError(f"rule: expected one of {ALPHA_RULES}, got {rule!r}")
+    b, hkv, d = k.shape[0], k.shape[1], k.shape[-1]
+    q_absmax = np.abs(np.asarray(q, np.float64)).reshape(b, hkv, -1, d).max(axis=2)  # [B, Hkv, D]
+    k_absmax = np.abs(np.asarray(k, np.float64)).max(axis=-2)
+    live = (q_absmax > 0) & (k_absmax > 0)
+    alpha = np.where(live, np.sqrt(np.where(live, k_absmax, 1.0) / np.where(live, q_absmax, 1.0)), np.nan)
+    with warnings.catch_warnings():  # a head with no live channel has no median: its α stays 1
+        warnings.simplefilter("ignore", RuntimeWarning)
+        median = np.nanmedian(alpha, axis=-1, keepdims=True)
+    alpha = np.where(live, alpha / median, 1.0)
+    if rule == "pow2":
+        alpha = np.exp2(np.rint(np.log2(alpha)))
+    return alpha.astype(np.float32)[..., None, :]
+
+
+def smooth(q: np.ndarray, k: np.ndarray, smoothing=DEFAULT_SMOOTHING, alpha_rule: str = DEFAULT_ALPHA_RULE):
+    """Q and K as the int8-QK formats quantize them under a smoothing (one of SMOOTHINGS): returns
+    (q·α, (K − K̄)/α, K̄), with K̄ = 0 when smoothing is None and α = 1 unless it is "mean+balance"
+    (α from balance_factors, by alpha_rule). q [B, Hq, Lq, D] with the softmax scale folded in, k
+    [B, Hkv, Lk, D]; float32 (float64 stays float64, for checks in real arithmetic)."""
+    dtype = np.float64 if np.asarray(k).dtype == np.float64 else np.float32
+    q, k = np.asarray(q, dtype), np.asarray(k, dtype)
+    if smoothing is None:
+        return q, k, np.zeros(k.shape[:-2] + (1, k.shape[-1]), dtype)
+    k_smooth, k_mean = smooth_k(k)
+    if smoothing != "mean+balance":
+        return q, k_smooth, k_mean
+    alpha = balance_factors(q, k_smooth, alpha_rule).astype(dtype)
+    return q * np.repeat(alpha, q.shape[1] // k.shape[1], axis=1), k_smooth / alpha, k_mean
 
 
 def _group_absmax(blocks: np.ndarray, block: int, granularity: str, warps: int, operand: str) -> np.ndarray:
