@@ -1095,5 +1095,8 @@ def cache_clear():
     click.echo(f"removed {store.clear()} kernels from {store.root}")
 
 
+from .tune import command as _tune_command  # noqa: E402,F401  (adds `qattn tune`, built on the helpers above)
+
+
 if __name__ == "__main__":
     main()

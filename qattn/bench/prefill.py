@@ -10,12 +10,14 @@ from .timing import attention_flops, time_cuda, time_interleaved, time_sustained
 _CHECK_HEADS = 2  # heads of batch 0 whose output is compared with FP64 (all rows)
 
 
-def _fp64_slice(q, k, v, causal):
-    """FP64 attention (on the GPU) of the first _CHECK_HEADS heads of batch 0: the accuracy
-    yardstick every implementation in a run is measured against."""
+def fp64_slice(q, k, v, causal):
+    """FP64 attention (on the GPU) of the first _CHECK_HEADS query heads of batch 0 (with their kv
+    heads under GQA): the accuracy yardstick every implementation in a run is measured against."""
     import cupy
 
-    qs, ks, vs = (x[0, :_CHECK_HEADS].astype(cupy.float64) for x in (q, k, v))
+    kv_heads = [h // (q.shape[1] // k.shape[1]) for h in range(min(_CHECK_HEADS, q.shape[1]))]
+    qs = q[0, :_CHECK_HEADS].astype(cupy.float64)
+    ks, vs = (x[0, kv_heads].astype(cupy.float64) for x in (k, v))
     s = qs @ ks.swapaxes(-1, -2) / float(q.shape[-1]) ** 0.5
     if causal:
         lq, lk = s.shape[-2:]
@@ -61,7 +63,7 @@ def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers
         shape_rec = {"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim, "causal": causal}
         q, k, v = (rng.standard_normal((batch, heads, seq, head_dim), dtype=cupy.float32).astype(cupy.float16)
                    for _ in range(3))
-        ref = _fp64_slice(q, k, v, causal)
+        ref = fp64_slice(q, k, v, causal)
         timed = []  # (record, callable to time)
         torch_inputs = None
         for name in peers:
@@ -90,7 +92,7 @@ def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers
             if tiles:
                 spec = spec.with_(tile=tiles[entry] if isinstance(tiles, dict) else tiles)
             kernel = build_kernel(spec)
-            xs = _format_inputs(fmt, q, k, v)
+            xs = format_inputs(fmt, q, k, v)
             out = cupy.empty_like(xs[0])
             kernel(*xs, out=out)
             rec = dict(shape_rec, impl=f"qattn:{entry}", kernel=spec.name, rel_l2=_rel_l2(out, ref))
@@ -139,11 +141,11 @@ def accuracy_against_fp64(presets=ACCURACY_PRESETS, contexts=(4096, 32768), form
             for is_causal in causal:
                 if is_causal and lq != ctx:
                     continue
-                ref = _fp64_slice(q, k, v, is_causal)
+                ref = fp64_slice(q, k, v, is_causal)
                 base = {"preset": name, "ctx": ctx, "queries": lq, "causal": is_causal, "heads": heads,
                         "head_dim": head_dim}
                 for fmt in formats:
-                    out = attention(*_format_inputs(fmt, q, k, v), format=fmt, causal=is_causal)
+                    out = attention(*format_inputs(fmt, q, k, v), format=fmt, causal=is_causal)
                     records.append(dict(base, impl=f"qattn:{fmt}", rel_l2=_rel_l2(out, ref)))
                 for peer_name, fn in peer_fns.items():
                     import torch
@@ -158,7 +160,7 @@ def accuracy_against_fp64(presets=ACCURACY_PRESETS, contexts=(4096, 32768), form
     return records
 
 
-def _format_inputs(fmt: str, q, k, v) -> tuple:
+def format_inputs(fmt: str, q, k, v) -> tuple:
     """The fp16 inputs as the format takes them (fp32 for the fp32 recipes)."""
     dtype = recipe_dtype(fmt)
     return (q, k, v) if dtype == q.dtype else tuple(x.astype(dtype) for x in (q, k, v))

@@ -148,6 +148,12 @@ def time_sustained(fn, seconds: float, *, batch: int = 16) -> float:
     return cupy.cuda.get_elapsed_time(start, stop) / calls
 
 
+def round_timer(fn, rounds: int) -> float:
+    """time_interleaved's default timer: the median ms of single calls (time_cuda), the run budget
+    split over the rounds."""
+    return time_cuda(fn, runs=max(5, 20 // rounds), min_ms=200.0 / rounds).median_ms
+
+
 def time_interleaved(fns, rounds: int, timer=None, *, settle: float = 0.0, sleep=None) -> list[list[float]]:
     """Per-call times of each of fns in `rounds` rounds, each round timing every fn once in turn
     (timer(fn, rounds) -> ms; default time_cuda with the run budget split over the rounds).
@@ -164,9 +170,7 @@ def time_interleaved(fns, rounds: int, timer=None, *, settle: float = 0.0, sleep
         import time
 
         sleep = time.sleep
-    if timer is None:
-        def timer(fn, n):
-            return time_cuda(fn, runs=max(5, 20 // n), min_ms=200.0 / n).median_ms
+    timer = round_timer if timer is None else timer
     per_fn: list[list[float]] = [[] for _ in fns]
     for r in range(rounds):
         for k in range(len(fns)) if r % 2 == 0 else reversed(range(len(fns))):

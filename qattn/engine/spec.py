@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from dataclasses import asdict, dataclass, replace
 
+from . import tuned
 from .family import BACKENDS, KINDS, SMEM_PER_BLOCK
 from .registry import launch_choice, recipe
+from .shape_class import ShapeClass
 from .tile import Tile
 
 
@@ -130,23 +133,41 @@ def _option_tag(name: str, value) -> str:
     return f"p{value}" if name == "page_size" else str(value)
 
 
-def default_spec(format: str, head_dim: int, *, causal: bool = False, arch: str | None = None) -> KernelSpec:
-    """The prefill kernel a call of format runs by default on arch (default: the current GPU's)."""
+def default_spec(format: str, head_dim: int, *, causal: bool = False, arch: str | None = None,
+                 shape: ShapeClass | None = None) -> KernelSpec:
+    """The prefill kernel a call of format runs by default on arch (default: the current GPU's): the
+    tile `qattn tune` stored for this GPU (with_tuned_tile; of shape's class where shape is given),
+    else the family's built-in default."""
     rec = recipe(format)
     if "cuda" not in rec.families:
         raise ValueError(f"format {format!r} has no CUDA kernel yet; its CPU emulator is "
                          f"qattn.check.emulate.emulate({format!r}, ...)")
-    return KernelSpec(kind="prefill", recipe=format, head_dim=head_dim, causal=causal,
-                      arch=arch or device_arch())
+    return with_tuned_tile(KernelSpec(kind="prefill", recipe=format, head_dim=head_dim, causal=causal,
+                                      arch=arch or device_arch()), shape)
 
 
 def call_spec(format: str, head_dim: int, causal: bool, queries: int, arch: str, tile: Tile | None = None,
               mma: str | None = None) -> KernelSpec:
     """The kernel a call of `queries` query rows runs: the given tile and matrix unit (each None: the
     arch's default), else where neither is named the one its family lists for the query count
-    (registry.launch_choice), else the family's default."""
-    choice = launch_choice(format, head_dim, arch, queries) if tile is None and mma is None else None
+    (registry.launch_choice), else the tile `qattn tune` stored for this GPU, else the family's default."""
+    named = tile is not None or mma is not None
+    choice = None if named else launch_choice(format, head_dim, arch, queries)
     if choice is not None:
         tile, mma = choice.tile, choice.mma
-    return KernelSpec(kind="prefill", recipe=format, head_dim=head_dim, causal=causal, arch=arch, mma=mma,
+    spec = KernelSpec(kind="prefill", recipe=format, head_dim=head_dim, causal=causal, arch=arch, mma=mma,
                       **({"tile": tile} if tile is not None else {}))
+    return spec if named or choice is not None else with_tuned_tile(spec)
+
+
+def with_tuned_tile(spec: KernelSpec, shape: ShapeClass | None = None) -> KernelSpec:
+    """spec with the tile `qattn tune` stored for it on this GPU (engine/tuned.py: the winner of
+    shape's class where shape is given, else the best over the classes tuned), where there is one."""
+    tile = tuned.lookup(spec.recipe, spec.head_dim, spec.causal, spec.arch, shape)
+    if tile is None or tile == spec.tile:
+        return spec
+    try:
+        return spec.with_(tile=tile)
+    except ValueError as exc:  # stored before the family's tile rules changed: the built-in default stands
+        warnings.warn(f"qattn: ignoring the tuned tile {tile.name} for {spec.name}: {exc}", stacklevel=3)
+        return spec

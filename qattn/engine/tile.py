@@ -5,6 +5,7 @@ import re
 from dataclasses import dataclass
 
 _TILE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+_NAME_RE = re.compile(r"^m(\d+)n(\d+)w(\d+)s(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -31,3 +32,11 @@ class Tile:
         if not match:
             raise ValueError(f"tile: expected BLOCK_MxBLOCK_N such as 128x64, got {text!r}")
         return cls(int(match.group(1)), int(match.group(2)), warps, stages)
+
+    @classmethod
+    def from_name(cls, name: str) -> "Tile":
+        """The tile whose .name is name ('m128n64w4s2' -> Tile(128, 64, 4, 2))."""
+        match = _NAME_RE.match(name)
+        if not match:
+            raise ValueError(f"tile: expected a tile name such as m128n64w4s2, got {name!r}")
+        return cls(*map(int, match.groups()))

@@ -1,0 +1,50 @@
+"""The tiles `qattn tune` sweeps: a grid of block shapes, warps and stages, kept where the format's
+kernel family takes them on the arch (KernelSpec's validation: the family's tile rules and the
+arch's shared memory per block)."""
+from __future__ import annotations
+
+import itertools
+
+from ..engine import registry
+from ..engine.spec import KernelSpec
+from ..engine.tile import Tile
+
+BLOCK_M = (32, 64, 128, 192, 256)
+BLOCK_N = (32, 64, 128)
+# From one warp per SM scheduler up, as every built-in default has; --warps names fewer.
+WARPS = (4, 8, 12, 16)
+STAGES = (1, 2, 3, 4)
+
+
+def tunable_formats() -> list[str]:
+    """The prefill formats whose calls take their kernel from default_spec: those with a CUDA kernel
+    and no call of their own (kv8 calls choose by query count over an int8 cache)."""
+    return [name for name, rec in registry.recipes("prefill").items()
+            if "cuda" in rec.families and registry.family_of(name).call is None]
+
+
+def check_tunable(fmt: str) -> None:
+    registry.recipe(fmt)  # an unknown name raises, naming the known formats
+    if fmt not in tunable_formats():
+        raise ValueError(f"format {fmt!r}: tune covers {', '.join(tunable_formats())} (the formats whose "
+                         "qattn.attention calls run default_spec's kernel)")
+
+
+def candidate_specs(fmt: str, head_dim: int, causal: bool, arch: str, *, block_shapes=None, warps=None,
+                    stages=None) -> list[KernelSpec]:
+    """Every tile of the grid (BLOCK_M x BLOCK_N, WARPS, STAGES; each axis replaced where given,
+    block_shapes as (block_m, block_n) pairs) that the format's kernel takes at head_dim on arch, the
+    built-in default first where the grid holds it."""
+    check_tunable(fmt)
+    default = KernelSpec(kind="prefill", recipe=fmt, head_dim=head_dim, causal=causal, arch=arch)
+    specs = []
+    for (block_m, block_n), w, s in itertools.product(block_shapes or itertools.product(BLOCK_M, BLOCK_N),
+                                                      warps or WARPS, stages or STAGES):
+        try:
+            specs.append(default.with_(tile=Tile(block_m, block_n, w, s)))
+        except ValueError:  # the family does not take this tile (its reason is in KernelSpec's message)
+            continue
+    if not specs:
+        raise ValueError(f"tile: no tile of the grid fits {fmt} d{head_dim} on {arch}; widen --tile, --warps "
+                         f"or --stages (the default tile is {default.tile.name})")
+    return sorted(specs, key=lambda spec: spec.tile != default.tile)  # stable: grid order after the default

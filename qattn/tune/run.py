@@ -1,0 +1,87 @@
+"""A whole tune: one sweep per (format, head dim, causal, shape) asked for, every candidate compiled
+first (in parallel), then checked and timed on the current GPU; each winner is stored in the
+tuned-tile table (engine/tuned.py) as its sweep ends, so that an interrupted run keeps what it found."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from ..engine import tuned
+from ..engine.spec import KernelSpec
+from .build import prebuild
+from .candidates import candidate_specs
+from .case import GpuCase, Shape
+from .sweep import Rejected, sweep
+
+
+@dataclass(frozen=True)
+class Job:
+    """One sweep: its key, the shape it times and the candidates."""
+
+    format: str
+    head_dim: int
+    causal: bool
+    shape: Shape
+    specs: tuple[KernelSpec, ...]
+    default_tile: str  # the built-in default's name
+
+    @property
+    def label(self) -> str:
+        return f"{self.format} d{self.head_dim} {'causal' if self.causal else 'non-causal'} {self.shape.label}"
+
+
+def plan(formats, head_dims, causals, shapes, arch: str, *, block_shapes=None, warps=None, stages=None) -> list[Job]:
+    """The sweeps of a tune, every spec validated before any GPU work (errors name the argument)."""
+    jobs = []
+    for fmt, d, causal in itertools.product(formats, head_dims, causals):
+        specs = tuple(candidate_specs(fmt, d, causal, arch, block_shapes=block_shapes, warps=warps, stages=stages))
+        default = KernelSpec(kind="prefill", recipe=fmt, head_dim=d, causal=causal, arch=arch).tile.name
+        jobs += [Job(fmt, d, causal, shape, specs, default) for shape in shapes]
+    return jobs
+
+
+def steps(jobs: list[Job], rounds: int) -> int:
+    """How many progress lines run() reports: one per distinct candidate compiled, then per sweep one
+    per candidate checked and one per timing round."""
+    return len({spec for job in jobs for spec in job.specs}) + sum(len(job.specs) + rounds for job in jobs)
+
+
+def run(jobs: list[Job], *, rounds: int = 2, seed: int = 0, build_jobs: int = 1,
+        progress: Callable[[str], None] | None = None, case: Callable | None = None,
+        timer: Callable | None = None) -> list[tuned.TunedEntry]:
+    """Run the sweeps on the current GPU and store each winner; returns the entries stored.
+    case(format, head_dim, causal, shape, seed) -> prepare(spec), sweep's (default: GpuCase);
+    timer as sweep's."""
+    device = tuned.current_device()
+    if device is None:
+        raise RuntimeError("tune: no CUDA GPU found; timing needs one")
+    case = case or GpuCase
+    report = progress or (lambda line: None)
+    specs = list(dict.fromkeys(spec for job in jobs for spec in job.specs))
+    compile_errors = prebuild(specs, build_jobs,
+                              lambda spec, error: report(f"compiled {spec.name}" + (f": {error}" if error else "")))
+    entries = []
+    for job in jobs:
+        prepare = case(job.format, job.head_dim, job.causal, job.shape, seed)
+
+        def checked(spec, prepare=prepare):
+            if spec in compile_errors:
+                raise Rejected(compile_errors[spec])
+            return prepare(spec)
+
+        result = sweep(job.specs, checked, rounds=rounds, timer=timer,
+                       progress=lambda line, job=job: report(f"{job.label}: {line}"))
+        if result.winner is None:
+            raise ValueError(f"tile: every candidate of {job.label} was rejected: " +
+                             "; ".join(f"{tile.name}: {why}" for tile, why in result.rejected.items()))
+        entry = tuned.TunedEntry(
+            device, job.specs[0].arch, job.format, job.head_dim, job.causal, job.shape.shape_class, result.winner,
+            candidates={tile.name: ms for tile, ms in result.times.items()}, shape=dataclasses.asdict(job.shape),
+            rejected={tile.name: why for tile, why in result.rejected.items()}, default_tile=job.default_tile,
+            tuned_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        tuned.save([entry])
+        entries.append(entry)
+    return entries
