@@ -38,7 +38,8 @@ def prebuild(specs: list[KernelSpec], jobs: int, done: Callable[[KernelSpec, str
             finish(spec, compile_error(spec))
         return errors
     # spawn: a fresh interpreter per worker, which never touches the GPU (compiling needs none)
-    with ProcessPoolExecutor(max_workers=min(jobs, len(specs)), mp_context=multiprocessing.get_context("spawn")) as pool:
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(jobs, len(specs)), mp_context=spawn) as pool:
         futures = {pool.submit(compile_error, spec): spec for spec in specs}
         for future in as_completed(futures):
             finish(futures[future], future.result())

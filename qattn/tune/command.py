@@ -64,7 +64,8 @@ def _parse_block_shapes(ctx, param, values):
 @click.option("--stages", multiple=True, type=click.IntRange(1, 4),
               help=f"pipeline stages to sweep; repeatable [default: {', '.join(map(str, STAGES))}]")
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
-              help="interleaved timing rounds (every candidate once a round, odd rounds in reverse; the median is kept)")
+              help="interleaved timing rounds (every candidate once a round, odd rounds in reverse; the median is "
+                   "kept)")
 @click.option("--jobs", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default="CPUs",
               help="processes compiling the candidates")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the random inputs")
