@@ -102,13 +102,12 @@ def tune(ctx, formats, head_dims, causal, shapes, queries, heads, kv_heads, tile
     with _Progress("tune", tuning.steps(jobs_planned, rounds)) as progress:
         entries = tuning.run(jobs_planned, rounds=rounds, seed=seed, build_jobs=jobs, progress=progress.done)
     table = _table(f"tuned on {entries[0].device.gpu} ({arch}, driver {entries[0].device.driver})", "format", "D",
-                   "causal", "shape class", "timed at", "winner", "ms", "default", "default ms", "speedup", "rejected",
-                   right=("D", "ms", "default ms", "speedup", "rejected"))
+                   "causal", "shape class", "timed at", "winner", "ms", "default", "default ms", "vs default",
+                   "rejected", right=("D", "ms", "default ms", "vs default", "rejected"))
     for e in entries:
-        default_ms = e.candidates.get(e.default_tile)
         table.add_row(e.format, str(e.head_dim), "yes" if e.causal else "no", e.shape_class.name,
-                      Shape(**e.shape).label, e.tile.name, _fmt(e.ms, ".4f"), e.default_tile, _fmt(default_ms, ".4f"),
-                      _fmt(default_ms and default_ms / e.ms, ".2f"), str(len(e.rejected)))
+                      Shape(**e.shape).label, e.tile.name, _fmt(e.ms, ".4f"), e.default_tile,
+                      _fmt(e.candidates.get(e.default_tile), ".4f"), _vs_default(e), str(len(e.rejected)))
     console = _console()
     console.print(table)
     console.print(f"stored in {tuned.table_path()}")
@@ -131,12 +130,27 @@ def _show(formats, head_dims, json_path) -> None:
     table = _table(f"tuned tiles in {path}", "GPU", "driver", "qattn", "arch", "format", "D", "causal", "shape class",
                    "tile", "ms", "vs default", "used here", right=("D", "ms", "vs default"))
     for e in sorted(entries, key=_order):
-        default_ms = e.candidates.get(e.default_tile)
         table.add_row(e.device.gpu, e.device.driver, e.device.qattn, e.arch, e.format, str(e.head_dim),
-                      "yes" if e.causal else "no", e.shape_class.name, e.tile.name, _fmt(e.ms, ".4f"),
-                      _fmt(default_ms and default_ms / e.ms, ".2f") + ("x" if default_ms else ""), _used(e, device))
-    _console().print(table)
+                      "yes" if e.causal else "no", e.shape_class.name, e.tile.name, _fmt(e.ms, ".4f"), _vs_default(e),
+                      _used(e, device))
+    console = _console()
+    console.print(table)
+    classes = {}
+    for e in entries:
+        if _used(e, device) == "yes":
+            classes.setdefault(e.key[:5], []).append(e)
+    for (_, _, fmt, d, causal), group in classes.items():
+        if len(group) > 1:
+            console.print(f"{fmt} d{d} {'causal' if causal else 'non-causal'}: a call that names no shape class "
+                          f"(qattn.attention) runs {tuned.best_overall(group).name}, the best over these "
+                          f"{len(group)} classes")
     _note_disabled()
+
+
+def _vs_default(e: tuned.TunedEntry) -> str:
+    """How much faster the winner ran than the built-in default in the same sweep ("-": not swept)."""
+    default_ms = e.candidates.get(e.default_tile)
+    return "-" if default_ms is None else f"{default_ms / e.ms:.2f}x"
 
 
 def _order(e: tuned.TunedEntry) -> tuple:
