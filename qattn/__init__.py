@@ -5,6 +5,7 @@ from .api import attention, build, default_spec
 from .check import metrics, reference
 from .engine.cache import KernelNotCached
 from .engine.compile import CompileError
+from .engine.memory import Workspace
 from .engine.registry import RECIPES, recipe
 from .engine.spec import KernelSpec
 from .engine.tile import Tile
@@ -15,4 +16,5 @@ from .version import __version__
 __all__ = [
     "__version__", "attention", "build", "default_spec", "KernelSpec", "Tile", "RECIPES", "recipe",
     "reference", "metrics", "CompileError", "KernelNotCached", "KVCacheInt8", "PagedKVCache", "decode",
+    "Workspace",
 ]

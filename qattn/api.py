@@ -52,27 +52,34 @@ def _check_options(options: dict, format: str | None, k) -> None:
 
 
 def attention(q, k, v=None, *, format: str | None = None, causal: bool = False, scale: float | None = None,
-              return_lse: bool = False, out=None, tile: Tile | None = None, smooth_k: bool | None = None):
+              return_lse: bool = False, out=None, lse=None, tile: Tile | None = None, smooth_k: bool | None = None,
+              workspace=None, stream=None):
     """softmax(q kᵀ·scale) v on the GPU in the given format (default: f16, bf16 or f32 by q's dtype,
     see default_format). q [B, Hq, Lq, D], k and v
     [B, Hkv, Lk, D] (any strides on batch, head and sequence; D contiguous), Hq a multiple of
     Hkv; causal masks are bottom-right aligned. Returns out (and the natural-log LSE [B, Hq, Lq]
     in fp32 when return_lse). With an int8 KV cache, attention(q, cache, ...) (a qattn.KVCacheInt8)
     runs a kv8 format: see qattn/formats/kv8/host.py for how it is chosen (format=, $QATTN_PREFILL_KV8).
-    smooth_k (int8-QK formats only, default True): False quantizes K without subtracting its mean."""
+    smooth_k (int8-QK formats only, default True): False quantizes K without subtracting its mean.
+    lse: an fp32 [B, Hq, Lq] array to write the LSE to (implies return_lse). workspace: a
+    qattn.Workspace for the call's temporaries (quantized operands, split-K partials). stream: where
+    to launch (a CuPy or torch stream, or a pointer); default: the current stream of q's array type.
+    Every path can be captured in a CUDA graph (after one call outside the capture): torch callers
+    as they are, CuPy callers with out= (and lse=) and workspace= (see engine/memory.py)."""
     options = {} if smooth_k is None else {"smooth_k": smooth_k}
     _check_options(options, format, k)
     family = registry.family_for_cache(k) or (registry.family_of(format) if format is not None else None)
     if family is not None and family.call is not None:
         return family.call(q, k, v, format=format, causal=causal, scale=scale, return_lse=return_lse, out=out,
-                           tile=tile, **options)
+                           lse=lse, tile=tile, workspace=workspace, stream=stream, **options)
     if v is None:
         raise ValueError("v: expected V [B, Hkv, Lk, D] (or pass a qattn.KVCacheInt8 as k)")
     q_dev = as_device_array(q, "q")
     if q_dev.ndim != 4:
         raise ValueError(f"q: expected 4 dimensions [batch, heads, seq, head_dim], got shape {q_dev.shape}")
     format = default_format(q_dev.dtype.name) if format is None else format
-    return _call_kernel(format, q_dev, causal, tile)(q, k, v, scale=scale, return_lse=return_lse, out=out, **options)
+    return _call_kernel(format, q_dev, causal, tile)(q, k, v, scale=scale, return_lse=return_lse, out=out, lse=lse,
+                                                     workspace=workspace, stream=stream, **options)
 
 
 def _call_kernel(format: str, q, causal, tile) -> Kernel:

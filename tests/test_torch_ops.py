@@ -46,3 +46,42 @@ def test_compile_fullgraph_equals_eager_on_the_gpu():
     compiled = torch.compile(block, fullgraph=True)
     # the same kernel on the same inputs; inductor may fuse the elementwise tail in fp32 (bf16 tolerance)
     torch.testing.assert_close(compiled(q, k, v), block(q, k, v))
+
+
+def test_the_decode_fake_gives_the_output_shape_without_running():
+    import qattn.torch  # noqa: F401
+
+    q = torch.empty(3, 8, 2, 128, dtype=torch.bfloat16, device="meta")
+    table = torch.empty(3, 5, dtype=torch.int32, device="meta")
+    out = torch.ops.qattn.decode(q, table, table[:, 0], 12345)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.device.type == "meta"
+
+
+def test_a_dead_cache_handle_is_refused_by_name():
+    import qattn.torch
+
+    with pytest.raises(ValueError, match="^cache: no live"):
+        qattn.torch._cache_of(1)
+    with pytest.raises(TypeError, match="^cache: expected a qattn.PagedKVCache"):
+        qattn.torch.cache_handle(object())
+
+
+@pytest.mark.gpu
+def test_compiled_decode_equals_eager_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import qattn
+    import qattn.torch
+
+    cache = qattn.PagedKVCache(16, 32, 2, 128, k="e4m3", v="e4m3")
+    k = torch.randn(400, 2, 128, device="cuda", dtype=torch.float16)
+    cache.write(k, torch.randn_like(k), torch.arange(400, device="cuda"))
+    table = torch.arange(16, dtype=torch.int32, device="cuda").reshape(2, 8)
+    lens = torch.tensor([230, 256], dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 8, 1, 128, device="cuda", dtype=torch.float16)
+
+    def step(q):
+        return qattn.torch.decode(q, cache, table, lens) * 2 + q
+
+    compiled = torch.compile(step, fullgraph=True)
+    torch.testing.assert_close(compiled(q), step(q))

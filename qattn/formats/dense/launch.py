@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...engine.registry import recipe
-from ...engine.arrays import as_device_array, check_view, like_input, on_device, signature
+from ...engine.arrays import as_device_array, check_view, on_device, signature
+from ...engine.memory import CallMemory, lse_output
 from ...engine.packed import NULL, PackedLaunch, Pointer, cached_plan, element_strides, programmatic
 from ...check.reference import check_shapes
 
@@ -19,13 +20,14 @@ class _PrefillPlan:
     lse_shape: tuple
 
 
-def prefill(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, stream=None):
+def prefill(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, lse=None,
+            stream=None, workspace=None):
     """out = softmax(q kᵀ·scale) v for one prefill kernel; returns out or (out, lse). The launch is
     planned once per signature (shapes, strides, dtypes, options; packed.cached_plan): a repeated
-    call checks its pointers' alignment, allocates and launches."""
-    import cupy
-
+    call checks its pointers' alignment, allocates what the caller did not give (memory.CallMemory)
+    and launches. The dense kernels need no temporaries: workspace is accepted and unused."""
     example = q
+    return_lse = return_lse or lse is not None
     q, k, v = (as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     out_given = None if out is None else as_device_array(out, "out")
     scale = None if scale is None else float(scale)
@@ -36,16 +38,14 @@ def prefill(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = F
     for x, n in ((q, "q"), (k, "k"), (v, "v"), (out_given, "out")):
         if x is not None and x.data.ptr % align:
             raise ValueError(f"{n}: data pointer must be {align}-byte aligned")
+    lse_output(lse, plan.lse_shape)
     with on_device(q, stream):
-        out_arr = out_given if out_given is not None else cupy.empty(q.shape, dtype=q.dtype)
-        lse = cupy.empty(plan.lse_shape, dtype=cupy.float32) if return_lse else None
+        memory = CallMemory(example, stream, workspace)
+        out_arr, out_result = memory.output(out, q.shape, q.dtype, "out", out_given)
+        lse_arr, lse_result = memory.output(lse, plan.lse_shape, "float32", "lse") if return_lse else (None, None)
         plan.launch({"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "out": out_arr.data.ptr,
-                     "lse": lse.data.ptr if lse is not None else 0},
-                    (stream if stream is not None else cupy.cuda.get_current_stream()).ptr)
-    out_arr = like_input(out_arr, example) if out is None else out
-    if return_lse:
-        return out_arr, like_input(lse, example)
-    return out_arr
+                     "lse": lse_arr.data.ptr if lse_arr is not None else 0}, memory.stream_ptr)
+    return (out_result, lse_result) if return_lse else out_result
 
 
 def _plan(kernel, q, k, v, out, scale, return_lse) -> _PrefillPlan:

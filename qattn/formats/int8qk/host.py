@@ -37,6 +37,7 @@ import numpy as np
 
 from ...engine.registry import recipe
 from ...engine.arrays import as_device_array, check_view, like_input, on_device
+from ...engine.memory import CallMemory, cupy_stream, lse_output
 from .launch import (COLSTATS_CHUNK, QUANT_THREADS, QuantPlan, attention_launch, contiguous_strides,
                           describe_scales, emulator_options, k_scale_groups, q_quant_rows, scale_blocks,
                           scale_options)
@@ -118,8 +119,10 @@ class QuantizedQKV:
         return untile_vt(self.v, self.tile_keys) if self.tile_keys else self.v
 
     def with_query(self, q, *, kernel=None, with_shift: bool | None = None, scale: float | None = None,
-                   stream=None) -> "QuantizedQKV":
-        """The same K and V operands with new queries q [B, Hq', Lq', D] (same batch and head_dim)."""
+                   stream=None, workspace=None) -> "QuantizedQKV":
+        """The same K and V operands with new queries q [B, Hq', Lq', D] (same batch and head_dim);
+        the new Q operands in workspace when given (see quantize)."""
+        example = q
         kernel = kernel or _default_kernel(self.format, self.dims[5])
         _check_kernel(kernel, self)
         q = _checked(q, "q", self.dtype, fmt=self.format)
@@ -130,7 +133,8 @@ class QuantizedQKV:
         with_shift = self.shift is not None if with_shift is None else with_shift
         scale = self.scale if scale is None else _check_scale(scale, d)
         with on_device(q, stream):
-            q8, q_scale, shift = _quantize_q(kernel, q, self.k_mean, scale, self.dims[2], with_shift, stream)
+            memory = CallMemory(example, stream, workspace) if kernel.spec.backend == "cuda" else None
+            q8, q_scale, shift = _quantize_q(kernel, q, self.k_mean, scale, self.dims[2], with_shift, stream, memory)
         return dataclasses.replace(self, dims=(b, hq, self.dims[2], lq, self.dims[4], d), scale=scale,
                                    q8=q8, q_scale=q_scale, shift=shift)
 
@@ -253,22 +257,41 @@ def _quantize_k(kernel, k, stream, smooth_k=True):
     return k8, k_scale, k_mean
 
 
-def _quantize_q(kernel, q, k_mean, scale, hkv, with_shift, stream):
+def _quantize_q(kernel, q, k_mean, scale, hkv, with_shift, stream, memory=None):
+    """Q's codes, scales and (with_shift) q̃·K̄; in one scratch of memory (a CallMemory) when given."""
     import cupy
 
     b, hq, lq, d = q.shape
     bm = scale_blocks(kernel.spec)[0]
     if hq % hkv:
         raise ValueError(f"q: {hq} query heads is not a multiple of k's {hkv} kv heads (GQA needs Hq = g*Hkv)")
-    q8 = cupy.empty((b, hq, lq, d), dtype=cupy.int8)
-    q_scale = cupy.empty((b, hq, -(-lq // bm)), dtype=cupy.float32)
-    shift = cupy.empty((b, hq, lq), dtype=cupy.float32) if with_shift else None
+    shapes = {"q8": ((b, hq, lq, d), np.int8), "q_scale": ((b, hq, -(-lq // bm)), np.float32)}
+    if with_shift:
+        shapes["shift"] = ((b, hq, lq), np.float32)
+    if memory is None:
+        arrays = {name: cupy.empty(shape, dtype=dtype) for name, (shape, dtype) in shapes.items()}
+    else:
+        arrays = _carve(memory, shapes)
+        stream = cupy_stream(memory.stream_ptr)
     mul = np.float32(scale * quant.LOG2E)  # as quant.fold_softmax_scale
     fn = kernel.function("_quant_q_" + _SUFFIX[q.dtype.name])
     fn((-(-lq // q_quant_rows(kernel.spec)), hq, b), (QUANT_THREADS,),
-       (q, *_strides(q), np.int32(lq), np.int32(hq // hkv), mul, k_mean, q8, q_scale,
-        shift if with_shift else _null()), stream=stream)
-    return q8, q_scale, shift
+       (q, *_strides(q), np.int32(lq), np.int32(hq // hkv), mul, k_mean, arrays["q8"], arrays["q_scale"],
+        arrays.get("shift", _null())), stream=stream)
+    return arrays["q8"], arrays["q_scale"], arrays.get("shift")
+
+
+def _carve(memory, shapes: dict) -> dict:
+    """CuPy arrays of the given (shape, dtype) by name, side by side in one scratch of memory."""
+    import cupy
+
+    sizes = {name: -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // 256) * 256
+             for name, (shape, dtype) in shapes.items()}
+    base, arrays, offset = memory.scratch(sum(sizes.values())), {}, 0
+    for name, (shape, dtype) in shapes.items():
+        arrays[name] = cupy.ndarray(shape, dtype=dtype, memptr=base + offset)
+        offset += sizes[name]
+    return arrays
 
 
 def _quantize_v(kernel, v, stream):
@@ -333,23 +356,17 @@ def _quant_plan(kernel, q, k, v, dims, scale: float, with_shift: bool, smooth_k:
                                                       scale, with_shift, smooth_k))
 
 
-def _stream_ptr(stream) -> int:
-    import cupy
-
-    return (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
-
-
 def quantize(q, k, v, *, format: str | None = None, scale: float | None = None, with_shift: bool = False,
-             kernel=None, stream=None, smooth_k: bool = True) -> QuantizedQKV:
+             kernel=None, stream=None, smooth_k: bool = True, workspace=None) -> QuantizedQKV:
     """Quantize fp16 or bf16 q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D] (any batch/head/sequence
     strides, channels contiguous) for an int8-QK kernel. Give format (its default kernel for the
     head dim is built) or kernel (its tile sets the scale blocks). with_shift keeps q̃·K̄, which
     attention_quantized needs to return the LSE. smooth_k=False skips K smoothing (K̄ = 0): K is
     quantized as given, as emulate's smooth_k=False does (to measure what smoothing buys).
-    On CUDA the operands are views of one allocation."""
-    import cupy
-
+    On CUDA the operands are views of one allocation: of workspace (a qattn.Workspace, e.g. inside a
+    CUDA graph capture; the operands then last until the workspace's next use) when given."""
     smooth_k = _check_smooth_k(smooth_k)
+    example = q
     if kernel is None:
         if format is None:
             raise ValueError("format: give format (e.g. 'i8-f8') or kernel")
@@ -363,8 +380,9 @@ def quantize(q, k, v, *, format: str | None = None, scale: float | None = None, 
     with on_device(q, stream):
         if spec.backend == "cuda":
             plan = _quant_plan(kernel, q, k, v, dims, scale, with_shift, smooth_k)
-            memory = cupy.cuda.alloc(plan.nbytes)
-            plan.launch({"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "ws": memory.ptr}, _stream_ptr(stream))
+            call = CallMemory(example, stream, workspace)
+            memory = call.scratch(plan.nbytes)
+            plan.launch({"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "ws": memory.ptr}, call.stream_ptr)
             ops = plan.arrays(memory)
             small = ops["small"]
             q8, q_scale, shift, k8, k_scale = ops["q8"], ops["q_scale"], ops.get("shift"), ops["k8"], ops["k_scale"]
@@ -387,12 +405,10 @@ _OPERANDS = {name: Pointer(name) for name in ("q8", "k8", "v", "q_scale", "k_sca
 
 
 def _checked_out(out, dims, dtype):
-    """out (an array to write, or None: allocate) as a CuPy array of shape [B, Hq, Lq, D] in dtype."""
-    import cupy
-
+    """out (an array to write, or None) as a CuPy array of shape [B, Hq, Lq, D] in dtype, checked."""
     b, hq, _, lq, _, d = dims
     if out is None:
-        return cupy.empty((b, hq, lq, d), dtype=dtype)
+        return None
     out_arr = as_device_array(out, "out")
     if out_arr.shape != (b, hq, lq, d) or out_arr.dtype != dtype:
         raise ValueError(f"out: expected shape {(b, hq, lq, d)} and dtype {np.dtype(dtype).name}, "
@@ -402,12 +418,12 @@ def _checked_out(out, dims, dtype):
 
 
 def attention_quantized(kernel, qkv: QuantizedQKV, *, causal: bool | None = None, return_lse: bool = False,
-                        out=None, stream=None):
+                        out=None, lse=None, stream=None):
     """softmax(q kᵀ·τ) v from quantized operands; returns out [B, Hq, Lq, D] in the input dtype
-    (and the natural-log LSE [B, Hq, Lq] in fp32 when return_lse). kernel None builds the
-    format's default kernel (causal as given); causal, when given, must match the kernel's."""
-    import cupy
-
+    (and the natural-log LSE [B, Hq, Lq] in fp32 when return_lse, or written to lse). kernel None
+    builds the format's default kernel (causal as given); causal, when given, must match the
+    kernel's. Runs on stream, else on the current stream of out's array type (torch or CuPy)."""
+    return_lse = return_lse or lse is not None
     if kernel is None:
         kernel = _default_kernel(qkv.format, qkv.dims[5], bool(causal))
     _check_kernel(kernel, qkv)
@@ -418,19 +434,21 @@ def attention_quantized(kernel, qkv: QuantizedQKV, *, causal: bool | None = None
         raise ValueError("return_lse: the LSE needs q̃·K̄; quantize with with_shift=True")
     dims = qkv.dims
     _grid_check(dims[0], dims[1])
+    lse_shape = (dims[0], dims[1], dims[3])
+    lse_output(lse, lse_shape)
     with on_device(qkv.q8, stream):
-        out_arr = _checked_out(out, dims, _out_dtype(qkv.dtype))
-        lse = cupy.empty((dims[0], dims[1], dims[3]), dtype=cupy.float32) if return_lse else None
+        memory = CallMemory(out if out is not None else qkv.q8, stream)
+        out_arr, out_result = memory.output(out, (dims[0], dims[1], dims[3], dims[5]), _out_dtype(qkv.dtype), "out",
+                                            None if out is None else _checked_out(out, dims, _out_dtype(qkv.dtype)))
+        lse_arr, lse_result = memory.output(lse, lse_shape, "float32", "lse") if return_lse else (None, None)
         key = ("attention", dims, qkv.dtype, qkv.v.strides, out_arr.strides, return_lse)
         launch = cached_plan(kernel, key, lambda: attention_launch(
             kernel, dims, qkv.dtype, _OPERANDS, qkv.v.strides, _strides(out_arr), return_lse))
         pointers = {name: (getattr(qkv, name).data.ptr if getattr(qkv, name) is not None else 0)
                     for name in _OPERANDS}
-        pointers.update(out=out_arr.data.ptr, lse=lse.data.ptr if return_lse else 0)
-        launch(pointers, _stream_ptr(stream))
-    if return_lse:
-        return out_arr, lse
-    return out_arr
+        pointers.update(out=out_arr.data.ptr, lse=lse_arr.data.ptr if return_lse else 0)
+        launch(pointers, memory.stream_ptr)
+    return (out_result, lse_result) if return_lse else out_result
 
 
 def _out_dtype(name: str):
@@ -444,13 +462,16 @@ class _CallPlan:
     launch on the operands they leave in the workspace."""
 
     def __init__(self, kernel, q, k, v, dims, scale, return_lse, smooth_k, out_arr):
+        b, hq, _, lq, _, d = dims
+        self.out_shape, self.out_dtype, self.lse_shape = (b, hq, lq, d), q.dtype, (b, hq, lq)
+        # the caller's out, or a new C-order array
+        out_strides = _strides(out_arr) if out_arr is not None else [np.int64(hq * lq * d), np.int64(lq * d),
+                                                                     np.int64(d)]
         self.quant = _quant_plan(kernel, q, k, v, dims, scale, return_lse, smooth_k)
         operands = self.quant.operands()
         v_buffer = self.quant.buffers.get("v_op")
         v_strides = contiguous_strides(v_buffer) if v_buffer is not None else v.strides
-        self.attention = attention_launch(kernel, dims, q.dtype.name, operands, v_strides, _strides(out_arr),
-                                          return_lse)
-        self.out_shape, self.out_dtype, self.lse_shape = out_arr.shape, out_arr.dtype, (dims[0], dims[1], dims[3])
+        self.attention = attention_launch(kernel, dims, q.dtype.name, operands, v_strides, out_strides, return_lse)
 
 
 def _call_key(q, k, v, scale, return_lse, smooth_k, out):
@@ -459,28 +480,27 @@ def _call_key(q, k, v, scale, return_lse, smooth_k, out):
             q.data.device_id, k.data.device_id, v.data.device_id, scale, bool(return_lse), smooth_k, out_sig)
 
 
-def prefill_i8(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, stream=None,
-               smooth_k: bool = True):
+def prefill_i8(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, lse=None,
+               stream=None, smooth_k: bool = True, workspace=None):
     """The launcher of the int8-QK families (launch.LAUNCHERS["prefill_i8"]): quantize, then attend.
     smooth_k=False quantizes K without subtracting its mean (see quantize). On CUDA a call's launches
     are planned once per signature (shapes, strides, dtypes, options): a repeated call checks only
-    its pointers' alignment and launches."""
-    example = q
+    its pointers' alignment and launches. The quantized operands are temporaries (memory.CallMemory:
+    from workspace when given)."""
+    return_lse = return_lse or lse is not None
     if kernel.spec.backend != "cuda":
+        example = q
         qkv = quantize(q, k, v, scale=scale, with_shift=return_lse, kernel=kernel, stream=stream, smooth_k=smooth_k)
-        result = attention_quantized(kernel, qkv, return_lse=return_lse, out=out, stream=stream)
-    else:
-        result = _whole_call(kernel, q, k, v, scale, return_lse, out, stream, smooth_k)
-    if out is not None:
-        return (out, like_input(result[1], example)) if return_lse else out
-    if return_lse:
-        return like_input(result[0], example), like_input(result[1], example)
-    return like_input(result, example)
+        result = attention_quantized(kernel, qkv, return_lse=return_lse, out=out, lse=lse, stream=stream)
+        if return_lse:
+            return (out if out is not None else like_input(result[0], example)), \
+                (lse if lse is not None else like_input(result[1], example))
+        return out if out is not None else like_input(result, example)
+    return _whole_call(kernel, q, k, v, scale, return_lse, out, lse, stream, smooth_k, workspace)
 
 
-def _whole_call(kernel, q, k, v, scale, return_lse, out, stream, smooth_k):
-    import cupy
-
+def _whole_call(kernel, q, k, v, scale, return_lse, out, lse, stream, smooth_k, workspace):
+    example = q
     q, k, v = (as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     out_given = None if out is None else as_device_array(out, "out")
     scale = None if scale is None else _check_scale(scale, 0)
@@ -498,13 +518,14 @@ def _whole_call(kernel, q, k, v, scale, return_lse, out, stream, smooth_k):
         pointers["out"] = out_given.data.ptr
     if any(p % 16 for p in pointers.values()):  # the plan fixed all else: name the misaligned one
         _checked_out(out_given, _checked_inputs(kernel, q, k, v)[3], q.dtype)
+    lse_output(lse, plan.lse_shape)
     with on_device(q, stream):
-        memory = cupy.cuda.alloc(plan.quant.nbytes)
-        pointers["ws"] = memory.ptr
-        stream_ptr = _stream_ptr(stream)
-        plan.quant.launch(pointers, stream_ptr)  # first: the GPU starts while the outputs are allocated
-        out_arr = out_given if out_given is not None else cupy.empty(plan.out_shape, dtype=plan.out_dtype)
-        lse = cupy.empty(plan.lse_shape, dtype=cupy.float32) if return_lse else None
-        pointers.update(out=out_arr.data.ptr, lse=lse.data.ptr if return_lse else 0)
-        plan.attention(pointers, stream_ptr)
-    return (out_arr, lse) if return_lse else out_arr
+        memory = CallMemory(example, stream, workspace)
+        operands = memory.scratch(plan.quant.nbytes)
+        pointers["ws"] = operands.ptr
+        plan.quant.launch(pointers, memory.stream_ptr)  # first: the GPU starts while the outputs are allocated
+        out_arr, out_result = memory.output(out, plan.out_shape, plan.out_dtype, "out", out_given)
+        lse_arr, lse_result = memory.output(lse, plan.lse_shape, "float32", "lse") if return_lse else (None, None)
+        pointers.update(out=out_arr.data.ptr, lse=lse_arr.data.ptr if return_lse else 0)
+        plan.attention(pointers, memory.stream_ptr)
+    return (out_result, lse_result) if return_lse else out_result

@@ -24,7 +24,8 @@ import time
 import numpy as np
 
 from . import quant
-from ...engine.arrays import as_device_array
+from ...engine.arrays import as_device_array, launch_stream
+from ...engine.memory import capturing, cupy_stream
 
 WRITER_NAME = "qattn_kv8_write"
 WRITER_TEMPLATE = "cuda/kv8_write.cu.j2"
@@ -221,6 +222,8 @@ class KVCacheInt8:
         if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)):
             raise ValueError(f"offset: expected an integer token position, got {offset!r}")
         k_dev, v_dev = self._checked_input(k, "k"), self._checked_input(v, "v")
+        stream_ptr = launch_stream(stream, k)
+        capturing(stream_ptr)  # names the stream if the call would break a capture under way
         if v_dev.shape != k_dev.shape:
             raise ValueError(f"v: expected the shape of k {k_dev.shape}, got {v_dev.shape}")
         n = k_dev.shape[2]
@@ -229,8 +232,9 @@ class KVCacheInt8:
                              f"unwritten, got {offset}")
         if offset + n > self.capacity:
             raise ValueError(f"k: writing {n} tokens at offset {offset} overflows the capacity {self.capacity}")
-        for x, codes, scales in ((k_dev, self.k_codes, self.k_scales), (v_dev, self.v_codes, self.v_scales)):
-            self._launch(x, codes, scales, int(offset), stream)
+        # K first: the V pass marks a non-finite V token's K scale NaN (see kv8_write.cu.j2)
+        self._launch(k_dev, self.k_codes, self.k_scales, None, int(offset), stream_ptr)
+        self._launch(v_dev, self.v_codes, self.v_scales, self.k_scales, int(offset), stream_ptr)
         self.length = max(self.length, int(offset) + n)
         return self.length
 
@@ -260,7 +264,7 @@ class KVCacheInt8:
             raise ValueError(f"{name}: on device {x.device.id}, but the cache is on device {self.device.id}")
         return x
 
-    def _launch(self, x, codes, scales, offset: int, stream) -> None:
+    def _launch(self, x, codes, scales, k_scales, offset: int, stream_ptr: int) -> None:
         b, h, n, d = x.shape
         fn = _writer_function(INPUT_DTYPES[x.dtype.name], x.device.id)
         rows = b * h * n
@@ -268,10 +272,13 @@ class KVCacheInt8:
         def el(arr):
             return [np.int64(s // arr.itemsize) for s in arr.strides[:3]]
 
-        args = (x, *el(x), codes, *el(codes), scales, *el(scales)[:2],
+        # the writer indexes the K scales with the V scales' strides (equal unless wrapped from the caller's arrays)
+        mark = k_scales if k_scales is not None and k_scales.strides == scales.strides else np.uintp(0)
+        args = (x, *el(x), codes, *el(codes), scales, mark, *el(scales)[:2],
                 np.int32(b), np.int32(h), np.int32(n), np.int32(d), np.int32(offset))
         with x.device:
-            fn(((rows + WRITER_WARPS - 1) // WRITER_WARPS,), (32 * WRITER_WARPS,), args, stream=stream)
+            fn(((rows + WRITER_WARPS - 1) // WRITER_WARPS,), (32 * WRITER_WARPS,), args,
+               stream=cupy_stream(stream_ptr))
 
     # ---- reading -----------------------------------------------------------------------------
 

@@ -44,7 +44,8 @@ import os
 import numpy as np
 
 from .recipes import MMA_FORMATS
-from ...engine.arrays import as_device_array, like_input, on_device, signature
+from ...engine.arrays import as_device_array, on_device, signature
+from ...engine.memory import CallMemory, lse_output
 from .launch import Kv8Plan
 from .cache import CODE_ALIGN, KVCacheInt8
 from ...engine.packed import cached_plan, element_strides
@@ -148,18 +149,22 @@ def choose_splits(kernel, b: int, hq: int, lq: int, lk: int, device_id: int = 0)
     return auto_splits(blocks, math.ceil(lk / kernel.spec.tile.block_n), *kernel.resident(device_id))
 
 
-def prefill_kv8(kernel, q, k, v=None, *, scale: float | None = None, return_lse: bool = False, out=None,
-                stream=None, splits: int | None = None):
+def prefill_kv8(kernel, q, k, v=None, *, scale: float | None = None, return_lse: bool = False, out=None, lse=None,
+                stream=None, splits: int | None = None, workspace=None):
     """out = softmax(q kᵀ·scale) v over an int8 KV cache with one kv8 kernel; returns out or
     (out, lse). k: a KVCacheInt8 (v None), (codes, scales) pairs, or float K and V (quantized into
     a temporary cache). splits: blocks per query block over the key range (None: auto_splits).
     The launches are planned once per signature (kv8_launch.Kv8Plan): a repeated call checks only
-    its code arrays' alignment, allocates and launches."""
-    import cupy
-
+    its code arrays' alignment, allocates what the caller did not give (memory.CallMemory: the split-K
+    partials from workspace when given) and launches."""
     splits = check_splits(splits, kernel.spec.recipe)
+    return_lse = return_lse or lse is not None
     example = q
     q = as_device_array(q, "q")
+    memory = CallMemory(example, stream, workspace, q.data.device_id)
+    if memory.capturing and not isinstance(k, (KVCacheInt8, tuple)):
+        raise ValueError("k: float K and V are quantized into a new cache on every call, which a CUDA graph capture "
+                         "cannot allocate; build a qattn.KVCacheInt8 before the capture and pass it")
     cache = as_cache(k, v)
     out_given = None if out is None else as_device_array(out, "out")
     scale = None if scale is None else float(scale)
@@ -171,18 +176,16 @@ def prefill_kv8(kernel, q, k, v=None, *, scale: float | None = None, return_lse:
     plan = cached_plan(kernel, key, lambda: _plan(kernel, q, cache, out_given, scale, return_lse, splits))
     if kc.data.ptr % CODE_ALIGN or vc.data.ptr % CODE_ALIGN:
         raise ValueError(f"k: cache code arrays must be {CODE_ALIGN}-byte aligned")
+    lse_output(lse, plan.lse_shape)
     with on_device(q, stream):
-        out_arr = out_given if out_given is not None else cupy.empty(q.shape, dtype=cupy.float32)
-        lse = cupy.empty(plan.lse_shape, dtype=cupy.float32) if return_lse else None
-        memory = cupy.cuda.alloc(plan.nbytes) if plan.nbytes else None
+        out_arr, out_result = memory.output(out, q.shape, "float32", "out", out_given)
+        lse_arr, lse_result = memory.output(lse, plan.lse_shape, "float32", "lse") if return_lse else (None, None)
+        partials = memory.scratch(plan.nbytes)
         pointers = {"q": q.data.ptr, "kc": kc.data.ptr, "ks": ks.data.ptr, "vc": vc.data.ptr, "vs": vs.data.ptr,
-                    "out": out_arr.data.ptr, "lse": lse.data.ptr if lse is not None else 0,
-                    "ws": memory.ptr if memory is not None else 0}
-        plan.launch(pointers, (stream if stream is not None else cupy.cuda.get_current_stream()).ptr)
-    out_arr = like_input(out_arr, example) if out is None else out
-    if return_lse:
-        return out_arr, like_input(lse, example)
-    return out_arr
+                    "out": out_arr.data.ptr, "lse": lse_arr.data.ptr if lse_arr is not None else 0,
+                    "ws": partials.ptr if partials is not None else 0}
+        plan.launch(pointers, memory.stream_ptr)
+    return (out_result, lse_result) if return_lse else out_result
 
 
 def _plan(kernel, q, cache, out, scale, return_lse, splits) -> Kv8Plan:
@@ -224,7 +227,8 @@ def _plan(kernel, q, cache, out, scale, return_lse, splits) -> Kv8Plan:
 
 
 def attention_kv8(q, k, v=None, *, format: str | None = None, causal: bool = False, scale: float | None = None,
-                  return_lse: bool = False, out=None, tile=None, splits: int | None = None):
+                  return_lse: bool = False, out=None, lse=None, tile=None, splits: int | None = None, stream=None,
+                  workspace=None):
     """qattn.attention for an int8 KV cache (see the module docstring for how the format is chosen and
     for splits)."""
     from ...engine.kernel import build_kernel
@@ -240,4 +244,5 @@ def attention_kv8(q, k, v=None, *, format: str | None = None, causal: bool = Fal
     if isinstance(tile, (tuple, list)):
         tile = Tile(*tile)
     spec = call_spec(fmt, int(q_dev.shape[-1]), causal, int(q_dev.shape[2]), arch, tile)
-    return build_kernel(spec)(q, k, v, scale=scale, return_lse=return_lse, out=out, splits=splits)
+    return build_kernel(spec)(q, k, v, scale=scale, return_lse=return_lse, out=out, lse=lse, splits=splits,
+                              stream=stream, workspace=workspace)
