@@ -5,6 +5,7 @@ from __future__ import annotations
 from .engine import registry
 from .engine.arrays import as_device_array
 from .engine.kernel import Kernel, build_kernel
+from .engine.shape_class import ShapeClass
 from .engine.spec import KernelSpec, default_spec
 from .engine.tile import Tile
 
@@ -78,20 +79,31 @@ def attention(q, k, v=None, *, format: str | None = None, causal: bool = False, 
     if q_dev.ndim != 4:
         raise ValueError(f"q: expected 4 dimensions [batch, heads, seq, head_dim], got shape {q_dev.shape}")
     format = default_format(q_dev.dtype.name) if format is None else format
-    return _call_kernel(format, q_dev, causal, tile)(q, k, v, scale=scale, return_lse=return_lse, out=out, lse=lse,
+    return _call_kernel(format, q_dev, k, causal, tile)(q, k, v, scale=scale, return_lse=return_lse, out=out, lse=lse,
                                                      workspace=workspace, stream=stream, **options)
 
 
-def _call_kernel(format: str, q, causal, tile) -> Kernel:
+def _shape_class(q, k) -> ShapeClass | None:
+    """The call's shape class, which picks a tile `qattn tune` stored for it (None for malformed
+    shapes, which the launcher's checks then name)."""
+    k_shape = tuple(getattr(k, "shape", ()))
+    if len(k_shape) != 4 or min(q.shape[1:3]) < 1 or min(k_shape[1:3]) < 1 or q.shape[1] % k_shape[1]:
+        return None
+    return ShapeClass.of(int(q.shape[2]), int(k_shape[2]), int(q.shape[1]), int(k_shape[1]))
+
+
+def _call_kernel(format: str, q, k, causal, tile) -> Kernel:
+    shape = _shape_class(q, k)
     try:
         # causal=1 is refused, not taken for True; a recipe re-registered under the name is looked up anew
-        key = (format, id(registry.RECIPES.get(format)), q.shape[-1], causal, type(causal), tile, q.data.device_id)
+        key = (format, id(registry.RECIPES.get(format)), q.shape[-1], causal, type(causal), tile, q.data.device_id,
+               shape)
         kernel = _CALL_KERNELS.get(key)
     except TypeError:  # an unhashable argument: the spec's validation names it
         kernel, key = None, None
     if kernel is None:
         with q.device:
-            spec = default_spec(format, int(q.shape[-1]), causal=causal)
+            spec = default_spec(format, int(q.shape[-1]), causal=causal, shape=shape)
             kernel = build_kernel(spec if tile is None else spec.with_(tile=tile))
         if key is not None:
             _CALL_KERNELS[key] = kernel
