@@ -17,7 +17,7 @@ from qattn.engine.render import main_entry_name, render
 from qattn.engine.spec import KernelSpec
 from qattn.formats.decode import emulate as emu
 from qattn.formats.decode.host import auto_splits, keys_per_split, least_splits, workspace_bytes
-from qattn.formats.decode.quant import HostPagedCache, quantize_tokens
+from qattn.formats.decode.quant import HostPagedCache, mean_record, mean_terms, page_starts, quantize_tokens
 from qattn.formats.decode.recipes import FORMATS, PAGE_SIZES, TABLE_SLOTS, qk_paths, resolve_qk, sides
 
 
@@ -34,16 +34,22 @@ def test_formats_live_in_their_own_kind():
 
 def test_spec_options_name_and_validate():
     spec = KernelSpec(kind="decode", recipe="e4m3-e4m3", head_dim=128, arch="sm_90a", options={"page_size": 16})
-    assert spec.options == (("page_size", 16), ("scale_mode", "token"), ("qk", "transform"))
-    assert spec.name == "decode_e4m3-e4m3_d128_m8n64w4s2_p16_token_transform_sm90a"
+    assert spec.options == (("page_size", 16), ("scale_mode", "token"), ("k_mean", "off"), ("qk", "transform"))
+    assert spec.name == "decode_e4m3-e4m3_d128_m8n64w4s2_p16_token_transform_sm90a"  # "off" stays out of the name
     assert spec.family.values["page_size"] == 16 and spec.as_dict()["options"] == {
-        "page_size": 16, "scale_mode": "token", "qk": "transform"}
+        "page_size": 16, "scale_mode": "token", "k_mean": "off", "qk": "transform"}
+    paged = spec.with_(options={"page_size": 16, "k_mean": "page"})
+    assert paged.name == "decode_e4m3-e4m3_d128_m8n64w4s2_p16_token_kmean-page_transform_sm90a"
     # a 16-bit K has no QK paths; an 8-bit K has its own 8-bit MMA path only
     assert KernelSpec(kind="decode", recipe="f16-e4m3", arch="sm_90a").name == "decode_f16-e4m3_d128_m8n64w4s2_p32_token_sm90a"
     with pytest.raises(ValueError, match="^qk: i8-i8 takes one of transform, int8, got 'fp8'"):
         KernelSpec(kind="decode", recipe="i8-i8", arch="sm_90a", options={"qk": "fp8"})
     with pytest.raises(ValueError, match="^options: f16-f16 takes page_size, scale_mode, got qk"):
         KernelSpec(kind="decode", recipe="f16-f16", arch="sm_90a", options={"qk": "transform"})
+    with pytest.raises(ValueError, match="^options: f16-i8 takes page_size, scale_mode, got k_mean"):
+        KernelSpec(kind="decode", recipe="f16-i8", arch="sm_90a", options={"k_mean": "page"})
+    with pytest.raises(ValueError, match="^k_mean: i8-i8 takes one of"):
+        KernelSpec(kind="decode", recipe="i8-i8", arch="sm_90a", options={"k_mean": "token"})
     assert KernelSpec(recipe="f16", arch="sm_90a").as_dict().keys() == {
         "kind", "recipe", "head_dim", "tile", "causal", "backend", "arch", "mma"}  # prefill keys unchanged
     with pytest.raises(ValueError, match="^page_size: e4m3-e4m3 takes one of"):
@@ -188,6 +194,8 @@ def test_split_choice_fills_waves_and_fits_the_page_table():
     ({"scale": "channel"}, "^scale"),
     ({"k": "e4m3", "scale": "token", "k_scale": 0.1}, "^k_scale"),
     ({"num_pages": 0}, "^num_pages"),
+    ({"k": "i8", "k_mean": "channel"}, "^k_mean: expected one of 'off', 'page'"),
+    ({"k": "f16", "k_mean": "page"}, "^k_mean: page means are for an 8-bit K"),
 ])
 def test_cache_arguments_are_checked_first(kwargs, words):
     args = {"num_pages": 4, "page_size": 32, "kv_heads": 2, "head_dim": 128, **kwargs}
@@ -362,3 +370,169 @@ def test_hip_decode_takes_fp16_queries_only():
     assert "hip" in qattn.recipe("e4m3-e4m3", "decode").families
     with pytest.raises(ValueError, match="HIP decode kernel runs m32n32w2s1 only"):
         KernelSpec(kind="decode", recipe="e4m3-e4m3", backend="hip", arch="gfx942", tile=qattn.Tile(32, 64, 2, 1))
+
+
+# ---- page means of an 8-bit K (k_mean "page") ------------------------------------------------------
+
+def _drifting_k(rng, tokens, kv_heads, head_dim, base=30.0, drift=1.0):
+    """K with a large channel mean that drifts over the positions (a few channels at base, growing by
+    drift x base over the sequence) on N(0,1), and N(0,1) V."""
+    mean = np.zeros((kv_heads, head_dim))
+    mean[:, ::16] = base * rng.choice([-1, 1], size=(kv_heads, head_dim // 16))
+    mean[:, 3] = base / 2
+    growth = 1 + drift * np.arange(tokens)[:, None, None] / tokens
+    k = rng.standard_normal((tokens, kv_heads, head_dim)) + mean[None] * growth
+    return k.astype(np.float16), rng.standard_normal((tokens, kv_heads, head_dim)).astype(np.float16)
+
+
+def _written(fmt, k, v, page, k_mean, pieces=(0.25,), piece=96, seed=0, k_bias=None):
+    """A host cache of one sequence written as an engine does: a prompt (the first pieces[0] of the
+    tokens), then `piece` tokens a write; pages shuffled."""
+    tokens, kv_heads, head_dim = k.shape
+    pages = -(-tokens // page)
+    table = np.random.default_rng(seed).permutation(pages + 2)[:pages][None].astype(np.int32)
+    slots = table[0, np.arange(tokens) // page] * page + np.arange(tokens) % page
+    cache = HostPagedCache.empty(fmt, pages + 2, page, kv_heads, head_dim, k_mean=k_mean, k_bias=k_bias)
+    bounds = [0, int(tokens * pieces[0])] + list(range(int(tokens * pieces[0]) + piece, tokens, piece)) + [tokens]
+    for lo, hi in zip(bounds, bounds[1:]):
+        cache.write(k[lo:hi], v[lo:hi], slots[lo:hi])
+    return cache, table, np.array([tokens], np.int32)
+
+
+def test_page_means_are_exact_where_nothing_is_rounded():
+    """K = μ + z with μ an int8 record's exact value (codes, scale 1) and z integer rows of max 127 that
+    cancel in pairs: the running mean is μ, every page stores z as its codes with token scale 1, and the
+    FP64 attention of the page-mean cache is that of the original K to fp64 rounding; the emulator is
+    within its own fp32/fp16 arithmetic of it, where plain int8 K (scale max|K| / 127 = 2) is not."""
+    rng = np.random.default_rng(3)
+    tokens, h, d = 256, 2, 64
+    mu = rng.integers(-127, 128, size=(h, d)).astype(np.float64)
+    mu[:, 0] = 127
+    z = rng.integers(-126, 127, size=(tokens // 2, h, d))
+    z[:, :, 1] = 127
+    z = np.stack([z, -z], axis=1).reshape(tokens, h, d)
+    k = (mu[None] + z).astype(np.float16)
+    v = rng.standard_normal((tokens, h, d)).astype(np.float16)
+    q = rng.standard_normal((1, 4, 2, d)).astype(np.float16)
+    cache, table, lens = _written("i8-f16", k, v, 16, "page", piece=32)
+    np.testing.assert_array_equal(cache.k_mean.codes[table[0]], np.broadcast_to(mu, (table.shape[1], h, d)))
+    np.testing.assert_array_equal(cache.k_mean.scale[table[0]], 1.0)
+    stored, scale = cache.gather("k", table[0], tokens)
+    np.testing.assert_array_equal(stored * scale[..., None], z.transpose(1, 0, 2))
+    dense = emu.reference_dense(q, [k.astype(np.float64).transpose(1, 0, 2)], [v.astype(np.float64).transpose(1, 0, 2)])
+    np.testing.assert_allclose(emu.reference(q, cache, table, lens), dense, rtol=0, atol=1e-12)
+    err = metrics.compare(emu.emulate(q, cache, table, lens), dense).rel_l2
+    plain, *_ = _written("i8-f16", k, v, 16, "off", piece=32)
+    plain_err = metrics.compare(emu.emulate(q, plain, table, lens), dense).rel_l2
+    assert err < 1e-3 < plain_err, (err, plain_err)
+
+
+@pytest.mark.parametrize("fmt", ["i8-f16", "e4m3-f16", "i8-i8", "e4m3-e4m3"])
+def test_page_means_cut_the_error_of_a_large_drifting_channel_mean(fmt):
+    """A channel mean 30x the token-varying part, doubling over the sequence: plain 8-bit K spends its
+    scale on it; page means (each page against the running mean when it was started) cut the format's
+    error on the original K/V several times, and the emulator stays exact against FP64 on the cache."""
+    rng = np.random.default_rng(4)
+    k, v = _drifting_k(rng, 1024, 2, 64)
+    q = rng.standard_normal((1, 8, 1, 64)).astype(np.float16)
+    dense = emu.reference_dense(q, [k.astype(np.float64).transpose(1, 0, 2)], [v.astype(np.float64).transpose(1, 0, 2)])
+    errors = {}
+    for k_mean in ("off", "page"):
+        cache, table, lens = _written(fmt, k, v, 16, k_mean)
+        out = emu.emulate(q, cache, table, lens, splits=2)
+        assert metrics.compare(out, emu.reference(q, cache, table, lens)).rel_l2 < 1e-3
+        errors[k_mean] = metrics.compare(out, dense).rel_l2
+    assert errors["page"] < errors["off"] / 3, errors
+
+
+def test_page_means_follow_the_running_mean():
+    """The prompt's pages start from its own mean (a fresh cache is seeded); a page started later takes
+    the running mean of every earlier write; a token written into a page started before takes that
+    page's record; the running sums are the integer sums of the fixed-point terms."""
+    rng = np.random.default_rng(5)
+    h, d, page = 2, 64, 16
+    first = (rng.standard_normal((40, h, d)) + 10).astype(np.float16)
+    second = (rng.standard_normal((30, h, d)) - 20).astype(np.float16)
+    cache = HostPagedCache.empty("i8-i8", 8, page, h, d, k_mean="page")
+    cache.write(first, first, np.arange(40))  # pages 0, 1, 2 (page 2 to offset 7)
+    prompt = mean_record(mean_terms(first).sum(0), np.full(h, 40))
+    for p in (0, 1, 2):
+        np.testing.assert_array_equal(cache.k_mean.codes[p], prompt[0])
+    cache.write(second, second, np.arange(40, 70))  # the rest of page 2, then pages 3 and 4
+    np.testing.assert_array_equal(cache.k_mean.codes[2], prompt[0])  # page 2 keeps its record
+    for p in (3, 4):  # started by the second write: the mean as of the first (the snapshot)
+        np.testing.assert_array_equal(cache.k_mean.codes[p], prompt[0])
+    both = np.concatenate([first, second])
+    np.testing.assert_array_equal(cache.k_mean.sums, mean_terms(both).sum(0))
+    assert list(cache.k_mean.counts) == [70, 70]
+    third = (rng.standard_normal((16, h, d))).astype(np.float16)
+    cache.write(third, third, np.arange(80, 96))  # page 5, started by the third write: the mean of 70 tokens
+    codes, scale = mean_record(mean_terms(both).sum(0), np.full(h, 70))
+    np.testing.assert_array_equal(cache.k_mean.codes[5], codes)
+    np.testing.assert_array_equal(cache.k_mean.scale[5], scale)
+    # a write starts a page where the page's offset 0 is its token `offset` places before
+    assert page_starts(np.array([16, 17, 18, -1, 3, 33, 32]), 16).tolist() == [True, True, True, False, False,
+                                                                                 False, True]
+
+
+def test_page_means_with_a_k_bias_store_k_minus_both():
+    rng = np.random.default_rng(6)
+    bias = (rng.standard_normal((2, 64)) * 40).astype(np.float32)
+    k, v = _drifting_k(rng, 300, 2, 64, base=10.0)
+    k = (k.astype(np.float32) + bias).astype(np.float16)
+    cache, table, lens = _written("e4m3-e4m3", k, v, 16, "page", k_bias=bias, piece=50)
+    values, scale = cache.gather("k", table[0], 300)
+    assert np.abs(values * scale[..., None]).max() < 12  # not the bias (to ~120) nor the channel mean (10 to 20)
+    exact = k.astype(np.float64).transpose(1, 0, 2)
+    err = np.abs(cache.dequantize("k", table[0], 300) - exact).max()
+    assert err < 0.3, err
+    q = rng.standard_normal((1, 4, 1, 64)).astype(np.float16)
+    assert metrics.compare(emu.emulate(q, cache, table, lens), emu.reference(q, cache, table, lens)).rel_l2 < 1e-3
+
+
+@pytest.mark.parametrize("fmt, archs", [("i8-i8", ("sm_80", "sm_89", "sm_90a", "sm_120")),
+                                        ("e4m3-e4m3", ("sm_89", "sm_90a", "sm_120")), ("i8-bf16", ("sm_80",)),
+                                        ("e4m3-f16", ("sm_90a",))])
+def test_page_mean_kernels_compile_without_spills(fmt, archs):
+    """Every QK path with page means, and the module's writers, stay out of local memory; the q·μ_page
+    products run on the 16-bit MMA (the transform path's own, or added beside the 8-bit one)."""
+    for i, arch in enumerate(archs):
+        for path in qk_paths(fmt):
+            # every arch at d128; the other head dims, page sizes and head scales on the first
+            shapes = ((128, 32, "token"),) + (((64, 16, "head"), (256, 128, "token")) if i == 0 else ())
+            for d, page, scale in shapes:
+                spec = KernelSpec(kind="decode", recipe=fmt, head_dim=d, arch=arch,
+                                  options={"page_size": page, "scale_mode": scale, "qk": path, "k_mean": "page"})
+                source = render(spec)
+                entries = ("_f16", "_bf16", "_write_f16_i32", "_write_bf16_i64") if d == 128 else ("_f16",)
+                for entry in entries:
+                    binary = compile_cuda(source, arch, spec.name, entry=f"qattn_{spec.name.replace('-', '_')}{entry}")
+                    assert binary.resources["spill_stores"] == 0 and binary.resources["spill_loads"] == 0, (spec.name,
+                                                                                                          entry)
+                assert "mma.sync.aligned.m16n8k16.row.col.f32" in binary.ptx, spec.name
+                assert "atom.global.add.u64" in binary.ptx and ".entry qattn_" in binary.ptx
+
+
+def test_page_means_refused_on_hip():
+    with pytest.raises(ValueError, match="^k_mean: the HIP decode kernel and writer keep no page means"):
+        KernelSpec(kind="decode", recipe="i8-i8", backend="hip", arch="gfx942", options={"k_mean": "page"})
+    assert KernelSpec(kind="decode", recipe="i8-i8", backend="hip", arch="gfx942").options[-2] == ("k_mean", "off")
+
+
+def test_cli_page_means(tmp_path):
+    import json
+
+    from qattn.cli import main
+
+    runner = CliRunner()
+    out = runner.invoke(main, ["gen", "decode", "-f", "i8-i8", "--k-mean", "page", "--qk", "int8", "--arch", "sm_90a"])
+    assert out.exit_code == 0 and "decode_i8-i8_d128_m8n64w4s2_p32_token_kmean-page_int8_sm90a" in out.output
+    refused = runner.invoke(main, ["gen", "decode", "-f", "f16-i8", "--k-mean", "page", "--arch", "sm_90a"])
+    assert refused.exit_code != 0 and "k_mean" in refused.output
+    path = tmp_path / "mean.json"
+    result = runner.invoke(main, ["parity", "--kind", "decode", "-f", "i8-f16", "--shape", "700/1", "--heads", "4",
+                                  "--kv-heads", "2", "--head-dim", "64", "--page-size", "16", "--backend", "numpy",
+                                  "--k-mean", "page", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    record = json.loads(path.read_text())[0]
+    assert record["k_mean"] == "page" and record["passed"] and "page means of K" in result.output

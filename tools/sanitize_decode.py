@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """A small decode workload for compute-sanitizer: every decode format's writer (prompt runs and
-scattered single tokens; with and without a pre-bias residual K) and decode kernel on each of its QK
+scattered single tokens; with and without a pre-bias residual K, and with page means where K is 8-bit)
+and decode kernel on each of its QK
 paths (GQA, speculative rows, short and empty sequences, one and several splits), each output checked
 against the emulator (rel_l2 1e-3) so a silent corruption fails.
 
@@ -18,7 +19,7 @@ import numpy as np  # noqa: E402
 import qattn  # noqa: E402
 from qattn.check import metrics  # noqa: E402
 from qattn.formats.decode import emulate  # noqa: E402
-from qattn.formats.decode.recipes import FORMATS, qk_paths  # noqa: E402
+from qattn.formats.decode.recipes import EIGHT_BIT, FORMATS, qk_paths  # noqa: E402
 
 
 def main() -> int:
@@ -32,12 +33,15 @@ def main() -> int:
     rng = np.random.default_rng(0)
     failures = 0
     d, page, kv_heads = args.head_dim, 16, 2
-    for fmt, bias in ((f, b) for f in args.format or FORMATS for b in (None, rng.standard_normal((kv_heads, d)) * 4)):
+    variants = ((f, b, m) for f in args.format or FORMATS
+                for b, m in ((None, "off"), (rng.standard_normal((kv_heads, d)) * 4, "off"), (None, "page"))
+                if m == "off" or f.split("-")[0] in EIGHT_BIT)
+    for fmt, bias, k_mean in variants:
         dtype = ml_dtypes.bfloat16 if "bf16" in fmt else np.float16
         lens = np.array([0, 5, 70, 300], np.int32)
         max_pages = -(-int(lens.max()) // page) + 1
         cache = qattn.PagedKVCache(4 * max_pages, page, kv_heads, d, k=fmt.split("-")[0], v=fmt.split("-")[1],
-                                   k_bias=bias)
+                                   k_bias=bias, k_mean=k_mean)
         table = rng.permutation(4 * max_pages).reshape(4, max_pages).astype(np.int32)
         for b, n in enumerate(lens):
             k, v = (rng.standard_normal((n, kv_heads, d)).astype(dtype) for _ in range(2))
@@ -57,7 +61,8 @@ def main() -> int:
             err = metrics.compare(cupy.asnumpy(out).astype(np.float32), want)
             ok = err.nonfinite == 0 and err.rel_l2 <= 1e-3
             failures += not ok
-            print(f"{fmt:10} {path:9} {'bias' if bias is not None else 'plain':5} lq={lq} splits={used}: "
+            variant = "bias" if bias is not None else "mean" if k_mean == "page" else "plain"
+            print(f"{fmt:10} {path:9} {variant:5} lq={lq} splits={used}: "
                   f"rel_l2 vs emulator {err.rel_l2:.2e} {'ok' if ok else 'FAIL'}")
     cupy.cuda.runtime.deviceSynchronize()
     return 1 if failures else 0

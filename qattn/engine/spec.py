@@ -107,7 +107,7 @@ class KernelSpec:
             parts.append("causal")
         if self.mma is not None:
             parts.append(self.mma.replace(".", ""))
-        parts += [_option_tag(name, value) for name, value in self.options]
+        parts += [_option_tag(name, value) for name, value in self.options if value != "off"]
         parts.append(self.arch.replace("_", ""))
         return "_".join(parts)
 
@@ -129,8 +129,11 @@ class KernelSpec:
 
 
 def _option_tag(name: str, value) -> str:
-    """An option in a spec name: page_size 32 -> p32, other values as they are."""
-    return f"p{value}" if name == "page_size" else str(value)
+    """An option in a spec name: page_size 32 -> p32, k_mean page -> kmean-page, other values as they
+    are (an option left "off" is left out, so that adding one renames no existing kernel)."""
+    if name == "page_size":
+        return f"p{value}"
+    return f"kmean-{value}" if name == "k_mean" else str(value)
 
 
 def default_spec(format: str, head_dim: int, *, causal: bool = False, arch: str | None = None,

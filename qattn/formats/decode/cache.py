@@ -15,6 +15,19 @@ A pre-bias residual K (``k_bias=b``, [kv_heads, head_dim], kept exact in fp32): 
 K − b (so a large K-projection bias no longer sets the 8-bit scale and rounds the token-varying part
 away) and the decode kernel adds q·b back to every score of the row, so the scores are those of the
 stored residual plus b exactly. For K without RoPE (or biases added after it); see DESIGN §2.
+
+Page means of an 8-bit K (``k_mean="page"``): the cache keeps a running channel mean of K (of K - b with
+a bias) per kv head, and one mean vector μ_page per (page, kv head), fixed when a write starts the page
+(stores its offset 0) to the running mean as of the previous write; the writer stores K - μ_page and the
+decode kernel adds q·μ_page back to that page's scores, so the scores are exact for any μ while a
+large, drifting channel mean no longer sets the 8-bit scale. μ_page is stored as int8 codes with one
+fp32 scale (D + 4 bytes per page and kv head; μ = fl(code x scale), the same value subtracted and added
+back). The running sums are int64 fixed point (x * 2^16, rounded) added by integer atomics, so the
+mean has the same bits whatever the order of the writer's blocks; the block that finishes last turns
+them into the snapshot the next write starts its pages with (all in the write's one launch). A fresh
+cache's first write starts its pages with its own mean (computed from it by a few launches, once, as
+head scales are calibrated). A write that starts a page must hold that page's tokens in slot order (a
+slot mapping does); writing a page's offset 0 again restarts the page.
 """
 from __future__ import annotations
 
@@ -22,9 +35,10 @@ import numpy as np
 
 from ...engine.arrays import as_device_array, launch_stream
 from ...engine.fragments import pv_key_slot
-from ...engine.packed import PackedLaunch, Pointer
+from ...engine.packed import NULL, PackedLaunch, Pointer
 from .quant import QMAX, HostPagedCache
-from .recipes import EIGHT_BIT, FORMATS, HALF, HEAD_DIMS, PAGE_SIZES, SCALE_MODES, resolve_qk
+from .quant import PageMeans, mean_record, mean_terms, mean_values
+from .recipes import EIGHT_BIT, FORMATS, HALF, HEAD_DIMS, K_MEANS, PAGE_SIZES, SCALE_MODES, resolve_qk
 
 WRITE_WARPS, WRITE_TOKENS = 8, 16  # the writer's block: 8 warps over 16 tokens of one kv head
 DTYPES = {"f16": "float16", "bf16": "bfloat16"}
@@ -42,7 +56,7 @@ class PagedKVCache:
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, *, k: str = "f16",
                  v: str = "f16", scale: str = "token", k_scale=None, v_scale=None, k_bias=None,
-                 device: int | None = None):
+                 k_mean: str = "off", device: int | None = None):
         import cupy
 
         self.num_pages = _positive(num_pages, "num_pages")
@@ -64,7 +78,12 @@ class PagedKVCache:
                 raise ValueError(f"{name}: the {side} side stores no scale")
             if given is not None and scale == "token":
                 raise ValueError(f"{name}: token scales are computed per token; give a scale with scale='head'")
-        self.page_size, self.head_dim, self.scale = int(page_size), int(head_dim), scale
+        if k_mean not in K_MEANS:
+            raise ValueError(f"k_mean: expected one of {', '.join(map(repr, K_MEANS))}, got {k_mean!r}")
+        if k_mean != "off" and k not in EIGHT_BIT:
+            raise ValueError(f"k_mean: page means are for an 8-bit K ({' or '.join(EIGHT_BIT)}); the {k} K is stored "
+                             "as given")
+        self.page_size, self.head_dim, self.scale, self.k_mean = int(page_size), int(head_dim), scale, k_mean
         self.k_dtype, self.v_dtype = k, v
         with cupy.cuda.Device(device if device is not None else cupy.cuda.Device().id) as dev:
             self.device = dev.id
@@ -75,6 +94,13 @@ class PagedKVCache:
             self.k_scale = self._scale_buffer(k, k_scale, "k_scale")
             self.v_scale = self._scale_buffer(v, v_scale, "v_scale")
             self.k_bias = self._bias_buffer(k_bias)
+            if k_mean == "page":  # the records (the last: the running mean's snapshot), the sums and the ticket
+                self.mean_codes = cupy.zeros((self.num_pages + 1, self.kv_heads, self.head_dim), dtype=cupy.int8)
+                self.mean_scale = cupy.zeros((self.num_pages + 1, self.kv_heads), dtype=cupy.float32)
+                self.mean_sums = cupy.zeros(self.kv_heads * (self.head_dim + 1) + 1, dtype=cupy.int64)
+            else:
+                self.mean_codes = self.mean_scale = self.mean_sums = None
+        self._mean_seeded = k_mean == "off"
         # head scales left to the first write (token scales are the writer's, per token)
         self._calibrated = {name: scale != "head" or given is not None or side in HALF
                             for name, side, given in (("k", k, k_scale), ("v", v, v_scale))}
@@ -121,7 +147,7 @@ class PagedKVCache:
         options = {"page_size": self.page_size, "scale_mode": self.scale}
         path = resolve_qk(self.format, arch, qk)
         if self.k_dtype in EIGHT_BIT:
-            options["qk"] = path
+            options["qk"], options["k_mean"] = path, self.k_mean
         return KernelSpec(kind="decode", recipe=self.format, head_dim=self.head_dim, arch=arch, options=options,
                           **({"tile": tile} if tile is not None else {}))
 
@@ -160,6 +186,7 @@ class PagedKVCache:
         tokens = int(k.shape[0])
         if tokens == 0:
             return
+        self._seed_mean(k, slots)
         self._calibrate(k, v)
         key = (k.dtype.name, slots.dtype.name, k.strides, v.strides, tokens)
         launch = self._launches.get(key)
@@ -169,7 +196,7 @@ class PagedKVCache:
         pointers = {"k": k.data.ptr, "v": v.data.ptr, "slots": slots.data.ptr, "kp": self.k_pool.data.ptr,
                     "vp": self.v_pool.data.ptr, "ks": 0 if self.k_scale is None else self.k_scale.data.ptr,
                     "vs": 0 if self.v_scale is None else self.v_scale.data.ptr,
-                    "kb": 0 if self.k_bias is None else self.k_bias.data.ptr}
+                    "kb": 0 if self.k_bias is None else self.k_bias.data.ptr, **self.mean_pointers()}
         launch(pointers, launch_stream(stream, example))
 
     def _write_launch(self, k, v, slots, tokens: int) -> PackedLaunch:
@@ -179,22 +206,53 @@ class PagedKVCache:
         args = (Pointer("k"), Pointer("v"), Pointer("slots"), Pointer("kp"), Pointer("vp"),
                 Pointer("ks") if not head else Pointer(None), Pointer("vs") if not head else Pointer(None),
                 Pointer("ks") if head else Pointer(None), Pointer("vs") if head else Pointer(None), Pointer("kb"),
-                np.int64(k.strides[0] // 2), np.int64(k.strides[1] // 2), np.int64(v.strides[0] // 2),
+                *self._mean_args(), np.int64(k.strides[0] // 2), np.int64(k.strides[1] // 2), np.int64(v.strides[0] // 2),
                 np.int64(v.strides[1] // 2), np.int32(tokens), np.int32(self.kv_heads))
         return PackedLaunch(kernel.function(suffix), (-(-tokens // WRITE_TOKENS), self.kv_heads, 1), 32 * WRITE_WARPS, 0,
                             args)
 
+    def _mean_args(self) -> tuple:
+        """The writer's page-mean pointers: sums, page records (codes, scales), the snapshot record."""
+        if self.k_mean == "off":
+            return (NULL,) * 5
+        records = self.num_pages * self.kv_heads
+        return (Pointer("msum"), Pointer("mc"), Pointer("ms"), Pointer("mc", records * self.head_dim),
+                Pointer("ms", records * 4))
+
+    def mean_pointers(self) -> dict:
+        """The page means' device pointers by launch name (zeros without them)."""
+        buffers = {"msum": self.mean_sums, "mc": self.mean_codes, "ms": self.mean_scale}
+        return {name: 0 if x is None else x.data.ptr for name, x in buffers.items()}
+
+    def _residual(self, k):
+        """K - b in fp32 (K with no bias), as the writer computes it."""
+        x = k.astype("float32")
+        return x if self.k_bias is None else x - self.k_bias[None]
+
+    def _seed_mean(self, k, slots) -> None:
+        """A fresh cache's first write: the snapshot its pages start with is its own mean (the rows the
+        writer counts: stored and finite), from the same fixed-point sums (PageMeans.seed)."""
+        import cupy
+
+        if self._mean_seeded:
+            return
+        x = self._residual(k)
+        keep = (slots >= 0)[:, None] & cupy.isfinite(x).all(axis=2)
+        sums = (mean_terms(x, cupy) * keep[..., None]).sum(axis=0)
+        self.mean_codes[-1], self.mean_scale[-1] = mean_record(sums, keep.sum(axis=0), cupy)
+        self._mean_seeded = True
+
     def _calibrate(self, k, v) -> None:
         """Head scales not given: max|x| / QMAX over the first write's tokens and channels (of K - b
-        with a bias: what is stored)."""
+        with a bias, less the seeded mean with page means: about what is stored)."""
         import cupy
 
         for name, x, side in (("k", k, self.k_dtype), ("v", v, self.v_dtype)):
             if self._calibrated[name]:
                 continue
-            x = x.astype(cupy.float32)
-            if name == "k" and self.k_bias is not None:
-                x = x - self.k_bias[None]
+            x = self._residual(x) if name == "k" else x.astype(cupy.float32)
+            if name == "k" and self.k_mean != "off":
+                x = x - mean_values(self.mean_codes[-1], self.mean_scale[-1], cupy)[None]
             absmax = cupy.abs(x).max(axis=(0, 2))
             scale = (absmax / np.float32(QMAX[side])).astype(cupy.float32)
             getattr(self, f"{name}_scale")[...] = cupy.where(scale > 0, scale, cupy.float32(1))
@@ -223,6 +281,11 @@ class PagedKVCache:
         def scales(buffer):
             return None if buffer is None else cupy.asnumpy(buffer)
 
+        means = None
+        if self.k_mean != "off":
+            sums = cupy.asnumpy(self.mean_sums[:-1]).reshape(self.kv_heads, self.head_dim + 1)
+            means = PageMeans(cupy.asnumpy(self.mean_codes), cupy.asnumpy(self.mean_scale), sums[:, :-1].copy(),
+                              sums[:, -1].copy(), self._mean_seeded)
         return HostPagedCache(self.format, self.page_size, values(self.k_pool, self.k_dtype, False),
                               values(self.v_pool, self.v_dtype, True), scales(self.k_scale), scales(self.v_scale),
-                              scales(self.k_bias))
+                              scales(self.k_bias), means)

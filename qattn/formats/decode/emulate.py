@@ -10,7 +10,9 @@ bottom-right aligned within each sequence's Lq new tokens; rows that see no key 
 The 8-bit QK paths ("fp8", "int8") quantize each query row as the cache writer quantizes a token
 (s_q = max|q| / QMAX, codes of q / s_q) and take S = (q codes · K codes) in fp32 times
 (s_K · (s_q · τ·log2 e)). With a pre-bias residual K (k_bias b), S of the stored residual plus
-q·b (fp32, from the 16-bit query values) times τ·log2 e.
+q·b (fp32, from the 16-bit query values) times τ·log2 e. With page means (k_mean), each key's score
+also gains q·(its page's mean codes) (fp32, from the 16-bit query values) times (the record's scale ·
+τ·log2 e), as the kernel adds it.
 """
 from __future__ import annotations
 
@@ -40,11 +42,11 @@ def _merge(states):
     return big.astype(F32), total_l, total
 
 
-def _warp_state(qv, row_scale, row_bias, k, ks, v, vs, groups, limits, half):
+def _warp_state(qv, row_scale, row_bias, key_bias, k, ks, v, vs, groups, limits, half):
     """One warp's online softmax over its key groups: qv [R, D] (the query values or codes the QK
     product takes), row_scale [R] (τ·log2 e, times s_q on the 8-bit paths), row_bias [R] (q·b·τ·log2 e,
-    or zeros), k, v [L, D] stored
-    values, ks, vs [L] per-key scales (token) or scalars; returns (m, l, acc)."""
+    or zeros), key_bias [R, L] (q·μ_page·τ·log2 e per key) or None, k, v [L, D] stored values, ks, vs
+    [L] per-key scales (token) or scalars; returns (m, l, acc)."""
     rows, d = qv.shape
     m = np.full(rows, -np.inf, F32)
     l = np.zeros(rows, F32)
@@ -54,6 +56,8 @@ def _warp_state(qv, row_scale, row_bias, k, ks, v, vs, groups, limits, half):
         raw = (qv.astype(np.float64) @ k[j0:j1].astype(np.float64).T).astype(F32)
         kscale = np.broadcast_to(np.asarray(ks, F32)[j0:j1] if np.ndim(ks) else F32(ks), (j1 - j0))
         x = ((raw * (kscale[None, :] * row_scale[:, None]).astype(F32)).astype(F32) + row_bias[:, None]).astype(F32)
+        if key_bias is not None:
+            x = (x + key_bias[:, j0:j1]).astype(F32)
         x = np.where(keys[None, :] > limits[:, None], F32(-np.inf), x)
         m_new = np.maximum(m, x.max(axis=1))
         shift = np.where(m_new == -np.inf, F32(0), m_new)
@@ -103,6 +107,11 @@ def emulate(q, cache: HostPagedCache, block_table, seq_lens, *, splits: int = 1,
             if cache.k_bias is not None:
                 qb = (q16.astype(np.float64) @ cache.k_bias[h].astype(np.float64)).astype(F32)
                 row_bias = (qb * scale_log2).astype(F32)
+            key_bias = None
+            if cache.k_mean is not None:
+                codes, mean_scale = cache.k_mean.gather(table[b], length, cache.page_size)
+                qm = (q16.astype(np.float64) @ codes[h].astype(np.float64).T).astype(F32)
+                key_bias = (qm * (mean_scale[h] * scale_log2).astype(F32)[None, :]).astype(F32)
             limits = np.tile(length - lq + np.arange(lq), group)
             ks = 1.0 if k_scale is None else k_scale[h]  # [L] token scales, or the head's one
             vs = 1.0 if v_scale is None or v_scale.ndim == 1 else v_scale[h]
@@ -112,7 +121,7 @@ def emulate(q, cache: HostPagedCache, block_table, seq_lens, *, splits: int = 1,
                 warp_states = []
                 for w in range(warps):
                     groups = [(j, min(j + GROUP, end)) for j in range(begin + GROUP * w, end, step)]
-                    warp_states.append(_warp_state(qv, row_scale, row_bias, k_vals[h], ks, v_vals[h], vs,
+                    warp_states.append(_warp_state(qv, row_scale, row_bias, key_bias, k_vals[h], ks, v_vals[h], vs,
                                                    groups, limits, half))
                 m, l, acc = _merge(warp_states)
                 if v_scale is not None and v_scale.ndim == 1:

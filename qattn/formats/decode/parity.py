@@ -3,7 +3,9 @@ written from fresh fp16 K/V (N(0,1), or a qattn.data preset), decoded on the GPU
 NaN-poisoned output, and timed) or on the CPU emulator, and compared with FP64 twice: on the
 dequantized cache (the kernel's arithmetic, judged by the format's tolerance) and on the original
 fp16 K/V (the format's own cost, reported as format_rel_l2). An 8-bit K is read on one QK path (qk:
-"auto" resolves to the path a call runs on the GPU, or on the CPU to the arch given)."""
+"auto" resolves to the path a call runs on the GPU, or on the CPU to the arch given). With page means
+(k_mean "page") the cache is written as an engine fills it, a prompt and then pieces (WRITE_PIECE
+tokens of every sequence a write), so that later pages start from a running mean."""
 from __future__ import annotations
 
 import math
@@ -16,6 +18,8 @@ from ...engine.registry import recipe
 from . import emulate
 from .quant import HostPagedCache
 from .recipes import resolve_qk, sides, tolerance
+
+WRITE_PIECE = 256  # tokens per sequence of each write after the first, with page means
 
 
 def _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, preset, seed):
@@ -39,10 +43,11 @@ def _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, preset, seed):
 
 def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, heads: int = 8, kv_heads: int = 8,
           head_dim: int = 128, page_size: int = 32, scale: str = "token", preset: str | None = None, seed: int = 0,
-          time_it: bool = True, qk: str = "auto", arch: str | None = None, k_bias: bool = False) -> dict:
+          time_it: bool = True, qk: str = "auto", arch: str | None = None, k_bias: bool = False,
+          k_mean: str = "off") -> dict:
     """One record (JSON-ready apart from non-finite floats) for fmt at ctx cached tokens per sequence,
     the last `queries` of them new (bottom-right causal among them). k_bias: a pre-bias residual K
-    cache, given the data's K bias (see _inputs)."""
+    cache, given the data's K bias (see _inputs); k_mean: "page" for page means (an 8-bit K)."""
     if queries > ctx:
         raise ValueError(f"shape: {queries} new tokens need at least as many cached ones, got ctx {ctx}")
     if backend == "cuda" and arch is None:
@@ -58,14 +63,15 @@ def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, hea
     tokens = np.arange(ctx)
     slots = (table[:, tokens // page_size] * page_size + tokens % page_size).astype(np.int64)
     lens = np.full(batch, ctx, np.int32)
-    flat_k, flat_v = k.reshape(-1, kv_heads, head_dim), v.reshape(-1, kv_heads, head_dim)
+    writes = [_write_tokens(x, ctx if k_mean == "off" else max(1, ctx // 4)) for x in (k, v, slots)]
     ms, kernel = None, None
     if backend == "cuda":
-        out, ms, kernel, host = _run_cuda(fmt, q, flat_k, flat_v, slots.reshape(-1), table, lens, page_size, scale,
-                                          time_it, qk, bias)
+        out, ms, kernel, host = _run_cuda(fmt, q, writes, table, lens, page_size, scale, time_it, qk, bias, k_mean)
     else:
-        host = HostPagedCache.empty(fmt, batch * pages_per_seq, page_size, kv_heads, head_dim, scale, k_bias=bias)
-        host.write(flat_k, flat_v, slots.reshape(-1), scale=scale)
+        host = HostPagedCache.empty(fmt, batch * pages_per_seq, page_size, kv_heads, head_dim, scale, k_bias=bias,
+                                    k_mean=k_mean)
+        for wk, wv, ws in zip(*writes):
+            host.write(wk, wv, ws, scale=scale)
         out = emulate.emulate(q, host, table, lens, qk=qk)
     ref = emulate.reference(q, host, table, lens)
     dense = emulate.reference_dense(q, [x.transpose(1, 0, 2) for x in k.astype(np.float64)],
@@ -79,6 +85,7 @@ def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, hea
         "kind": "decode", "format": fmt, "ctx": ctx, "queries": queries, "batch": batch, "heads": heads,
         "kv_heads": kv_heads, "head_dim": head_dim, "page_size": page_size, "scale": scale,
         "data": preset or "normal", "backend": backend, "kernel": kernel, "qk": qk, "k_bias": bias is not None,
+        "k_mean": k_mean,
         "input_dtype": recipe(fmt, "decode").input_dtypes[0], "seed": seed,
         "max_rel": err.max_rel, "rel_l2": err.rel_l2, "cos": err.cos, "nonfinite": err.nonfinite,
         "worst_index": list(err.worst_index), "failures": metrics.failures(out32, ref, tol.max_rel),
@@ -89,7 +96,14 @@ def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, hea
     }
 
 
-def _run_cuda(fmt, q, k, v, slots, table, lens, page_size, scale, time_it, qk, bias):
+def _write_tokens(x, first: int) -> list:
+    """x [B, L, ...] as the writes that store it: tokens [0, first) of every sequence, then WRITE_PIECE
+    more of each per write; each write's tokens [T, ...] sequence-major."""
+    bounds = [0, first] + list(range(first + WRITE_PIECE, x.shape[1], WRITE_PIECE)) + [x.shape[1]]
+    return [x[:, lo:hi].reshape(-1, *x.shape[2:]) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+
+def _run_cuda(fmt, q, writes, table, lens, page_size, scale, time_it, qk, bias, k_mean):
     import cupy
 
     from ...bench.timing import time_cuda
@@ -97,9 +111,11 @@ def _run_cuda(fmt, q, k, v, slots, table, lens, page_size, scale, time_it, qk, b
     from .host import decode
 
     k_side, v_side = sides(fmt)
-    cache = PagedKVCache(int(table.size), page_size, k.shape[1], k.shape[2], k=k_side, v=v_side, scale=scale,
-                         k_bias=bias)
-    cache.write(cupy.asarray(k), cupy.asarray(v), cupy.asarray(slots))
+    kv_heads, head_dim = writes[0][0].shape[1:]
+    cache = PagedKVCache(int(table.size), page_size, kv_heads, head_dim, k=k_side, v=v_side, scale=scale,
+                         k_bias=bias, k_mean=k_mean)
+    for wk, wv, ws in zip(*writes):
+        cache.write(cupy.asarray(wk), cupy.asarray(wv), cupy.asarray(ws))
     qd, td, ld = cupy.asarray(q), cupy.asarray(table), cupy.asarray(lens)
     out = cupy.full(q.shape, math.nan, dtype=qd.dtype)  # any element left unwritten stays NaN
     decode(qd, cache, td, ld, out=out, qk=qk)

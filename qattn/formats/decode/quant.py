@@ -4,6 +4,10 @@ side takes one fp32 scale per (token, kv head), s = max|x| / QMAX (127 for i8, 4
 given scale per kv head, and codes rint(x / s) clamped to ±127 or e4m3(x / s) (RNE, saturating); a
 16-bit side is stored as given. A NaN or Inf in a token row makes its scale non-finite (int8 has no
 NaN code), so the token dequantizes to non-finite values, as the kernel reads it.
+
+An 8-bit K may keep page means (k_mean "page", PageMeans): K - μ_page is stored, μ_page an int8 record
+(codes, one scale) per (page, kv head) fixed when the page is started, from a running mean kept in
+fixed point so that the GPU's atomics and this model sum to the same bits.
 """
 from __future__ import annotations
 
@@ -62,13 +66,108 @@ def quantize_tokens(x: np.ndarray, code: str, scale: np.ndarray | None = None) -
     return TokenCodes(codes, np.array(s, np.float32))
 
 
+MEAN_UNIT, MEAN_CLAMP = 2.0 ** 16, 2.0 ** 24  # the running sums' fixed point (the writer's MEAN_UNIT, MEAN_CLAMP)
+
+
+def mean_terms(x, xp=np):
+    """Running-sum terms of float32 values x: rint(clamp(x, ±2^24) * 2^16) as int64 (exact scaling)."""
+    clamped = xp.clip(xp.asarray(x, xp.float32), xp.float32(-MEAN_CLAMP), xp.float32(MEAN_CLAMP))
+    return xp.rint(clamped * xp.float32(MEAN_UNIT)).astype(xp.int64)
+
+
+def mean_record(sums, counts, xp=np):
+    """The int8 mean record of running sums [H, D] (int64) over counts [H] tokens: the mean
+    float32(sum * 2^-16) / float32(count) in fp32 (zero without tokens) as codes [H, D] int8 with one
+    scale [H] each, s = max|mean| / 127, as a token's own scale."""
+    counts = xp.asarray(counts, xp.int64)[:, None]
+    mean = (sums.astype(xp.float64) * 2.0 ** -16).astype(xp.float32) / xp.maximum(counts, 1).astype(xp.float32)
+    mean = xp.where(counts > 0, mean, xp.float32(0)).astype(xp.float32)
+    scale = (xp.abs(mean).max(axis=-1) / xp.float32(INT8_MAX)).astype(xp.float32)
+    safe = xp.where(scale > 0, scale, xp.float32(1))
+    y = (mean / safe[:, None]).astype(xp.float32)
+    return xp.rint(xp.clip(y, xp.float32(-INT8_MAX), xp.float32(INT8_MAX))).astype(xp.int8), scale
+
+
+def mean_values(codes, scale, xp=np):
+    """A record's values fl(code * scale) in float32 (what the writer subtracts and the kernel adds)."""
+    return (xp.asarray(codes).astype(xp.float32) * xp.asarray(scale, xp.float32)[..., None]).astype(xp.float32)
+
+
+def page_starts(slots: np.ndarray, page_size: int) -> np.ndarray:
+    """Which tokens of a write [T] store into a page this write starts: the page's offset 0 is the write's
+    token `offset` places before (as a slot mapping gives a sequence's tokens in order)."""
+    slots = np.asarray(slots, np.int64)
+    offsets = np.where(slots >= 0, slots % page_size, 0)
+    first = np.arange(slots.size) - offsets
+    return (slots >= 0) & (first >= 0) & (slots[np.maximum(first, 0)] == slots - offsets)
+
+
+@dataclass
+class PageMeans:
+    """The page means of an 8-bit K: int8 records codes [pages + 1, H, D] and scales [pages + 1, H], the
+    last one the snapshot of the running mean (what a page started by the next write takes), and the
+    running sums [H, D] (int64, fixed point) and token counts [H] of every finite K - b row written."""
+
+    codes: np.ndarray
+    scale: np.ndarray
+    sums: np.ndarray
+    counts: np.ndarray
+    seeded: bool = False
+
+    @classmethod
+    def empty(cls, num_pages: int, kv_heads: int, head_dim: int) -> "PageMeans":
+        return cls(np.zeros((num_pages + 1, kv_heads, head_dim), np.int8), np.zeros((num_pages + 1, kv_heads), np.float32),
+                   np.zeros((kv_heads, head_dim), np.int64), np.zeros(kv_heads, np.int64))
+
+    @property
+    def snapshot(self) -> np.ndarray:
+        return mean_values(self.codes[-1], self.scale[-1])
+
+    @staticmethod
+    def _counted(x: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """[T, H]: the rows that enter the running mean (stored, finite)."""
+        return (np.asarray(slots)[:, None] >= 0) & np.isfinite(x).all(axis=-1)
+
+    def seed(self, x: np.ndarray, slots: np.ndarray) -> None:
+        """A fresh cache's first write x [T, H, D] (K - b, float32) sets the snapshot to its own mean."""
+        keep = self._counted(x, slots)
+        sums = (mean_terms(x) * keep[..., None]).sum(axis=0)
+        self.codes[-1], self.scale[-1] = mean_record(sums, keep.sum(axis=0))
+        self.seeded = True
+
+    def write(self, x: np.ndarray, slots: np.ndarray, page_size: int) -> np.ndarray:
+        """The μ [T, H, D] each token of a write x [T, H, D] (K - b, float32) at slots [T] is stored against,
+        as the writer takes it (a fresh cache is seeded first): the snapshot where the write starts the token's
+        page, else the page's record;
+        then the records of the pages started (offset 0) take the snapshot, the rows are added to the running
+        sums, and the snapshot becomes their mean."""
+        slots = np.asarray(slots, np.int64)
+        stored = slots >= 0
+        pages = np.where(stored, slots // page_size, 0)
+        record = np.where(page_starts(slots, page_size), self.codes.shape[0] - 1, pages)
+        mu = mean_values(self.codes[record], self.scale[record])
+        started = pages[stored & (slots % page_size == 0)]
+        self.codes[started], self.scale[started] = self.codes[-1], self.scale[-1]
+        keep = self._counted(x, slots)
+        self.sums += (mean_terms(x) * keep[..., None]).sum(axis=0)
+        self.counts += keep.sum(axis=0)
+        self.codes[-1], self.scale[-1] = mean_record(self.sums, self.counts)
+        return mu
+
+    def gather(self, table_row: np.ndarray, length: int, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """One sequence's per-key records: codes [H, length, D] (float32) and scales [H, length]."""
+        pages = np.asarray(table_row, np.int64)[np.arange(length) // page_size]
+        return self.codes[pages].transpose(1, 0, 2).astype(np.float32), self.scale[pages].T
+
+
 @dataclass
 class HostPagedCache:
     """A paged K-V cache on the host in natural layout: k, v [pages, kv heads, page_size, D] float32
     holding each token's stored values (8-bit codes as their exact values, or the 16-bit values);
     k_scale, v_scale [pages, kv heads, page_size] (token scales), [kv heads] (head scales) or None (a
-    16-bit side); k_bias [kv heads, D] fp32 or None (a pre-bias residual K stores K - b). A token's
-    value is stored value x scale (+ k_bias for K)."""
+    16-bit side); k_bias [kv heads, D] fp32 or None (a pre-bias residual K stores K - b); k_mean, the
+    page means of an 8-bit K or None (K - b - μ_page stored). A token's value is stored value x scale
+    (+ k_bias + μ_page for K)."""
 
     fmt: str
     page_size: int
@@ -77,10 +176,11 @@ class HostPagedCache:
     k_scale: np.ndarray | None
     v_scale: np.ndarray | None
     k_bias: np.ndarray | None = None
+    k_mean: PageMeans | None = None
 
     @classmethod
     def empty(cls, fmt: str, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
-              scale: str = "token", k_scale=None, v_scale=None, k_bias=None) -> "HostPagedCache":
+              scale: str = "token", k_scale=None, v_scale=None, k_bias=None, k_mean: str = "off") -> "HostPagedCache":
         sides = fmt.split("-")
         shape = (num_pages, kv_heads, page_size, head_dim)
 
@@ -93,7 +193,8 @@ class HostPagedCache:
 
         return cls(fmt, page_size, np.zeros(shape, np.float32), np.zeros(shape, np.float32),
                    side_scale(sides[0], k_scale), side_scale(sides[1], v_scale),
-                   None if k_bias is None else np.asarray(k_bias, np.float32).reshape(kv_heads, head_dim))
+                   None if k_bias is None else np.asarray(k_bias, np.float32).reshape(kv_heads, head_dim),
+                   PageMeans.empty(num_pages, kv_heads, head_dim) if k_mean == "page" else None)
 
     def write(self, k: np.ndarray, v: np.ndarray, slots: np.ndarray, *, scale: str = "token") -> None:
         """Store new tokens k, v [T, kv heads, D] at slots [T] (page * page_size + offset; negative:
@@ -102,9 +203,16 @@ class HostPagedCache:
         keep = slots >= 0
         pages, offsets = slots[keep] // self.page_size, slots[keep] % self.page_size
         for name, x, code in (("k", k, self.fmt.split("-")[0]), ("v", v, self.fmt.split("-")[1])):
-            x = np.asarray(x, np.float32)[keep]
+            x = np.asarray(x, np.float32)
             if name == "k" and self.k_bias is not None:
                 x = (x - self.k_bias[None]).astype(np.float32)
+            calibration = x[keep]  # what head scales not given are calibrated on
+            if name == "k" and self.k_mean is not None:
+                if not self.k_mean.seeded:
+                    self.k_mean.seed(x, slots)
+                calibration = (calibration - self.k_mean.snapshot[None]).astype(np.float32)
+                x = (x - self.k_mean.write(x, slots, self.page_size)).astype(np.float32)
+            x = x[keep]
             store = getattr(self, name)
             if code not in QMAX:  # rounded to the 16-bit type, as the writer stores it
                 half = np.dtype(np.float16) if code == "f16" else numpy_dtype("bfloat16")
@@ -112,7 +220,7 @@ class HostPagedCache:
                 continue
             if scale == "head":
                 if getattr(self, f"{name}_scale") is None:
-                    setattr(self, f"{name}_scale", head_scales(x, code))
+                    setattr(self, f"{name}_scale", head_scales(calibration, code))
                 q = quantize_tokens(x, code, getattr(self, f"{name}_scale"))
             else:
                 q = quantize_tokens(x, code)
@@ -132,8 +240,8 @@ class HostPagedCache:
         return values, scale
 
     def dequantize(self, name: str, table_row: np.ndarray, length: int) -> np.ndarray:
-        """One sequence's side as float64 [kv heads, length, D]: stored value x scale (+ the K bias),
-        exactly."""
+        """One sequence's side as float64 [kv heads, length, D]: stored value x scale (+ the K bias and
+        the page means), exactly."""
         values, scale = self.gather(name, table_row, length)
         values = values.astype(np.float64)
         if scale is not None:
@@ -141,4 +249,7 @@ class HostPagedCache:
             values = values * (scale[:, :, None] if scale.ndim == 2 else scale[:, None, None])
         if name == "k" and self.k_bias is not None:
             values = values + self.k_bias[:, None, :].astype(np.float64)
+        if name == "k" and self.k_mean is not None:
+            codes, scale = self.k_mean.gather(table_row, length, self.page_size)
+            values = values + mean_values(codes, scale).astype(np.float64)
         return values

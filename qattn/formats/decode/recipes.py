@@ -17,6 +17,10 @@ SCALE_MODES = ("token", "head")  # one fp32 scale per (token, kv head), or one p
 # query row) and run the 8-bit MMA on the codes, the scales applied to S.
 QK_PATHS = ("transform", "fp8", "int8")
 QK_CODE = {"fp8": "e4m3", "int8": "i8"}  # the K code each 8-bit path reads
+# An 8-bit K's channel mean (DESIGN §2): "off", or "page": the cache stores K - μ_page with one mean
+# vector per (page, kv head), the running mean when the page was started, and the kernel adds q·μ_page
+# back to the page's scores (exact for any μ).
+K_MEANS = ("off", "page")
 HALF = ("f16", "bf16")
 EIGHT_BIT = ("e4m3", "i8")
 QMAX = {"e4m3": 448.0, "i8": 127.0}
@@ -101,6 +105,14 @@ def _problem(fmt: str):
     return problem
 
 
+def _options(fmt: str) -> dict:
+    """A spec's choices: page size and scale granularity; where K is 8-bit, its channel mean and the QK
+    path (a 16-bit K has only its own MMA and stores K as given)."""
+    eight = sides(fmt)[0] in EIGHT_BIT
+    return {"page_size": PAGE_SIZES, "scale_mode": SCALE_MODES,
+            **({"k_mean": K_MEANS, "qk": qk_paths(fmt)} if eight else {})}
+
+
 def family(fmt: str) -> Family:
     """The decode kernel family of a format; a spec picks its page size and scale granularity
     (KernelSpec.options: page_size, scale_mode)."""
@@ -120,10 +132,8 @@ def family(fmt: str) -> Family:
         launcher=LAUNCHER,
         main_entry="_f16" if "bf16" not in (k, v) else "_bf16",
         values={"k_code": "16" if k in HALF else k, "v_code": "16" if v in HALF else v, "table_slots": TABLE_SLOTS,
-                "qk": "transform"},
-        # the QK path is a spec option where K is 8-bit (a 16-bit K has only its own MMA)
-        options={"page_size": PAGE_SIZES, "scale_mode": SCALE_MODES,
-                 **({"qk": qk_paths(fmt)} if k in EIGHT_BIT else {})},
+                "qk": "transform", "k_mean": "off"},
+        options=_options(fmt),
     )
 
 
@@ -150,6 +160,9 @@ def _hip_problem(tile: Tile, d: int) -> str | None:
 
 def _hip_qk_problem(fmt: str):
     def problem(options: dict, arch: str) -> str | None:
+        if options.get("k_mean", "off") != "off":
+            return (f"k_mean: the HIP decode kernel and writer keep no page means (no running mean, no q·μ_page); "
+                    f"k_mean {options['k_mean']!r} builds for CUDA, and {fmt} on {arch} takes k_mean 'off'")
         qk = options.get("qk", "transform")
         if qk == "transform" or arch in HIP_QK_ARCHS[qk]:
             return None
@@ -176,9 +189,9 @@ def hip_family(fmt: str) -> Family | None:
         archs=HIP_ARCHS,
         launcher=LAUNCHER,
         main_entry="_f16",
-        values={"k_code": "16" if k in HALF else k, "v_code": "16" if v in HALF else v, "qk": "transform"},
-        options={"page_size": PAGE_SIZES, "scale_mode": SCALE_MODES,
-                 **({"qk": qk_paths(fmt)} if k in EIGHT_BIT else {})},
+        values={"k_code": "16" if k in HALF else k, "v_code": "16" if v in HALF else v, "qk": "transform",
+                "k_mean": "off"},
+        options=_options(fmt),
         option_problem=_hip_qk_problem(fmt),
     )
 
