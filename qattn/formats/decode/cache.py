@@ -34,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...engine.arrays import as_device_array, launch_stream
+from ...engine.memory import capturing
 from ...engine.fragments import pv_key_slot
 from ...engine.packed import NULL, PackedLaunch, Pointer
 from .quant import QMAX, HostPagedCache
@@ -186,6 +187,11 @@ class PagedKVCache:
         tokens = int(k.shape[0])
         if tokens == 0:
             return
+        stream_ptr = launch_stream(stream, example)
+        if not (all(self._calibrated.values()) and self._mean_seeded) and capturing(stream_ptr):
+            raise ValueError("k: the first write of a cache without given head scales calibrates them (and with page "
+                             "means seeds the mean), which a CUDA graph capture cannot hold; write once before the "
+                             "capture (or give k_scale=, v_scale=)")
         self._seed_mean(k, slots)
         self._calibrate(k, v)
         key = (k.dtype.name, slots.dtype.name, k.strides, v.strides, tokens)
@@ -197,7 +203,7 @@ class PagedKVCache:
                     "vp": self.v_pool.data.ptr, "ks": 0 if self.k_scale is None else self.k_scale.data.ptr,
                     "vs": 0 if self.v_scale is None else self.v_scale.data.ptr,
                     "kb": 0 if self.k_bias is None else self.k_bias.data.ptr, **self.mean_pointers()}
-        launch(pointers, launch_stream(stream, example))
+        launch(pointers, stream_ptr)
 
     def _write_launch(self, k, v, slots, tokens: int) -> PackedLaunch:
         kernel = self.kernel()

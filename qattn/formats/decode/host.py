@@ -1,9 +1,10 @@
 """Decode over a paged K-V cache on the GPU: ``qattn.decode`` checks a call, picks the split of the
 keys, and launches the decode kernel (and, with splits, the merge) on the caller's stream.
 
-A call allocates nothing when given ``out=`` (and, with more than one split, ``workspace=``, of
-``workspace_bytes(...)`` bytes) and never synchronizes the host, so a decode step (cache writes and
-decode) can be captured in a CUDA graph. The split count depends only on shapes known on the host (the
+A call never synchronizes the host, so a decode step (cache writes and decode) can be captured in a
+CUDA graph: torch callers as they are, CuPy callers with ``out=`` (``lse=``) and, with more than one
+split, ``workspace=`` (a ``qattn.Workspace``, or a byte array of ``workspace_bytes(...)``); see
+engine/memory.py. The split count depends only on shapes known on the host (the
 batch, heads, the block table's width times the page size, the GPU's SM count), never on the lengths
 in ``seq_lens``, which stay on the GPU.
 """
@@ -14,7 +15,8 @@ import numbers
 
 import numpy as np
 
-from ...engine.arrays import as_device_array, launch_stream, like_input, signature
+from ...engine.arrays import as_device_array, signature
+from ...engine.memory import CallMemory, lse_output
 from ...engine.packed import NULL, PackedLaunch, Pointer, cached_plan, programmatic
 from ...engine.registry import recipe
 from .cache import PagedKVCache
@@ -145,7 +147,8 @@ def _entry(q) -> str:
 
 
 def decode(q, cache: PagedKVCache, block_table, seq_lens, *, qk: str = "auto", splits: int | None = None,
-           scale: float | None = None, out=None, return_lse: bool = False, workspace=None, stream=None, tile=None):
+           scale: float | None = None, out=None, return_lse: bool = False, lse=None, workspace=None, stream=None,
+           tile=None):
     """softmax(q Kᵀ·scale) V over each sequence's cached tokens. q [B, Hq, Lq, D] fp16 or bf16 (Lq
     1..16 new tokens, bottom-right causal among them; Hq a multiple of the cache's kv heads);
     block_table int32 [B, max_pages] (page ids of each sequence, in order); seq_lens int32 [B] (tokens
@@ -153,9 +156,12 @@ def decode(q, cache: PagedKVCache, block_table, seq_lens, *, qk: str = "auto", s
     [B, Hq, Lq] fp32 when return_lse). splits: None picks from the shapes and the GPU (see the module
     docstring). qk, the QK path over an 8-bit K: "transform" (codes converted on chip to the query's
     type), "fp8" (e4m3 K) or "int8" (i8 K): Q quantized per row and S on the 8-bit MMA; "auto" picks by
-    arch (recipes.resolve_qk)."""
+    arch (recipes.resolve_qk). lse: an fp32 [B, Hq, Lq] array to write the LSE to (implies return_lse).
+    workspace: a qattn.Workspace (or a byte array of workspace_bytes(...)) for the split-K partials;
+    with it and out= (and lse=) a call allocates nothing (see engine/memory.py)."""
     import cupy
 
+    return_lse = return_lse or lse is not None
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache: expected a qattn.PagedKVCache, got {type(cache).__name__}")
     splits = _check_splits(splits)
@@ -171,32 +177,22 @@ def decode(q, cache: PagedKVCache, block_table, seq_lens, *, qk: str = "auto", s
     key = ("decode", cache.kv_heads, signature(q), signature(table), signature(lens),
            None if out_given is None else signature(out_given), scale, bool(return_lse), splits)
     plan = cached_plan(kernel, key, lambda: _plan(kernel, cache, q, table, lens, out_given, scale, return_lse, splits))
-    ws_ptr = 0
-    if plan.ws_bytes:
-        if workspace is not None:
-            ws = as_device_array(workspace, "workspace")
-            if ws.nbytes < plan.ws_bytes or ws.data.ptr % 16:
-                raise ValueError(f"workspace: expected at least {plan.ws_bytes} bytes, 16-byte aligned, got "
-                                 f"{ws.nbytes}")
-        else:
-            with cupy.cuda.Device(cache.device):
-                ws = cupy.empty(plan.ws_bytes, dtype=cupy.uint8)
-        ws_ptr = ws.data.ptr
+    lse_output(lse, plan.lse_shape)
     with cupy.cuda.Device(cache.device):
-        out_arr = out_given if out_given is not None else cupy.empty(q.shape, dtype=q.dtype)
-        lse = cupy.empty(plan.lse_shape, dtype=cupy.float32) if return_lse else None
+        memory = CallMemory(example, stream, workspace, cache.device)
+        partials = memory.scratch(plan.ws_bytes)
+        out_arr, out_result = memory.output(out, q.shape, q.dtype, "out", out_given)
+        lse_arr, lse_result = memory.output(lse, plan.lse_shape, "float32", "lse") if return_lse else (None, None)
     pointers = {"q": q.data.ptr, "kp": cache.k_pool.data.ptr, "vp": cache.v_pool.data.ptr,
                 "ks": 0 if cache.k_scale is None else cache.k_scale.data.ptr,
                 "vs": 0 if cache.v_scale is None else cache.v_scale.data.ptr, "table": table.data.ptr,
                 "kb": 0 if cache.k_bias is None else cache.k_bias.data.ptr, **cache.mean_pointers(),
-                "lens": lens.data.ptr, "out": out_arr.data.ptr, "lse": 0 if lse is None else lse.data.ptr,
-                "ws": ws_ptr}
-    stream_ptr = launch_stream(stream, example)
-    plan.decode(pointers, stream_ptr)
+                "lens": lens.data.ptr, "out": out_arr.data.ptr, "lse": 0 if lse_arr is None else lse_arr.data.ptr,
+                "ws": 0 if partials is None else partials.ptr}
+    plan.decode(pointers, memory.stream_ptr)
     if plan.merge is not None:
-        plan.merge(pointers, stream_ptr)
-    out_arr = like_input(out_arr, example) if out is None else out
-    return (out_arr, like_input(lse, example)) if return_lse else out_arr
+        plan.merge(pointers, memory.stream_ptr)
+    return (out_result, lse_result) if return_lse else out_result
 
 
 def splits_for(cache: PagedKVCache, batch: int, heads: int, queries: int, max_pages: int, tile=None,
