@@ -23,7 +23,7 @@ from qattn.engine.compile import compile_cuda, entry_resources, parse_ptxas
 I8_FORMATS = ("i8-f16", "i8-i8", "i8-f8")
 ARCHS = {"i8-f16": ("sm_80", "sm_90a"), "i8-i8": ("sm_80", "sm_90a"), "i8-f8": ("sm_89", "sm_90a", "sm_120")}
 # The mma.sync kernels on every arch (spelled out where the arch's default is another unit: i8-f8
-# on sm_90a runs on wgmma, tests/test_wgmma.py).
+# and i8-f16 on sm_90a run on wgmma, tests/test_wgmma.py and tests/test_wgmma_prefill.py).
 SPECS = [KernelSpec(recipe=f, head_dim=d, causal=c, arch=a, mma="mma.sync")
          for f in I8_FORMATS for a in ARCHS[f] for d in (64, 128) for c in (False, True)]
 
@@ -73,9 +73,9 @@ def test_hopper_carries_e4m3_in_fp16():
         want = "f16" if arch in E4M3_IN_F16_ARCHS else "f8"
         assert spec.family.values["pv_operand"] == want, arch
         assert spec.family.archs == RECIPES["i8-f8"].family("cuda").archs
-    assert KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a").family.values["mma_unit"] == "wgmma"
-    for f in ("i8-f16", "i8-i8"):
-        assert KernelSpec(recipe=f, head_dim=128, arch="sm_90a").family is RECIPES[f].family("cuda")
+    for f in ("i8-f8", "i8-f16"):  # tests/test_wgmma.py, tests/test_wgmma_prefill.py
+        assert KernelSpec(recipe=f, head_dim=128, arch="sm_90a").family.values["mma_unit"] == "wgmma"
+    assert KernelSpec(recipe="i8-i8", head_dim=128, arch="sm_90a").family is RECIPES["i8-i8"].family("cuda")
     carrier = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="mma.sync").family
     f16 = RECIPES["i8-f16"].family("cuda")
     from qattn.engine.tile import Tile

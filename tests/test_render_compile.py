@@ -73,10 +73,10 @@ def test_render_every_supported_spec(spec):
 
 
 def test_render_differs_where_spec_differs():
-    base = KernelSpec(recipe="f16", head_dim=128, arch="sm_90a")
+    base = KernelSpec(recipe="f16", head_dim=128, arch="sm_90a", mma="mma.sync")  # a tile sm_80 takes too
     sources = {render(s) for s in (base, base.with_(causal=True), base.with_(recipe="bf16"),
-                                   base.with_(head_dim=64), base.with_(arch="sm_80"))}
-    assert len(sources) == 5
+                                   base.with_(head_dim=64), base.with_(arch="sm_80", mma=None), base.with_(mma=None, tile=None))}
+    assert len(sources) == 6
 
 
 def test_entry_name_is_a_c_identifier():
@@ -116,7 +116,10 @@ def _check_compiled(spec: KernelSpec) -> None:
     assert f".entry {entry_name(spec)}" in ptx
     # compiled for the requested arch: the PTX target names it
     assert re.search(rf"\.target\s+{spec.arch}\b", ptx), re.search(r"\.target\s+\S+", ptx)
-    if spec.recipe in ("f16", "bf16"):
+    if spec.recipe in ("f16", "bf16") and spec.family.values.get("mma_unit") == "wgmma":  # test_wgmma_prefill.py
+        r = spec.recipe
+        assert f"wgmma.mma_async.sync.aligned.m64n{spec.tile.block_n}k16.f32.{r}.{r}" in ptx and "mma.sync" not in ptx
+    elif spec.recipe in ("f16", "bf16"):
         assert "mma.sync" in ptx and f".{spec.recipe}.{spec.recipe}." in ptx
         assert "cp.async" in ptx and "ldmatrix" in ptx
     else:

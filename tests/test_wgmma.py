@@ -164,8 +164,8 @@ def test_mma_unit_choice():
     assert spec == default  # wgmma is sm_90a's default unit
     sync = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="mma.sync")
     assert sync.key != default.key and sync.name.endswith("_mmasync_sm90a")
-    for bad in (dict(recipe="i8-f16", arch="sm_90a"), dict(recipe="i8-f8", arch="sm_90"),
-                dict(recipe="i8-f8", arch="sm_89"), dict(recipe="f16", arch="sm_90a")):
+    for bad in (dict(recipe="i8-i8", arch="sm_90a"), dict(recipe="i8-f8", arch="sm_90"),
+                dict(recipe="i8-f8", arch="sm_89"), dict(recipe="f16", arch="sm_89")):
         with pytest.raises(ValueError, match="mma: "):
             KernelSpec(head_dim=128, mma="wgmma", **bad)
     from qattn.engine.tile import Tile

@@ -102,15 +102,21 @@ class Recipe:
             raise ValueError(f"format {self.name!r}: no {backend} kernel; backends with a kernel: {have}")
         return self.arch_families.get((backend, arch), (self.families[backend],))
 
-    def family(self, backend: str, arch: str | None = None, mma: str | None = None) -> Family:
-        """The backend's family; with arch, the one that arch builds by default, or the one on the
-        matrix unit mma names (Family.values["mma_unit"], e.g. "mma.sync" or "wgmma")."""
+    def family(self, backend: str, arch: str | None = None, mma: str | None = None,
+               head_dim: int | None = None) -> Family:
+        """The backend's family; with arch, the one that arch builds by default (for head_dim where
+        given: the first that has it), or the one on the matrix unit mma names
+        (Family.values["mma_unit"], e.g. "mma.sync" or "wgmma")."""
         options = self.arch_options(backend, arch)
         if mma is None:
-            return options[0]
+            return next((f for f in options if head_dim is None or head_dim in f.head_dims), options[0])
         units = [f.values.get("mma_unit") for f in options]
         if mma not in units:
             have = ", ".join(u for u in units if u) or "no choice of unit"
             raise ValueError(f"mma: {self.name} on {backend} {arch} builds with {have}, got {mma!r}")
-        return options[units.index(mma)]
+        fam = options[units.index(mma)]
+        if head_dim is not None and head_dim not in fam.head_dims:
+            raise ValueError(f"head_dim: {self.name} on {mma} ({backend} {arch}) supports "
+                             f"{', '.join(map(str, fam.head_dims))}, got {head_dim!r}")
+        return fam
 

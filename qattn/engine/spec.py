@@ -59,11 +59,12 @@ class KernelSpec:
             object.__setattr__(self, "arch", arch)
         if self.arch not in fam.archs:
             raise ValueError(f"arch: {self.recipe} on {self.backend} supports {', '.join(fam.archs)}, got {self.arch!r}")
+        rec = recipe(self.recipe, self.kind)
         if self.mma is not None:
-            if self.mma == recipe(self.recipe, self.kind).family(self.backend, self.arch).values.get("mma_unit"):
+            if self.mma == rec.family(self.backend, self.arch, head_dim=self.head_dim).values.get("mma_unit"):
                 object.__setattr__(self, "mma", None)  # the default, spelled out: one spec, one key
-        object.__setattr__(self, "options", self._checked_options(recipe(self.recipe, self.kind).family(
-            self.backend, self.arch, self.mma)))
+        object.__setattr__(self, "options", self._checked_options(rec.family(
+            self.backend, self.arch, self.mma, self.head_dim)))
         fam = self.family
         problem = fam.option_problem and fam.option_problem(dict(self.options), self.arch)
         if problem:
@@ -96,7 +97,7 @@ class KernelSpec:
 
     @property
     def family(self):
-        fam = recipe(self.recipe, self.kind).family(self.backend, self.arch, self.mma)
+        fam = recipe(self.recipe, self.kind).family(self.backend, self.arch, self.mma, self.head_dim)
         return replace(fam, values={**fam.values, **dict(self.options)}) if self.options else fam
 
     @property

@@ -1,5 +1,6 @@
 """The dense formats' recipes and kernel families (DESIGN §2): fp16 and bf16 flash attention on
-tensor cores (mma.sync m16n8k16 on CUDA, MFMA/WMMA on HIP) and the fp32 SIMT noise floor."""
+tensor cores (mma.sync m16n8k16 on CUDA, warp-specialized wgmma on sm_90a, MFMA/WMMA on HIP) and the
+fp32 SIMT noise floor."""
 from __future__ import annotations
 
 from ...engine.family import CUDA_ARCHS, HIP_ARCHS, Family, Recipe, Tolerance
@@ -41,6 +42,64 @@ CUDA_MMA = Family(
     measured_spills=frozenset({(128, True, "sm_90a")}
                               | {(128, False, arch) for arch in ("sm_80", "sm_90", "sm_90a")}),
     smaller_tiles={128: (Tile(128, 32, 4, 2),), 256: (Tile(64, 32, 4, 2), Tile(32, 32, 2, 2))},
+    values={"mma_unit": "mma.sync"},
+)
+
+
+# ---- CUDA prefill on Hopper warpgroup MMAs (f16, bf16; sm_90a) ------------------------------------
+# The shared warp-specialized pipeline (templates/cuda/wgmma_attention.cuh.j2): consumer warpgroups
+# of 64 query rows each, a producer warpgroup gathering K and V rows with cp.async into a ring of
+# `stages` slots. Q, K and V rows of 2D bytes, unpadded (wgmma's core-matrix layout); the output
+# rows staged in their own region; four mbarriers per slot.
+
+def _wgmma_smem(tile: Tile, d: int) -> int:
+    loop = tile.block_m * 2 * d + tile.stages * 2 * tile.block_n * 2 * d
+    return loop + tile.block_m * padded_row_bytes(d, 2) + 4 * 8 * tile.stages
+
+
+# Registers the producer warpgroup keeps: its cp.async row loads (16 a thread per tile at d128,
+# unrolled) spill at 24-40 under ptxas 13.0.
+_WGMMA_PRODUCER_REGS = 56
+
+
+def wgmma_consumer_registers(tile: Tile) -> int:
+    """Registers a consumer thread gets (prefill_wgmma.cu.j2: one block per SM, two for a single
+    consumer warpgroup; the producer warpgroup keeps _WGMMA_PRODUCER_REGS)."""
+    threads = 32 * tile.warps + 128
+    launch = 65536 // (threads * (2 if tile.warps == 4 else 1)) // 8 * 8
+    return (launch * threads - _WGMMA_PRODUCER_REGS * 128) // (32 * tile.warps) // 8 * 8
+
+
+def _wgmma_problem(tile: Tile, d: int) -> str | None:
+    def shape():
+        if tile.block_m not in (64, 128, 192) or tile.block_m != 16 * tile.warps:
+            return ("block_m must be 64, 128 or 192, 64 rows per consumer warpgroup of 4 warps "
+                    f"(warps = block_m / 16), got {tile.block_m}/{tile.warps}")
+        if tile.block_n not in (64, 128):
+            return f"block_n must be 64 or 128, got {tile.block_n}"
+        return None
+
+    def registers():
+        # O, S and P (d / 2 + block_n / 2 + block_n / 4 a thread) and ~48 for addresses and statistics
+        need, have = d // 2 + 3 * tile.block_n // 4 + 48, wgmma_consumer_registers(tile)
+        if need > have:
+            return (f"O, S and P need about {need} registers a consumer thread, {have} are left: use fewer "
+                    "warps or a narrower block_n")
+        return None
+
+    return first_problem(shape, registers, lambda: ring_problem(tile),
+                         lambda: smem_problem(_wgmma_smem(tile, d), "cuda"))
+
+
+CUDA_WGMMA = Family(
+    template="cuda/prefill_wgmma.cu.j2",
+    head_dims=(64, 128),
+    default_tiles={64: Tile(128, 128, 8, 2), 128: Tile(128, 128, 8, 2)},
+    tile_problem=_wgmma_problem,
+    smem_bytes=_wgmma_smem,
+    archs=("sm_90a",),
+    producer_warps=4,
+    values={"mma_unit": "wgmma", "producer_regs": _WGMMA_PRODUCER_REGS},
 )
 
 
@@ -87,9 +146,11 @@ HIP_MATRIX = Family(
 
 RECIPES = (
     Recipe("f16", "fp16 Q/K/V, fp32 accumulation, P rounded to fp16 (tensor cores)", ("float16",),
-           Tolerance(max_rel=2e-2, rel_l2=2e-3), {"cuda": CUDA_MMA, "hip": HIP_MATRIX}, {"mma": "f16", "cvt": "f16x2"}),
+           Tolerance(max_rel=2e-2, rel_l2=2e-3), {"cuda": CUDA_MMA, "hip": HIP_MATRIX}, {"mma": "f16", "cvt": "f16x2"},
+           {("cuda", "sm_90a"): (CUDA_WGMMA, CUDA_MMA)}),
     Recipe("bf16", "bf16 Q/K/V, fp32 accumulation, P rounded to bf16 (tensor cores)", ("bfloat16",),
-           Tolerance(max_rel=1e-1, rel_l2=1e-2), {"cuda": CUDA_MMA}, {"mma": "bf16", "cvt": "bf16x2"}),
+           Tolerance(max_rel=1e-1, rel_l2=1e-2), {"cuda": CUDA_MMA}, {"mma": "bf16", "cvt": "bf16x2"},
+           {("cuda", "sm_90a"): (CUDA_WGMMA, CUDA_MMA)}),
     Recipe("f32", "fp32 SIMT FMAs throughout: the noise floor for the exact formats", ("float32",),
            Tolerance(max_rel=1e-5, rel_l2=1e-5), {"cuda": CUDA_SIMT}),
 )

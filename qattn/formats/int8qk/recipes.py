@@ -1,6 +1,6 @@
 """The int8-QK formats' recipes and kernel families (DESIGN §2): i8-f16, i8-i8 and i8-f8, int8 QK
 with exact K smoothing and PV in fp16, int8 or fp8 e4m3; CUDA (mma.sync, and warp-specialized wgmma
-for i8-f8 on sm_90a) and HIP (int8 MFMA / iu8 WMMA)."""
+for i8-f8 and i8-f16 on sm_90a) and HIP (int8 MFMA / iu8 WMMA)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -98,51 +98,92 @@ CUDA_I8 = {pv: _cuda_i8(pv) for pv in ("f16", "i8", "f8")}
 CUDA_I8_F8_IN_F16 = _cuda_i8("f8", "f16")
 
 
-# ---- CUDA int8 QK prefill on Hopper warpgroup MMAs (i8-f8, sm_90a) --------------------------------
-# Each consumer warpgroup (4 of tile.warps) owns 64 query rows; a producer warpgroup beside them
-# fills the K and V^T rings with bulk copies. Q8, K8 and V^T codes sit in the no-swizzle
-# core-matrix layout wgmma reads through descriptors (rows of D, or BN, bytes: no padding); the
-# output rows are staged in their own region (a warpgroup finishes while the other still reads K/V),
-# and four mbarriers per ring slot follow.
-
-def _wgmma_smem(tile: Tile, d: int) -> int:
-    loop = tile.block_m * d + tile.stages * 2 * tile.block_n * d
-    return loop + tile.block_m * padded_row_bytes(d, 2) + 4 * 8 * tile.stages
-
-
-def _wgmma_problem(tile: Tile, d: int) -> str | None:
-    def shape():
-        if tile.block_m not in (64, 128, 192) or tile.block_m != 16 * tile.warps:
-            return ("block_m must be 64, 128 or 192, 64 rows per consumer warpgroup of 4 warps "
-                    f"(warps = block_m / 16), got {tile.block_m}/{tile.warps}")
-        if tile.block_n not in (64, 128):
-            return f"block_n must be 64 or 128 (the s8 wgmma's n), got {tile.block_n}"
-        return None
-
-    return first_problem(shape, lambda: ring_problem(tile), lambda: smem_problem(_wgmma_smem(tile, d), "cuda"))
+# ---- CUDA int8 QK prefill on Hopper warpgroup MMAs (i8-f8, i8-f16; sm_90a) ------------------------
+# The shared warp-specialized pipeline (templates/cuda/wgmma_attention.cuh.j2): each consumer
+# warpgroup (4 of tile.warps) owns 64 query rows; a producer warpgroup beside them fills the K and V
+# rings: bulk copies of the K8 (and V^T code) tiles the quantizer stores in wgmma's no-swizzle
+# core-matrix layout (rows of D, or BN, bytes: no padding), cp.async gathers of fp16 V rows (2D bytes)
+# for i8-f16. The output rows are staged in their own region (a warpgroup finishes while the other
+# still reads K/V), and four mbarriers per ring slot follow.
+# Registers the producer warpgroup keeps (attention_i8_wgmma.cuh.j2): 24 for bulk copies alone, 56
+# where it gathers fp16 V rows (less spills under ptxas 13.0).
+_PRODUCER_REGS = {"f8": 24, "f16": 56}
 
 
-CUDA_I8_F8_WGMMA = Family(
-    template="cuda/prefill_i8.cu.j2",
-    head_dims=(64, 128),
-    # Whatever the tile, one Q scale per query row and four K scales per key tile (values: quant's
-    # "thread" groups, the keys of one accumulator column quad), as fine as SageAttention2's
-    # per-thread scales and as cheap: a thread applies one scale per row and one per key tile. The
-    # key tile is the format's key block (keys per K scale block and per softmax step). Measured on the H200
-    # (docs/notes/int8qk.md): 128-key blocks beat 64-key ones by 16-20% at d128 and 5-9% at d64; three
-    # consumer warpgroups of one 192-row block (three warps per scheduler where two 64-row blocks
-    # per SM give two) beat two 64-row blocks by 15% at d64 (causal 11%) and 13% at d128 (S issued
-    # after the PV partial there), though ptxas spills a few bytes at their 160 registers.
-    default_tiles={64: Tile(192, 128, 12, 2), 128: Tile(192, 128, 12, 2)},
-    measured_spills=frozenset((d, causal, "sm_90a") for d in (64, 128) for causal in (False, True)),
-    tile_problem=_wgmma_problem,
-    smem_bytes=_wgmma_smem,
-    archs=("sm_90a",),
-    producer_warps=4,
-    launcher="prefill_i8",
-    main_entry="_f16",
-    values={"pv_operand": "f8", "mma_unit": "wgmma", "q_scale_rows": 1, "k_scale_groups": 4},
-)
+def _wgmma_smem(pv: str) -> Callable[[Tile, int], int]:
+    def smem(tile: Tile, d: int) -> int:
+        v_tile = tile.block_n * d * (2 if pv == "f16" else 1)
+        loop = tile.block_m * d + tile.stages * (tile.block_n * d + v_tile)
+        return loop + tile.block_m * padded_row_bytes(d, 2) + 4 * 8 * tile.stages
+
+    return smem
+
+
+def _wgmma_consumer_registers(tile: Tile, d: int, pv: str) -> int:
+    """Registers a consumer thread gets (BLOCKS_PER_SM in attention_i8_wgmma.cuh.j2)."""
+    threads = 32 * tile.warps + 128
+    blocks = 1 if tile.warps >= 8 else 3 if d + tile.block_n <= 128 else 2
+    launch = 65536 // (threads * blocks) // 8 * 8
+    return (launch * threads - _PRODUCER_REGS[pv] * 128) // (32 * tile.warps) // 8 * 8
+
+
+def _wgmma_problem(pv: str) -> Callable[[Tile, int], str | None]:
+    def problem(tile: Tile, d: int) -> str | None:
+        def shape():
+            if tile.block_m not in (64, 128, 192) or tile.block_m != 16 * tile.warps:
+                return ("block_m must be 64, 128 or 192, 64 rows per consumer warpgroup of 4 warps "
+                        f"(warps = block_m / 16), got {tile.block_m}/{tile.warps}")
+            if tile.block_n not in (64, 128):
+                return f"block_n must be 64 or 128 (the s8 wgmma's n), got {tile.block_n}"
+            return None
+
+        def registers():
+            # fp16 PV: O, S and P (d / 2 + block_n / 2 + block_n / 4 a thread) and ~48 for addresses,
+            # scales and statistics. (The e4m3 kernel trades S beside PV for registers itself.)
+            need, have = d // 2 + 3 * tile.block_n // 4 + 48, _wgmma_consumer_registers(tile, d, pv)
+            if pv == "f16" and need > have:
+                return (f"O, S and P need about {need} registers a consumer thread, {have} are left: use "
+                        "fewer warps or a narrower block_n")
+            return None
+
+        return first_problem(shape, registers, lambda: ring_problem(tile),
+                             lambda: smem_problem(_wgmma_smem(pv)(tile, d), "cuda"))
+
+    return problem
+
+
+def _cuda_i8_wgmma(pv: str, default_tiles: dict, measured_spills: frozenset = frozenset()) -> Family:
+    """The int8-QK family on wgmma for one PV format ("f8": e4m3 V^T tiles; "f16": fp16 V rows).
+    Whatever the tile, one Q scale per query row and four K scales per key tile (values: quant's
+    "thread" groups, the keys of one accumulator column quad), as fine as SageAttention2's
+    per-thread scales and as cheap: a thread applies one scale per row and one per key tile. The key
+    tile is the format's key block (keys per K scale block and per softmax step)."""
+    return Family(
+        template="cuda/prefill_i8.cu.j2",
+        head_dims=(64, 128),
+        default_tiles=default_tiles,
+        measured_spills=measured_spills,
+        tile_problem=_wgmma_problem(pv),
+        smem_bytes=_wgmma_smem(pv),
+        archs=("sm_90a",),
+        producer_warps=4,
+        launcher="prefill_i8",
+        main_entry="_f16",
+        values={"pv_operand": pv, "mma_unit": "wgmma", "q_scale_rows": 1, "k_scale_groups": 4},
+    )
+
+
+# Measured on the H200 (docs/notes/int8qk.md): 128-key blocks beat 64-key ones by 16-20% at d128 and
+# 5-9% at d64; three consumer warpgroups of one 192-row block (three warps per scheduler where two
+# 64-row blocks per SM give two) beat two 64-row blocks by 15% at d64 (causal 11%) and 13% at d128
+# (S issued after the PV partial there), though ptxas spills a few bytes at their 160 registers.
+CUDA_I8_F8_WGMMA = _cuda_i8_wgmma(
+    "f8", {64: Tile(192, 128, 12, 2), 128: Tile(192, 128, 12, 2)},
+    frozenset((d, causal, "sm_90a") for d in (64, 128) for causal in (False, True)))
+# fp16 PV: O, S and P at once (S runs ahead of PV) on two consumer warpgroups' 224 registers; at d128
+# 128-key blocks spill ~330 B (the int32 S and its floats), 64-key blocks none (unmeasured: chosen to
+# fit without spills).
+CUDA_I8_F16_WGMMA = _cuda_i8_wgmma("f16", {64: Tile(128, 128, 8, 2), 128: Tile(128, 64, 8, 3)})
 
 
 # ---- HIP int8 QK prefill (i8-f16, i8-i8, i8-f8): int8 MFMA / iu8 WMMA QK, PV in fp16, int8 or e4m3 --
@@ -192,7 +233,7 @@ HIP_I8 = {pv: _hip_i8(pv) for pv in ("f16", "i8", "f8")}
 RECIPES = (
     Recipe("i8-f16", "int8 QK with exact K smoothing, PV in fp16", ("float16", "bfloat16"),
            Tolerance(max_rel=1e-1, rel_l2=3e-2), {"cuda": CUDA_I8["f16"], "hip": HIP_I8["f16"]},
-           {"mma": "f16", "cvt": "f16x2", "pv": "f16"}),
+           {"mma": "f16", "cvt": "f16x2", "pv": "f16"}, {("cuda", "sm_90a"): (CUDA_I8_F16_WGMMA, CUDA_I8["f16"])}),
     Recipe("i8-i8", "int8 QK with exact K smoothing, PV in int8 (P static 127, V per channel)",
            ("float16", "bfloat16"), Tolerance(max_rel=2e-1, rel_l2=1e-1), {"cuda": CUDA_I8["i8"], "hip": HIP_I8["i8"]},
            {"mma": "f16", "cvt": "f16x2", "pv": "i8"}),

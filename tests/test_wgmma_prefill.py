@@ -1,0 +1,163 @@
+"""f16, bf16 and i8-f16 prefill on the shared warp-specialized wgmma pipeline (sm_90a;
+templates/cuda/wgmma_attention.cuh.j2), on a machine with no GPU: which kernel a spec selects, the
+families' tile rules, and every default spec compiled for sm_90a with its warpgroup MMAs of the
+right types, unserialized, in registers, behind the producer's mbarriers (the GPU half:
+tests/test_gpu_wgmma_prefill.py)."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+from conftest import check_grid_dependency, check_spills, entry_ptx
+
+from qattn.engine import packed
+from qattn.engine.compile import compile_cuda, disassemble, entry_resources
+from qattn.engine.inspect import warpgroup_mmas
+from qattn.engine.registry import recipe
+from qattn.engine.render import entry_name, render
+from qattn.engine.spec import KernelSpec
+from qattn.engine.tile import Tile
+from qattn.formats.int8qk import host as int8
+
+FORMATS = ("f16", "bf16", "i8-f16")
+SPECS = [KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a") for f in FORMATS for d in (64, 128)
+         for c in (False, True)]
+# other valid tiles: one and three consumer warpgroups, 64-key blocks, a deeper ring
+OTHER_TILES = [KernelSpec(recipe="f16", head_dim=64, arch="sm_90a", tile=Tile(192, 64, 12, 2)),
+               KernelSpec(recipe="bf16", head_dim=64, causal=True, arch="sm_90a", tile=Tile(64, 128, 4, 2)),
+               KernelSpec(recipe="f16", head_dim=128, causal=True, arch="sm_90a", tile=Tile(128, 64, 8, 3)),
+               KernelSpec(recipe="i8-f16", head_dim=64, causal=True, arch="sm_90a", tile=Tile(128, 64, 8, 2))]
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(spec: KernelSpec):
+    return compile_cuda(render(spec), spec.arch, spec.name)
+
+
+def _attention_entry(spec: KernelSpec) -> str:
+    return entry_name(spec) + spec.family.main_entry
+
+
+# ---- selection ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_wgmma_is_the_sm90a_default_and_mma_sync_selectable(fmt):
+    for d in (64, 128):
+        default = KernelSpec(recipe=fmt, head_dim=d, arch="sm_90a")
+        assert default.family.values["mma_unit"] == "wgmma" and default.family.producer_warps == 4
+        assert default.family.threads(default.tile) == 32 * default.tile.warps + 128
+        spelled = KernelSpec(recipe=fmt, head_dim=d, arch="sm_90a", mma="wgmma")
+        assert spelled == default and spelled.key == default.key  # the default unit, spelled out
+        sync = KernelSpec(recipe=fmt, head_dim=d, arch="sm_90a", mma="mma.sync")
+        assert sync.family.values["mma_unit"] == "mma.sync" and sync.family is recipe(fmt).family("cuda")
+        assert sync.key != default.key and sync.name.endswith("_mmasync_sm90a")
+    for arch in ("sm_80", "sm_89", "sm_90", "sm_120"):  # the mma.sync kernel stays everywhere else
+        if arch in recipe(fmt).family("cuda").archs:
+            assert KernelSpec(recipe=fmt, head_dim=128, arch=arch).family is recipe(fmt).family("cuda")
+            with pytest.raises(ValueError, match="mma: "):
+                KernelSpec(recipe=fmt, head_dim=128, arch=arch, mma="wgmma")
+
+
+def test_head_dims_without_a_wgmma_kernel_keep_mma_sync():
+    for d in (32, 96, 256):
+        spec = KernelSpec(recipe="f16", head_dim=d, arch="sm_90a")
+        assert spec.family.values["mma_unit"] == "mma.sync" and spec.mma is None
+        assert spec == KernelSpec(recipe="f16", head_dim=d, arch="sm_90a", mma="mma.sync")
+        with pytest.raises(ValueError, match="head_dim: f16 on wgmma"):
+            KernelSpec(recipe="f16", head_dim=d, arch="sm_90a", mma="wgmma")
+
+
+def test_default_tiles_and_tile_rules():
+    for fmt in ("f16", "bf16"):
+        fam = KernelSpec(recipe=fmt, head_dim=128, arch="sm_90a").family
+        assert fam.default_tiles == {64: Tile(128, 128, 8, 2), 128: Tile(128, 128, 8, 2)}
+        assert fam.smem_bytes(Tile(128, 128, 8, 2), 128) == 128 * 256 + 2 * 2 * 128 * 256 + 128 * 136 * 2 + 64
+    fam = KernelSpec(recipe="i8-f16", head_dim=128, arch="sm_90a").family
+    assert fam.default_tiles == {64: Tile(128, 128, 8, 2), 128: Tile(128, 64, 8, 3)}
+    assert fam.values == {"pv_operand": "f16", "mma_unit": "wgmma", "q_scale_rows": 1, "k_scale_groups": 4}
+    # i8-f16's Q8/K8 rows of D bytes, fp16 V rows of 2D
+    assert fam.smem_bytes(Tile(128, 64, 8, 3), 128) == 128 * 128 + 3 * (64 * 128 + 64 * 256) + 128 * 136 * 2 + 96
+    for fmt in FORMATS:
+        for tile, why in ((Tile(128, 64, 4, 2), "block_m must be 64, 128 or 192"),
+                          (Tile(256, 64, 16, 2), "block_m must be 64, 128 or 192"),
+                          (Tile(128, 32, 8, 2), "block_n must be 64 or 128"),
+                          (Tile(192, 128, 12, 2), "registers a consumer thread"),
+                          (Tile(128, 64, 8, 5), "stages must be 2..4")):
+            with pytest.raises(ValueError, match=why):
+                KernelSpec(recipe=fmt, head_dim=128, arch="sm_90a", tile=tile)
+
+
+def test_i8_f16_scale_blocks_follow_the_kernel():
+    """The wgmma i8-f16 kernel takes i8-f8's scale layout (one Q scale per row, four K scale groups
+    per key tile), its K8 as wgmma tiles and V as fp16 rows: the emulator options and the
+    quantizer's layouts follow the spec."""
+    from qattn.formats.int8qk.launch import tile_keys
+
+    spec = KernelSpec(recipe="i8-f16", head_dim=128, arch="sm_90a")
+    assert int8.emulator_options(spec) == {"block_m": 1, "block_n": 64, "k_granularity": "thread"}
+    assert tile_keys(spec) == 64
+    sync = KernelSpec(recipe="i8-f16", head_dim=128, arch="sm_90a", mma="mma.sync")
+    assert tile_keys(sync) == 0 and int8.emulator_options(sync)["block_m"] == sync.tile.block_m
+
+
+# ---- NVRTC compile ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", SPECS + OTHER_TILES, ids=lambda s: s.name)
+def test_compiles_on_warpgroup_mmas(spec):
+    binary = _compiled(spec)
+    entry = _attention_entry(spec)
+    # in registers: the default tiles (and the other valid tiles here) spill nothing
+    check_spills(entry, entry_resources(binary.log, entry), attention=True, allowed=0)
+    if spec.recipe == "i8-f16":  # the quantization kernels too
+        for suffix in int8.module_entries(spec.recipe, spec.backend):
+            if suffix not in ("_f16", "_bf16"):
+                check_spills(suffix, entry_resources(binary.log, entry_name(spec) + suffix), attention=False)
+    # ptxas serializes every wgmma of a kernel when it cannot prove their registers untouched while
+    # in flight (advisory C7514): the kernel still runs, at a fraction of its speed
+    assert "C7514" not in binary.log and "serialized" not in binary.log, binary.log
+    ptx = binary.ptx
+    attn = entry_ptx(ptx, entry)
+    bn, d = spec.tile.block_n, spec.head_dim
+    if spec.recipe == "i8-f16":
+        assert f"wgmma.mma_async.sync.aligned.m64n{bn}k32.s32.s8.s8" in attn
+        assert f"wgmma.mma_async.sync.aligned.m64n{d}k16.f32.f16.f16" in attn
+        # K8 tiles: one bulk copy each; fp16 V rows: cp.async by the producer warpgroup
+        assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in attn
+        assert "mbarrier.arrive.expect_tx" in attn
+    else:
+        t = spec.recipe
+        assert f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{t}.{t}" in attn  # S = Q Kᵀ
+        assert f"wgmma.mma_async.sync.aligned.m64n{d}k16.f32.{t}.{t}" in attn  # O += P V
+        assert "cp.async.bulk" not in attn
+    assert "mma.sync" not in attn and "ldmatrix" not in attn and "e4m3" not in attn
+    # P V with V N-major: the register-A form with imm-trans-b 1
+    assert "p, 1, 1, 1;" in attn
+    # Q by the consumers, K/V rows by the producer: cp.async, fenced for the async proxy before the
+    # barrier that publishes them; mbarrier waits; registers handed over
+    assert "cp.async.cg.shared.global" in attn and "cp.async.wait_group 1" in attn
+    assert "fence.proxy.async.shared::cta" in attn and "mbarrier.try_wait.parity" in attn
+    assert "mbarrier.arrive.shared::cta.b64" in attn and "fence.mbarrier_init.release.cluster" in attn
+    assert "setmaxnreg.dec.sync.aligned.u32 56" in attn and "setmaxnreg.inc.sync.aligned.u32" in attn
+    # S of the next tile runs ahead of PV (QK_AHEAD): waits with one group in flight and with none
+    assert "wgmma.wait_group.sync.aligned 1;" in attn and "wgmma.wait_group.sync.aligned 0;" in attn
+    check_grid_dependency(ptx, entry, packed.programmatic(spec))
+    # every warpgroup MMA of the PTX reaches the SASS as a product, none as a placeholder onto RZ
+    wgmma = warpgroup_mmas(ptx, disassemble(binary.data, "cuda"))
+    assert wgmma["sass"] == wgmma["ptx"] > 0 and wgmma["placeholders"] == 0, wgmma
+
+
+def test_bf16_output_of_the_i8_f16_kernel():
+    spec = KernelSpec(recipe="i8-f16", head_dim=64, arch="sm_90a")
+    ptx = _compiled(spec).ptx
+    assert "cvt.rn.bf16x2.f32" in entry_ptx(ptx, entry_name(spec) + "_bf16")
+    assert "cvt.rn.bf16x2.f32" not in entry_ptx(ptx, entry_name(spec) + "_f16")
+
+
+def test_inspect_shows_the_wgmma_kernel():
+    from click.testing import CliRunner
+
+    from qattn.cli import main
+
+    result = CliRunner().invoke(main, ["inspect", "prefill", "-f", "f16", "-d", "128", "--arch", "sm_90a"])
+    assert result.exit_code == 0, result.output
+    assert "m128n128w8s2" in result.output and "HGMMA" in result.output and "mma.sync" not in result.output
