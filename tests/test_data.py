@@ -54,6 +54,29 @@ def test_token_varying_outliers_survive_smoothing(seed):
     assert abs(raw - 44) < 1e-3 and smoothed > 0.8 * raw
 
 
+def test_scale_outliers_have_their_ratios_and_survive_smoothing(seed):
+    d = data.outliers_scale(heads=4, kv_heads=2, ctx=2100, seed=seed)
+    ratios = _channel_ratios(d["k"])  # [1, 2, 128]
+    top5 = np.sort(ratios, axis=-1)[..., -5:]
+    assert np.allclose(top5, data.SCALE_OUTLIER_RATIOS, rtol=1e-4) and max(data.SCALE_OUTLIER_RATIOS) == 200
+    assert np.sort(ratios, axis=-1)[..., -6].max() < 2  # the other channels are ordinary
+    smoothed = _channel_ratios(i8quant.smooth_k(d["k"])[0])
+    assert np.allclose(np.sort(smoothed, axis=-1)[..., -5:], top5, rtol=0.05)  # zero mean: smoothing leaves them
+
+
+def test_rope_massive_pair_peaks_at_its_ratio_and_turns_with_the_context(seed):
+    """The pair D/2 − 1, D − 1 peaks at ~MASSIVE_RATIO× the median channel; over 1K keys it barely
+    turns (an offset smoothing removes), over 32K it sweeps an arc smoothing cannot remove."""
+    smoothed = {}
+    for ctx in (1024, 32768):
+        d = data.rope_massive(heads=2, kv_heads=2, ctx=ctx, queries=8, head_dim=64, seed=seed)
+        ratios = _channel_ratios(d["k"])  # [1, 2, 64]
+        assert np.delete(ratios, [31, 63], axis=-1).max() < 2  # every other channel is ordinary
+        assert np.allclose(ratios.max(axis=-1), data.MASSIVE_RATIO, rtol=0.1)
+        smoothed[ctx] = _channel_ratios(i8quant.smooth_k(d["k"])[0]).max()
+    assert smoothed[1024] < 8 and smoothed[32768] > 0.6 * data.MASSIVE_RATIO, smoothed
+
+
 def test_bias_is_tens_of_times_the_token_part(seed):
     d = data.bias(kv_heads=1, heads=2, ctx=1500, head_dim=128, seed=seed)
     smoothed, mean = i8quant.smooth_k(d["k"].astype(np.float64))

@@ -46,6 +46,43 @@ def test_outliers_preset_smooths_and_loses_more_mass_at_32k(seed):
     assert 0 < errors["rel_l2"] < 0.1 and errors["cos"] > 0.99 and errors["kl"] >= 0
 
 
+def test_errors_under_each_smoothing_and_balanced_k(seed):
+    """The int8-QK formats' errors come as FORMAT+SMOOTHING for each smoothing asked for, the plain
+    FORMAT being "mean"'s; other formats once; the K statistics gain "balanced"."""
+    tensors = {1500: data.preset("outliers_scale", ctx=1500, queries=32, head_dim=64, seed=seed)}
+    report = probe.run_probe(tensors, formats=("i8-f8", "f16"), seed=seed)
+    entry = report["contexts"][0]
+    assert report["smoothings"] == ["mean", "mean+balance"]
+    assert set(entry["errors"]) == {"i8-f8", "i8-f8+mean", "i8-f8+mean+balance", "f16"}
+    assert entry["errors"]["i8-f8"] == entry["errors"]["i8-f8+mean"]
+    assert entry["errors"]["i8-f8+mean+balance"]["rel_l2"] < 0.6 * entry["errors"]["i8-f8"]["rel_l2"]
+    ratio = entry["k_channel_ratio"]
+    assert ratio["raw"] > 150 and ratio["smoothed"] > 150 and ratio["balanced"] < 0.25 * ratio["smoothed"]
+    assert set(entry["k_int8_levels"]) == set(entry["k_channel_absmax"]) == {"raw", "smoothed", "balanced"}
+    only = probe.run_probe(tensors, formats=("i8-f8",), smoothings=("mean+balance", None), seed=seed)
+    assert only["smoothings"] == ["mean+balance", "none"]
+    assert set(only["contexts"][0]["errors"]) == {"i8-f8+mean+balance", "i8-f8+none"}
+    with pytest.raises(ValueError, match="^smoothing:"):
+        probe.run_probe(tensors, smoothings=("balance",))
+    with pytest.raises(ValueError, match="^smoothing:"):
+        probe.run_probe(tensors, smoothings=())
+
+
+def test_cli_smoothing_option(tmp_path, seed):
+    out_json = tmp_path / "probe.json"
+    result = run_cli("--preset", "outliers_scale", "--ctx", "600", "--queries", "8", "-f", "i8-f16",
+                     "--smoothing", "mean+balance", "--smoothing", "none", "--seed", str(seed), "--json", str(out_json))
+    assert result.exit_code == 0, result.output
+    assert "i8-f16+mean+balance" in result.stdout and "i8-f16+none" in result.stdout
+    errors = json.loads(out_json.read_text())["contexts"][0]["errors"]
+    assert set(errors) == {"i8-f16+mean+balance", "i8-f16+none"}
+    default = run_cli("--preset", "rope_massive", "--ctx", "600", "--queries", "8", "-f", "i8-f16")
+    assert default.exit_code == 0, default.output
+    assert "i8-f16+mean " in default.stdout and "i8-f16+mean+balance" in default.stdout
+    bad = run_cli("--preset", "normal", "--smoothing", "balance")
+    assert bad.exit_code == 2 and "--smoothing" in bad.output
+
+
 def test_key_block_sets_the_emulators_blocks(seed):
     """--key-block reaches the emulators (the errors are emulate(..., block_n=key_block)'s) and the K
     statistics, and is reported; the mass figures do not depend on it."""

@@ -1,4 +1,4 @@
-"""K smoothing of the int8-QK recipes (DESIGN §2) and its smooth_k=False switch, on the CPU
+"""K smoothing of the int8-QK recipes (DESIGN §2) and its smoothing=None switch, on the CPU
 emulators: what subtracting K̄ buys on K with outlier channels (qattn.data.outliers) and a large
 per-channel bias (qattn.data.bias), and how e4m3 PV compares with int8 PV at long contexts.
 
@@ -41,25 +41,25 @@ def _rel_l2(fmt, d, **opts):
 
 
 @pytest.mark.parametrize("fmt", I8)
-def test_smooth_k_off_quantizes_k_as_given(rng, fmt):
-    """smooth_k=False: the scores are the exact integer products of Q8 and K8 = rint(K / s_K)
+def test_smoothing_none_quantizes_k_as_given(rng, fmt):
+    """smoothing=None: the scores are the exact integer products of Q8 and K8 = rint(K / s_K)
     (no mean subtracted), and the LSE has no q·K̄ to add back."""
     q, k, v = (rng.standard_normal(s, dtype=np.float32) for s in ((1, 4, 150, 64), (1, 2, 200, 64), (1, 2, 200, 64)))
     k = k + 3 * rng.standard_normal((1, 2, 1, 64), dtype=np.float32)
-    got = emulate.scores(fmt, q, k, v, smooth_k=False)
+    got = emulate.scores(fmt, q, k, v, smoothing=None)
     q8 = i8quant.quantize_int8(quant.fold_softmax_scale(q, 1 / 8), 128, operand="q")
     k8 = i8quant.quantize_int8(k, 64, operand="k")
     exact = np.einsum("bhqd,bhkd->bhqk", q8.codes.astype(np.int64), np.repeat(k8.codes.astype(np.int64), 2, axis=1))
     expected = exact.astype(np.float32) * q8.scale * np.repeat(k8.scale, 2, axis=1)[..., 0][:, :, None, :]
     assert np.array_equal(got, expected)
     assert not np.array_equal(got, emulate.scores(fmt, q, k, v))  # smoothing on quantizes K - K̄
-    out, lse = emulate.emulate(fmt, q, k, v, causal=True, return_lse=True, smooth_k=False)
+    out, lse = emulate.emulate(fmt, q, k, v, causal=True, return_lse=True, smoothing=None)
     ref, ref_lse = emulate.reference(fmt, q, k, v, causal=True, return_lse=True)
     assert np.abs(lse - ref_lse).max() <= 2e-2 * np.abs(ref_lse).max()
 
 
 @pytest.mark.parametrize("fmt", I8)
-def test_smooth_k_is_a_no_op_on_zero_mean_k(rng, fmt):
+def test_smoothing_is_a_no_op_on_zero_mean_k(rng, fmt):
     """K whose channel means are exactly 0 (keys in ± pairs): both settings compute the same bits."""
     q = rng.standard_normal((1, 2, 70, 64), dtype=np.float32)
     half = rng.standard_normal((1, 1, 100, 64), dtype=np.float32)
@@ -67,7 +67,7 @@ def test_smooth_k_is_a_no_op_on_zero_mean_k(rng, fmt):
     v = rng.standard_normal(k.shape, dtype=np.float32)
     assert not i8quant.smooth_k(k)[1].any()
     on = emulate.emulate(fmt, q, k, v, causal=True, return_lse=True)
-    off = emulate.emulate(fmt, q, k, v, causal=True, return_lse=True, smooth_k=False)
+    off = emulate.emulate(fmt, q, k, v, causal=True, return_lse=True, smoothing=None)
     assert all(np.array_equal(a, b) for a, b in zip(on, off))
 
 
@@ -79,7 +79,7 @@ def test_smoothing_is_markedly_better(rng, preset, factor, ctx):
     >= 8.3x) or 4-5x (bias, measured >= 4.5x). i8-f16 isolates the QK product."""
     d = data.preset(preset, ctx=ctx, queries=128, seed=_seed(rng))
     for fmt in ("i8-f16", "i8-f8"):
-        on, off = _rel_l2(fmt, d, causal=True), _rel_l2(fmt, d, causal=True, smooth_k=False)
+        on, off = _rel_l2(fmt, d, causal=True), _rel_l2(fmt, d, causal=True, smoothing=None)
         assert off.rel_l2 >= factor * on.rel_l2, (fmt, on, off)
         assert on.rel_l2 <= 0.05, (fmt, on)
 
@@ -97,7 +97,7 @@ def test_i8_f8_at_32k_on_outliers_and_int8_pv_falls_behind(rng):
             ratio[ctx].append(i8.rel_l2 / f8.rel_l2)
             if ctx == 32768:
                 cos.append(f8.cos)
-                off = _rel_l2("i8-f8", d, smooth_k=False)
+                off = _rel_l2("i8-f8", d, smoothing=None)
                 assert off.cos < 0.97 and off.rel_l2 >= 5 * f8.rel_l2, (f8, off)
     assert np.mean(cos) >= 0.999 and min(cos) >= 0.9985, cos
     assert min(ratio[32768]) >= 1.15, ratio
@@ -112,6 +112,30 @@ def test_smooth_k_only_on_int8_qk_formats(rng, fmt):
             emulate.emulate(fmt, q, k, v, smooth_k=value)
     with pytest.raises(ValueError, match="^smooth_k: format"):  # checked before q goes to the GPU
         qattn.attention(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16), format=fmt, smooth_k=False)
+
+
+@pytest.mark.parametrize("fmt", ["f16", "kv8-imma"])
+def test_smoothing_only_on_int8_qk_formats(rng, fmt):
+    q, k, v = (rng.standard_normal((1, 2, 9, 16), dtype=np.float32) for _ in range(3))
+    with pytest.raises(ValueError, match="^smoothing: format .* only i8-f16, i8-i8, i8-f8 do"):
+        emulate.emulate(fmt, q, k, v, smoothing="mean+balance")
+
+
+@pytest.mark.parametrize("fmt", I8)
+def test_smooth_k_is_a_deprecated_alias(rng, fmt):
+    """smooth_k=True computes what smoothing="mean" does and smooth_k=False what smoothing=None does,
+    with a DeprecationWarning; giving both is an error."""
+    q, k, v = (rng.standard_normal(s, dtype=np.float32) for s in ((1, 2, 40, 32), (1, 1, 90, 32), (1, 1, 90, 32)))
+    k = k + 2 * rng.standard_normal((1, 1, 1, 32), dtype=np.float32)
+    for alias, smoothing in ((True, "mean"), (False, None)):
+        with pytest.warns(DeprecationWarning, match="smooth_k is deprecated"):
+            old = emulate.emulate(fmt, q, k, v, return_lse=True, smooth_k=alias)
+        new = emulate.emulate(fmt, q, k, v, return_lse=True, smoothing=smoothing)
+        assert all(np.array_equal(a, b) for a, b in zip(old, new))
+    with pytest.raises(ValueError, match="^smooth_k: give smoothing or"):
+        emulate.emulate(fmt, q, k, v, smoothing="mean", smooth_k=True)
+    with pytest.raises(ValueError, match="^smoothing: expected 'mean', 'mean\\+balance' or None"):
+        emulate.emulate(fmt, q, k, v, smoothing="balance")
 
 
 def test_smooth_k_takes_a_bool(rng):

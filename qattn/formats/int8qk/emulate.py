@@ -6,7 +6,7 @@ float32 once per tile: the two-level accumulation of DESIGN §2.
 Options: block_m (query rows per Q scale block, 128), q_granularity / k_granularity ("block",
 "warp", "thread"; see quant), warps (4), smoothing ("mean": K̄ subtracted; "mean+balance": then Q's
 and K̃'s channels balanced by quant.balance_factors; None: K quantized as given, so the LSE has no
-q·K̄ to add back), alpha_rule (the balancing factors' rule, "sqrt" or "pow2") and smooth_k, the
+q·K̄ to add back), alpha_rule (the balancing factors' rule: quant.ALPHA_RULES) and smooth_k, the
 deprecated alias of smoothing (True: "mean", False: None)."""
 from __future__ import annotations
 

@@ -31,10 +31,13 @@ GRANULARITIES = ("block", "warp", "thread")
 # also moves part of each K channel's range into Q (balance_factors), None quantizes K as given.
 SMOOTHINGS = ("mean", "mean+balance", None)
 DEFAULT_SMOOTHING = "mean"
-# How a channel's balancing factor α is taken: "sqrt" as computed, "pow2" rounded to a power of two
-# (then scaling by it is exact in floating point too).
-ALPHA_RULES = ("sqrt", "pow2")
-DEFAULT_ALPHA_RULE = "sqrt"
+# How a channel's balancing factor α is taken: "sqrt" as computed; "pow2" rounded to a power of two
+# (then scaling by it is exact in floating point too); "outliers" as computed where it is at least 2 or
+# at most 1/2 and 1 elsewhere. The default: balancing every channel moves ordinary channels by
+# sampling noise and measured up to 1.5x worse on some inputs without outliers (docs/notes/balancing.md).
+ALPHA_RULES = ("sqrt", "pow2", "outliers")
+DEFAULT_ALPHA_RULE = "outliers"
+OUTLIER_ALPHA = 2.0  # "outliers": the α from which a channel counts as one
 UNSET = object()  # an option the caller did not give
 
 
@@ -69,7 +72,7 @@ def balance_factors(q: np.ndarray, k: np.ndarray, rule: str = DEFAULT_ALPHA_RULE
     """Q/K channel balancing: α [B, Hkv, 1, D] float32 with α_c = sqrt(max|k_c| / max|q_c|), the
     absmax of q taken over every query head of the kv head's GQA group and every row, of k over
     every key; normalized so that the median channel's α is 1 ("pow2": then rounded to the nearest
-    power of two in log2). q·k = Σ (q_c·α_c)(k_c/α_c) exactly, so quantizing q·α and k/α changes no
+    power of two in log2; "outliers": then 1 where 1/2 < α < 2). q·k = Σ (q_c·α_c)(k_c/α_c) exactly, so quantizing q·α and k/α changes no
     score in real arithmetic; it moves half of a large K channel's range (in log scale) into Q, where
     it is shared with Q's own ranges instead of setting K's scale alone. A channel that is zero in q
     or in k contributes nothing to any score and keeps α = 1. q [B, Hq, Lq, D] (the softmax scale
@@ -87,6 +90,8 @@ def balance_factors(q: np.ndarray, k: np.ndarray, rule: str = DEFAULT_ALPHA_RULE
     alpha = np.where(live, alpha / median, 1.0)
     if rule == "pow2":
         alpha = np.exp2(np.rint(np.log2(alpha)))
+    elif rule == "outliers":
+        alpha = np.where((alpha > 1 / OUTLIER_ALPHA) & (alpha < OUTLIER_ALPHA), 1.0, alpha)
     return alpha.astype(np.float32)[..., None, :]
 
 
