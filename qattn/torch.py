@@ -13,18 +13,17 @@ The operator runs ``qattn.attention`` on the current CUDA stream and returns a n
 and dtype; ``format`` defaults as there (f16, bf16 or f32 by q's dtype).
 
 Decode reads a ``qattn.PagedKVCache``, which is not a tensor: ``qattn.torch.decode(q, cache, table,
-lens)`` calls ``torch.ops.qattn.decode`` with the cache's handle (``cache_handle``), a constant in a
-traced graph. Cache writes run eagerly (``cache.write``) or, under ``torch.compile``, outside the
+lens)`` calls ``torch.ops.qattn.decode`` with the cache's integer handle (``cache.handle``), a constant
+in a traced graph. Cache writes run eagerly (``cache.write``) or, under ``torch.compile``, outside the
 compiled region, since they mutate the cache's CuPy memory that torch does not see.
 """
 from __future__ import annotations
-
-import weakref
 
 import torch
 
 from .api import attention as _attention
 from .formats.decode import PagedKVCache
+from .formats.decode.cache import LIVE
 from .formats.decode.host import decode as _decode
 
 
@@ -41,28 +40,17 @@ def _attention_fake(q, k, v, format=None, causal=False, scale=None):
     return q.new_empty(q.shape)
 
 
-_CACHES: "weakref.WeakValueDictionary[int, PagedKVCache]" = weakref.WeakValueDictionary()
-
-
-def cache_handle(cache: PagedKVCache) -> int:
-    """The integer torch.ops.qattn.decode takes for cache (valid while the cache lives)."""
-    if not isinstance(cache, PagedKVCache):
-        raise TypeError(f"cache: expected a qattn.PagedKVCache, got {type(cache).__name__}")
-    _CACHES[id(cache)] = cache
-    return id(cache)
-
-
 def _cache_of(handle: int) -> PagedKVCache:
-    cache = _CACHES.get(handle)
+    cache = LIVE.get(handle)
     if cache is None:
-        raise ValueError(f"cache: no live qattn.PagedKVCache has handle {handle}; get one from cache_handle(cache)")
+        raise ValueError(f"cache: no live qattn.PagedKVCache has handle {handle} (a cache's handle is cache.handle)")
     return cache
 
 
 @torch.library.custom_op("qattn::decode", mutates_args=())
 def _decode_op(q: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, cache: int, qk: str = "auto",
                scale: float | None = None) -> torch.Tensor:
-    """qattn.decode on torch tensors, the cache given by its handle (cache_handle)."""
+    """qattn.decode on torch tensors, the cache given by its handle (cache.handle)."""
     return _decode(q, _cache_of(cache), block_table, seq_lens, qk=qk, scale=scale)
 
 
@@ -74,7 +62,9 @@ def _decode_fake(q, block_table, seq_lens, cache, qk="auto", scale=None):
 def decode(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
            qk: str = "auto", scale: float | None = None) -> torch.Tensor:
     """torch.ops.qattn.decode for a cache object: what a model calls (traceable by torch.compile)."""
-    return torch.ops.qattn.decode(q, block_table, seq_lens, cache_handle(cache), qk, scale)
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache: expected a qattn.PagedKVCache, got {type(cache).__name__}")
+    return torch.ops.qattn.decode(q, block_table, seq_lens, cache.handle, qk, scale)
 
 
-__all__ = ["attention", "decode", "cache_handle"]
+__all__ = ["attention", "decode"]

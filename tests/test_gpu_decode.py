@@ -371,7 +371,8 @@ def test_page_mean_decode_matches_emulator(fmt, path, head_dim, group, lq, page_
 
 
 def test_page_means_with_a_k_bias_and_non_finite_tokens():
-    """k_bias and page means together: the kernel adds q·b and q·μ_page back (the emulator's output);
+    """k_bias and page means together (the transform path, the emulator's default): the kernel adds q·b
+    and q·μ_page back (the emulator's output);
     a NaN token stays out of the running mean (the pages after it keep finite records) while its own
     row's output turns NaN."""
     import cupy
@@ -379,7 +380,7 @@ def test_page_means_with_a_k_bias_and_non_finite_tokens():
     bias = (np.random.default_rng(7).standard_normal((2, 128)) * 40).astype(np.float32)
     cache, host, table, lens, *_ = _mean_filled("i8-i8", lens=[300, 900], k_bias=bias, page_size=32)
     q = np.random.default_rng(8).standard_normal((2, 8, 1, 128)).astype(np.float16)
-    got = cupy.asnumpy(qattn.decode(cupy.asarray(q), cache, cupy.asarray(table), cupy.asarray(lens), splits=2))
+    got = cupy.asnumpy(qattn.decode(cupy.asarray(q), cache, cupy.asarray(table), cupy.asarray(lens), splits=2, qk="transform"))
     want = emu.emulate(q, host, table, lens, splits=2)
     assert metrics.compare(got.astype(np.float32), want).rel_l2 <= EMU_REL_L2
     bad = cupy.ones((1, 2, 128), cupy.float16)
@@ -388,7 +389,8 @@ def test_page_means_with_a_k_bias_and_non_finite_tokens():
     cache.write(bad, cupy.ones((1, 2, 128), cupy.float16), cupy.asarray([slot], cupy.int32))
     after = cache.host().k_mean
     assert np.isfinite(after.scale).all() and list(after.counts) == [1200, 1201]  # head 0's row is left out
-    out = cupy.asnumpy(qattn.decode(cupy.asarray(q), cache, cupy.asarray(table), cupy.asarray(lens + [1, 0])))
+    grown = cupy.asarray(lens + np.array([1, 0], np.int32))
+    out = cupy.asnumpy(qattn.decode(cupy.asarray(q), cache, cupy.asarray(table), grown))
     assert np.isnan(out[0, :4]).all() and np.isfinite(out[0, 4:]).all() and np.isfinite(out[1]).all()
 
 
@@ -403,12 +405,12 @@ def test_cuda_graph_capture_of_a_page_mean_decode_step():
     slots = cupy.zeros(b, cupy.int32)
     k_new, v_new = cupy.zeros((b, hkv, d), cupy.float16), cupy.zeros((b, hkv, d), cupy.float16)
     q, out = cupy.zeros((b, 8, 1, d), cupy.float16), cupy.zeros((b, 8, 1, d), cupy.float16)
-    qattn.decode(q, cache, table_d, lens_d, out=out, splits=1)  # builds, plans
+    qattn.decode(q, cache, table_d, lens_d, out=out, splits=1, qk="transform")  # builds, plans
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
         cache.write(k_new, v_new, slots, stream=stream)
-        qattn.decode(q, cache, table_d, lens_d, out=out, stream=stream, splits=1)
+        qattn.decode(q, cache, table_d, lens_d, out=out, stream=stream, splits=1, qk="transform")
         graph = stream.end_capture()
     rng = np.random.default_rng(9)
     for step in range(3):  # lengths 61..63 and 96..98: the second sequence starts a page at 96
@@ -422,7 +424,7 @@ def test_cuda_graph_capture_of_a_page_mean_decode_step():
         graph.launch(stream)
         stream.synchronize()
         host.write(kk, vv, slot)
-        fresh = cupy.asnumpy(qattn.decode(q, cache, table_d, lens_d, splits=1))
+        fresh = cupy.asnumpy(qattn.decode(q, cache, table_d, lens_d, splits=1, qk="transform"))
         np.testing.assert_array_equal(cupy.asnumpy(out), fresh)
         want = emu.emulate(qq, host, table, n + 1)
         assert metrics.compare(fresh.astype(np.float32), want).rel_l2 <= EMU_REL_L2

@@ -30,11 +30,11 @@ def test_tune_then_attention_runs_the_winner(monkeypatch):
     builtin = qattn.KernelSpec(recipe="f16", head_dim=64, arch=device_arch()).tile
     # two candidates, neither the built-in default: whichever wins, calls must move to it
     result = CliRunner().invoke(main, ["tune", "-f", "f16", "-d", "64", "--no-causal", "--shape", "1x512",
-                                       "--heads", "4", "--tile", "64x32", "--warps", "4", "--stages", "2",
+                                       "--heads", "4", "--tile", "64x64", "--warps", "4", "--stages", "2",
                                        "--stages", "3", "--jobs", "2"])
     assert result.exit_code == 0, result.output
     (entry,) = tuned.load()
-    assert set(entry.candidates) == {"m64n32w4s2", "m64n32w4s3"} and not entry.rejected, entry
+    assert set(entry.candidates) == {"m64n64w4s2", "m64n64w4s3"} and not entry.rejected, entry
     assert entry.tile != builtin and entry.device == tuned.current_device()
     assert "yes" in CliRunner().invoke(main, ["tune", "--show"]).output
 

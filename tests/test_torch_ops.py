@@ -61,9 +61,10 @@ def test_a_dead_cache_handle_is_refused_by_name():
     import qattn.torch
 
     with pytest.raises(ValueError, match="^cache: no live"):
-        qattn.torch._cache_of(1)
+        qattn.torch._cache_of(10**9)
+    q = torch.empty(1, 2, 1, 64)
     with pytest.raises(TypeError, match="^cache: expected a qattn.PagedKVCache"):
-        qattn.torch.cache_handle(object())
+        qattn.torch.decode(q, object(), q, q)
 
 
 @pytest.mark.gpu

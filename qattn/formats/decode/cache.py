@@ -31,6 +31,9 @@ slot mapping does); writing a page's offset 0 again restarts the page.
 """
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import numpy as np
 
 from ...engine.arrays import as_device_array, launch_stream
@@ -43,6 +46,10 @@ from .recipes import EIGHT_BIT, FORMATS, HALF, HEAD_DIMS, K_MEANS, PAGE_SIZES, S
 
 WRITE_WARPS, WRITE_TOKENS = 8, 16  # the writer's block: 8 warps over 16 tokens of one kv head
 DTYPES = {"f16": "float16", "bf16": "bfloat16"}
+
+# Live caches by handle: an integer names a cache where an object cannot go (torch.ops.qattn.decode).
+_HANDLES = itertools.count(1)
+LIVE: "weakref.WeakValueDictionary[int, PagedKVCache]" = weakref.WeakValueDictionary()
 
 
 def _positive(value, name: str) -> int:
@@ -70,6 +77,8 @@ class PagedKVCache:
             if side not in HALF + EIGHT_BIT:
                 raise ValueError(f"{name}: expected one of {', '.join(HALF + EIGHT_BIT)}, got {side!r}")
         self.format = f"{k}-{v}"
+        self.handle = next(_HANDLES)
+        LIVE[self.handle] = self
         if self.format not in FORMATS:
             raise ValueError(f"k, v: {self.format} is not a decode format; formats: {', '.join(FORMATS)}")
         if scale not in SCALE_MODES:
