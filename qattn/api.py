@@ -19,6 +19,8 @@ def default_format(dtype_name: str) -> str:
     return DEFAULT_FORMATS.get(dtype_name, "f16")
 
 
+_UNSET = object()  # an option the caller did not give
+
 # attention()'s kernels by (format, head_dim, causal, tile, device): a repeated call looks its kernel
 # up instead of building and validating a KernelSpec (microseconds of host time before the GPU starts).
 _CALL_KERNELS: dict[tuple, Kernel] = {}
@@ -43,7 +45,7 @@ def build(kind: str = "prefill", **spec) -> Kernel:
 
 
 def _check_options(options: dict, format: str | None, k) -> None:
-    """Options such as smooth_k belong to some formats' families only (FormatFamily.options)."""
+    """Options such as smoothing belong to some formats' families only (FormatFamily.options)."""
     name = "f16" if format is None else format
     family = registry.family_for_cache(k) or registry.family_of(name)
     for option in options:
@@ -53,21 +55,25 @@ def _check_options(options: dict, format: str | None, k) -> None:
 
 
 def attention(q, k, v=None, *, format: str | None = None, causal: bool = False, scale: float | None = None,
-              return_lse: bool = False, out=None, lse=None, tile: Tile | None = None, smooth_k: bool | None = None,
-              workspace=None, stream=None):
+              return_lse: bool = False, out=None, lse=None, tile: Tile | None = None, smoothing=_UNSET,
+              smooth_k: bool | None = None, workspace=None, stream=None):
     """softmax(q kᵀ·scale) v on the GPU in the given format (default: f16, bf16 or f32 by q's dtype,
     see default_format). q [B, Hq, Lq, D], k and v
     [B, Hkv, Lk, D] (any strides on batch, head and sequence; D contiguous), Hq a multiple of
     Hkv; causal masks are bottom-right aligned. Returns out (and the natural-log LSE [B, Hq, Lq]
     in fp32 when return_lse). With an int8 KV cache, attention(q, cache, ...) (a qattn.KVCacheInt8)
     runs a kv8 format: see qattn/formats/kv8/host.py for how it is chosen (format=, $QATTN_PREFILL_KV8).
-    smooth_k (int8-QK formats only, default True): False quantizes K without subtracting its mean.
+    smoothing (int8-QK formats only): "mean" (default) subtracts K's channel mean before quantizing it;
+    "mean+balance" also balances Q's and K's channels (q·α, K̃/α: exact, for scale-type K outliers;
+    CUDA); None quantizes K as given. smooth_k: its deprecated alias (True: "mean", False: None).
     lse: an fp32 [B, Hq, Lq] array to write the LSE to (implies return_lse). workspace: a
     qattn.Workspace for the call's temporaries (quantized operands, split-K partials). stream: where
     to launch (a CuPy or torch stream, or a pointer); default: the current stream of q's array type.
     Every path can be captured in a CUDA graph (after one call outside the capture): torch callers
     as they are, CuPy callers with out= (and lse=) and workspace= (see engine/memory.py)."""
-    options = {} if smooth_k is None else {"smooth_k": smooth_k}
+    options = {} if smoothing is _UNSET else {"smoothing": smoothing}
+    if smooth_k is not None:
+        options["smooth_k"] = smooth_k
     _check_options(options, format, k)
     family = registry.family_for_cache(k) or (registry.family_of(format) if format is not None else None)
     if family is not None and family.call is not None:

@@ -446,7 +446,7 @@ def test_constant_inputs_give_finite_output():
         _check(fmt, out, host, causal=True, lse=lse)
 
 
-# ---- K smoothing on and off (smooth_k), on model-like K (issue 4) -----------------------------
+# ---- K smoothing on and off (smoothing), on model-like K (issue 4) -----------------------------
 # Presets of qattn.data in fp16; one FP64 reference per case; every int8-QK format with smoothing
 # on and off, each against its emulator (same scale blocks as the kernel's tile) and FP64. What the
 # emulators measured on these inputs (2 heads x 256 rows, seeds below; tests/test_smoothing.py has
@@ -470,33 +470,33 @@ def _smoothing_host(preset, ctx):
 
 
 def _smoothing_case(preset, ctx, causal, attend):
-    """attend(fmt, host, causal, smooth_k) -> (out, lse, emulator options) as float32 NumPy.
+    """attend(fmt, host, causal, smoothing) -> (out, lse, emulator options) as float32 NumPy.
     Checks each run against its emulator and the formats' claims against FP64; returns the errors."""
     host = _smoothing_host(preset, ctx)
     ref = reference.attention(*host, causal=causal)
     errs = {}
     for fmt in FORMATS:
-        for smooth in (True, False):
+        for smooth in ("mean", None):
             out, lse, options = attend(fmt, host, causal, smooth)
             assert not np.isnan(out).any(), "out has NaNs: not every element was written"
-            emu, emu_lse = emulate.emulate(fmt, *host, causal=causal, return_lse=True, smooth_k=smooth, **options)
+            emu, emu_lse = emulate.emulate(fmt, *host, causal=causal, return_lse=True, smoothing=smooth, **options)
             vs_emu = metrics.compare(out, emu.astype(np.float16).astype(F32))
             assert vs_emu.nonfinite == 0 and vs_emu.rel_l2 <= emu_rel_l2(fmt), ("vs emulator", fmt, smooth, vs_emu)
-            np.testing.assert_allclose(lse, emu_lse, rtol=1e-4, atol=1e-4)  # smooth_k=False: no q·K̄ added
+            np.testing.assert_allclose(lse, emu_lse, rtol=1e-4, atol=1e-4)  # smoothing None: no q·K̄ added
             errs[fmt, smooth] = metrics.compare(out, ref)
     for fmt in FORMATS:
-        on, off, tol = errs[fmt, True], errs[fmt, False], recipe(fmt).tolerance
+        on, off, tol = errs[fmt, "mean"], errs[fmt, None], recipe(fmt).tolerance
         assert on.rel_l2 <= tol.rel_l2 and on.max_rel <= tol.max_rel, ("vs FP64", fmt, on, tol)
         assert off.rel_l2 >= SMOOTH_OFF_FACTOR * on.rel_l2, ("smoothing off not markedly worse", fmt, on, off)
     if ctx >= 32768:
-        f8, i8 = errs["i8-f8", True], errs["i8-i8", True]
+        f8, i8 = errs["i8-f8", "mean"], errs["i8-i8", "mean"]
         assert i8.rel_l2 >= I8_PV_BEHIND_AT_32K * f8.rel_l2, ("i8-i8 vs i8-f8 at 32K", i8, f8)
         if preset == "outliers":
             assert f8.cos >= 0.999, ("i8-f8 cos at 32K on outliers", f8)
     return errs
 
 
-def _gpu_attend(fmt, host, causal, smooth_k):
+def _gpu_attend(fmt, host, causal, smoothing):
     import cupy
 
     q, k, v = (cupy.asarray(x) for x in host)
@@ -504,7 +504,7 @@ def _gpu_attend(fmt, host, causal, smooth_k):
 
     spec = qattn.build("prefill", format=fmt, head_dim=q.shape[-1], causal=causal).spec  # what attention runs
     out = _poisoned(q)
-    res, lse = qattn.attention(q, k, v, format=fmt, causal=causal, return_lse=True, out=out, smooth_k=smooth_k)
+    res, lse = qattn.attention(q, k, v, format=fmt, causal=causal, return_lse=True, out=out, smoothing=smoothing)
     assert res is out
     return _f32(out), _f32(lse), int8.emulator_options(spec)
 
@@ -513,7 +513,7 @@ def _gpu_attend(fmt, host, causal, smooth_k):
 @pytest.mark.parametrize("ctx", SMOOTH_CTX)
 @pytest.mark.parametrize("preset", SMOOTH_PRESETS)
 def test_smoothing_on_model_like_k(preset, ctx, causal):
-    """outliers / bias K at 1K, 4K, 32K: every format with smooth_k on and off matches its emulator
+    """outliers / bias K at 1K, 4K, 32K: every format with smoothing "mean" and None matches its emulator
     (rel_l2 <= 1e-3, LSE to 1e-4); smoothing off is >= 3x worse vs FP64; at 32K i8-i8 trails i8-f8
     and, on outliers, i8-f8 keeps cos >= 0.999."""
     for fmt in FORMATS:
@@ -525,8 +525,9 @@ def test_smoothing_on_model_like_k(preset, ctx, causal):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantize_without_smoothing(fmt):
-    """smooth_k=False: K̄ is zeros, K codes and scales are quant's of K as given (exactly), the shift
-    is 0, Q and V are as with smoothing; attention(smooth_k=...) runs the same operands."""
+    """smoothing=None: K̄ is zeros, K codes and scales are quant's of K as given (exactly), the shift
+    is 0, Q and V are as with smoothing; attention(smoothing=...) runs the same operands, and so does
+    the deprecated smooth_k (with a DeprecationWarning)."""
     import cupy
 
     from qattn.formats.int8qk import host as int8
@@ -536,9 +537,9 @@ def test_quantize_without_smoothing(fmt):
     b, hq, hkv, lq, lk, d = 2, 4, 2, 300, 1029, 128
     host, (q, k, v) = _inputs(rng, "float16", b, hq, hkv, lq, lk, d)
     kernel = qattn.build("prefill", format=fmt, head_dim=d, causal=True)
-    off = int8.quantize(q, k, v, kernel=kernel, with_shift=True, smooth_k=False)
+    off = int8.quantize(q, k, v, kernel=kernel, with_shift=True, smoothing=None)
     on = int8.quantize(q, k, v, kernel=kernel, with_shift=True)
-    assert off.smooth_k is False and on.smooth_k is True
+    assert off.smoothing is None and on.smoothing == "mean" and off.alpha is None and on.alpha is None
     assert off.k_mean.shape == (b, hkv, d) and not off.k_mean.any() and not off.shift.any()
     k8, k_scales = _quant_k(np.asarray(host[1], F32), kernel.spec)
     np.testing.assert_array_equal(off.k8_rows().get(), k8.codes)
@@ -546,23 +547,27 @@ def test_quantize_without_smoothing(fmt):
     np.testing.assert_array_equal(off.q8.get(), on.q8.get())
     np.testing.assert_array_equal(off.q_scale.get(), on.q_scale.get())
     assert bytes(off.v.get().data) == bytes(on.v.get().data)
-    # the launcher path: smooth_k=True is the default, smooth_k=False runs the operands above
+    # the launcher path: "mean" is the default (smooth_k=True its alias), None runs the operands above
     default = qattn.attention(q, k, v, format=fmt, causal=True)
-    assert bytes(qattn.attention(q, k, v, format=fmt, causal=True, smooth_k=True).get().data) == \
-        bytes(default.get().data)
-    out, lse = qattn.attention(q, k, v, format=fmt, causal=True, smooth_k=False, return_lse=True)
+    with pytest.warns(DeprecationWarning, match="smooth_k is deprecated"):
+        alias = qattn.attention(q, k, v, format=fmt, causal=True, smooth_k=True)
+    assert bytes(alias.get().data) == bytes(default.get().data)
+    out, lse = qattn.attention(q, k, v, format=fmt, causal=True, smoothing=None, return_lse=True)
+    with pytest.warns(DeprecationWarning, match="smooth_k is deprecated"):
+        alias = qattn.attention(q, k, v, format=fmt, causal=True, smooth_k=False)
+    assert bytes(alias.get().data) == bytes(out.get().data)
     direct, direct_lse = int8.attention_quantized(kernel, off, return_lse=True)
     assert bytes(out.get().data) == bytes(direct.get().data)
     np.testing.assert_array_equal(lse.get(), direct_lse.get())
-    emu, emu_lse = emulate.emulate(fmt, *host, causal=True, return_lse=True, smooth_k=False,
+    emu, emu_lse = emulate.emulate(fmt, *host, causal=True, return_lse=True, smoothing=None,
                                    **int8.emulator_options(kernel.spec))
     assert metrics.compare(_f32(out), emu.astype(np.float16).astype(F32)).rel_l2 <= emu_rel_l2(fmt)
     np.testing.assert_allclose(_f32(lse), emu_lse, rtol=1e-4, atol=1e-4)
     # new queries keep K̄ = 0
     qkv2 = off.with_query(cupy.ascontiguousarray(q[:, :, :33]), kernel=kernel)
-    assert qkv2.smooth_k is False and qkv2.k8 is off.k8 and not qkv2.shift.any()
-    with pytest.raises(ValueError, match="smooth_k: format 'f16'"):
-        qattn.attention(q, k, v, format="f16", smooth_k=False)
+    assert qkv2.smoothing is None and qkv2.k8 is off.k8 and not qkv2.shift.any()
+    with pytest.raises(ValueError, match="smoothing: format 'f16'"):
+        qattn.attention(q, k, v, format="f16", smoothing=None)
 
 
 # ---- the fused quantization launches (CUDA): exact codes, fixed-order statistics -----------------

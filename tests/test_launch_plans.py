@@ -48,16 +48,17 @@ def _contiguous(shape, itemsize=2):
     return tuple(int(np.prod(shape[i + 1:])) * itemsize for i in range(len(shape)))
 
 
-@pytest.mark.parametrize("recipe,dtype,smooth_k", [("i8-f8", "float16", True), ("i8-f8", "bfloat16", False),
-                                                   ("i8-f16", "float16", True), ("i8-f16", "float16", False),
-                                                   ("i8-i8", "bfloat16", True)])
-def test_quant_plan_places_every_operand_apart(recipe, dtype, smooth_k):
+@pytest.mark.parametrize("recipe,dtype,smoothing", [("i8-f8", "float16", "mean"), ("i8-f8", "bfloat16", None),
+                                                    ("i8-f16", "float16", "mean"), ("i8-f16", "float16", None),
+                                                    ("i8-i8", "bfloat16", "mean"), ("i8-f8", "bfloat16", "mean+balance"),
+                                                    ("i8-f16", "float16", "mean+balance")])
+def test_quant_plan_places_every_operand_apart(recipe, dtype, smoothing):
     b, hq, hkv, lq, lk, d = 2, 8, 2, 300, 1029, 128
     kernel = _stand_in(recipe, d)
     q_shape, kv_shape = (b, hq, lq, d), (b, hkv, lk, d)
     plan = int8_launch.QuantPlan(kernel, (b, hq, hkv, lq, lk, d), dtype,
                                  (_contiguous(q_shape), _contiguous(kv_shape), _contiguous(kv_shape)),
-                                 0.125, True, smooth_k)
+                                 0.125, True, smoothing)
     spans = sorted((buf.offset, buf.offset + int(np.prod(buf.shape)) * np.dtype(buf.dtype).itemsize, name)
                    for name, buf in plan.buffers.items())
     for (start, end, name), (next_start, _, next_name) in zip(spans, spans[1:]):
@@ -74,8 +75,32 @@ def test_quant_plan_places_every_operand_apart(recipe, dtype, smooth_k):
     assert operands["v"] == (Pointer("v") if passes_v else Pointer("ws", plan.buffers["v_op"].offset))
     assert (operands["v_out_scale"] == NULL) == (recipe == "i8-f16")
     # K̄ is zero-filled only where no statistics compute it
-    assert (plan.zero_fill is not None) == (not smooth_k and recipe == "i8-f16")
-    assert ("part_sum" in plan.buffers) == smooth_k
+    assert (plan.zero_fill is not None) == (smoothing is None and recipe == "i8-f16")
+    assert ("part_sum" in plan.buffers) == (smoothing is not None)
+    balance = smoothing == "mean+balance"
+    assert all((name in plan.buffers) == balance for name in ("alpha", "part_range", "part_qmax"))
+    if balance:
+        nchunks = -(-lk // int8_launch.COLSTATS_CHUNK)
+        assert plan.buffers["alpha"].shape == (b, hkv, d)
+        assert plan.buffers["part_range"].shape == (2, b, hkv, nchunks, d)
+        assert plan.buffers["part_qmax"].shape == (b, hq, -(-lq // int8_launch.COLSTATS_CHUNK), d)
+
+
+@pytest.mark.parametrize("smoothing,entries", [
+    ("mean", ["_stats_f16", "_stats_finish", "_quant_qkv_f16"]),
+    (None, ["_stats_f16", "_stats_finish", "_quant_qkv_f16"]),  # i8-f8: V's statistics all the same
+    ("mean+balance", ["_stats_balance_f16", "_stats_f16", "_stats_finish", "_balance", "_quant_qkv_balance_f16"])])
+def test_quant_plan_launches_balancing_only_when_asked(smoothing, entries):
+    """The balancing entries (K's range, Q's absmax, α, codes of q̃·α and K̃ / α) run with
+    smoothing="mean+balance" only; the others launch what they launched before."""
+    b, hq, hkv, lq, lk, d = 1, 4, 1, 130, 700, 128
+    named = []
+    kernel = _stand_in("i8-f8", d)
+    kernel.function = lambda suffix: named.append(suffix) or SimpleNamespace(ptr=1)
+    int8_launch.QuantPlan(kernel, (b, hq, hkv, lq, lk, d), "float16",
+                          (_contiguous((b, hq, lq, d)), _contiguous((b, hkv, lk, d)), _contiguous((b, hkv, lk, d))),
+                          0.125, True, smoothing)
+    assert named == entries
 
 
 @pytest.mark.parametrize("recipe,arch,expected", [("i8-f8", "sm_90a", True), ("i8-f8", "sm_120", True),

@@ -23,7 +23,7 @@ class FormatFamily:
     templates: Path | None = None  # its template folder (cuda/, hip/ below it), searched after the shared one
     launchers: dict = field(default_factory=dict)  # Family.launcher key -> launch(kernel, q, k, v, **options)
     emulators: dict = field(default_factory=dict)  # recipe name -> tiles builder (check/emulate.py)
-    # keyword options of qattn.attention that its formats take (e.g. smooth_k), passed on as given
+    # keyword options of qattn.attention that its formats take (e.g. smoothing), passed on as given
     options: frozenset = frozenset()
     # qattn.attention for its formats (None: build the format's default kernel and call it); with
     # call_names, further format names it answers to, and cache_types, cache objects passed as k.

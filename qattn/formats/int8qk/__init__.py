@@ -15,7 +15,7 @@ FAMILY = registry.register(registry.FormatFamily(
     templates=Path(__file__).resolve().parent / "templates",
     launchers={"prefill_i8": prefill_i8},
     emulators=EMULATORS,
-    options=frozenset({"smooth_k"}),
+    options=frozenset({"smoothing", "smooth_k"}),
     inspect=inspect_fields,
 ))
 

@@ -17,8 +17,11 @@ of four K scales each (quant's "thread" groups):
 
 - K̄ = mean of K over keys (fp64 partial sums per chunk of keys, combined in a fixed order, rounded to fp32);
   K̃ = K − K̄; s_K = max|K̃| / 127 per block of block_n keys (or per group of them); K8 = rint(K̃ / s_K). With
-  ``smooth_k=False`` (emulate's option of the same name) K̄ is a buffer of zeros: K is quantized as
-  given, and the shift (q̃·K̄) is 0.
+  ``smoothing=None`` (emulate's option of the same name) K̄ is a buffer of zeros: K is quantized as
+  given, and the shift (q̃·K̄) is 0. With ``smoothing="mean+balance"`` (CUDA) Q's and K̃'s channels
+  are balanced first: q̃·α and K̃ / α are quantized, α [B, Hkv, D] as quant.balance_factors computes
+  it with the "outliers" rule (from K's column max and min and Q's column absmax over each GQA
+  group); the shift stays q̃·K̄.
 - q̃ = Q·(τ·log2 e) in fp32; s_Q = max|q̃| / 127 per block of block_m rows; Q8 = rint(q̃ / s_Q);
   optionally shift = q̃·K̄ per row (log2 domain), which the LSE needs.
 - V: fp16 rows (i8-f16; bf16 V is rounded to fp16 first), or per-channel codes
@@ -47,6 +50,7 @@ from .launch import tile_keys as _tile_keys
 from ...engine.packed import Pointer
 from ...check import quant
 from ...check.reference import check_shapes
+from .quant import UNSET, smoothing_option
 
 # Rows per block of the HIP kernel that rounds bf16 V to fp16 rows (v_to_half_body).
 V_ROWS = 64
@@ -60,8 +64,9 @@ def module_entries(fmt: str, backend: str | None = None) -> list[str]:
     backend None: the entries both modules hold."""
     names = ["_f16", "_bf16"] + [f"_quant_q_{sfx}" for sfx in _SUFFIX.values()]
     if backend == "cuda":
-        names += [f"_{step}_{sfx}" for sfx in _SUFFIX.values() for step in ("stats", "quant_qkv")]
-        names.append("_stats_finish")
+        names += [f"_{step}_{sfx}" for sfx in _SUFFIX.values()
+                  for step in ("stats", "quant_qkv", "stats_balance", "quant_qkv_balance")]
+        names += ["_stats_finish", "_balance"]
     elif backend == "hip":
         names += [f"_{step}_{sfx}" for sfx in _SUFFIX.values() for step in ("colstats", "quant_k")]
         if fmt != "i8-f16":
@@ -79,8 +84,9 @@ class QuantizedQKV:
     k8 int8 [B, Hkv, Lk, D] and k_scale float32 [B, Hkv, ceil(Lk/block_n)·k_groups] (of K − K̄); for the
     wgmma kernel k8 is [B, Hkv, Lk_pad, D] holding tiles of the tile's block_n keys in wgmma's
     core-matrix order, and v its V^T tiles likewise (see templates/cuda/wgmma.cuh.j2);
-    k_mean float32 [B, Hkv, D] (zeros when smooth_k is False); shift float32 [B, Hq, Lq] (q̃·K̄, for
-    the LSE) or None;
+    k_mean float32 [B, Hkv, D] (zeros when smoothing is None); shift float32 [B, Hq, Lq] (q̃·K̄, for
+    the LSE) or None; alpha float32 [B, Hkv, D], the balancing factors (smoothing "mean+balance";
+    else None): q8 holds codes of q̃·α, k8 of K̃ / α;
     v: fp16 V [B, Hkv, Lk, D] (i8-f16) or V^T codes uint8 [B, Hkv, D, Lk_pad] (i8-i8: int8 bytes,
     i8-f8: e4m3 bytes; keys permuted within each 16-key group, zero past Lk), or for i8-f8 on an
     arch that carries e4m3 in fp16, fp16 [B, Hkv, Lk, D] holding the e4m3 codes' values;
@@ -102,13 +108,14 @@ class QuantizedQKV:
     v: object
     v_scale: object = None
     v_out_scale: object = None
-    smooth_k: bool = True  # False: K quantized without subtracting its mean (k_mean is zeros)
+    smoothing: str | None = "mean"  # quant.SMOOTHINGS: None quantizes K as given (k_mean is zeros)
+    alpha: object = None
     tile_keys: int = 0  # keys per K8 / V^T tile where they are stored as wgmma tiles; 0: plain layouts
     k_groups: int = 1  # K scales per key block (4: quant's "thread" groups)
 
     def emulator_options(self) -> dict:
         """The emulate() options that compute what these operands' kernel computes."""
-        return scale_options(self.block_m, self.block_n, self.k_groups)
+        return {**scale_options(self.block_m, self.block_n, self.k_groups), **smoothing_options(self.smoothing)}
 
     def k8_rows(self):
         """The K codes as rows [B, Hkv, Lk, D], whatever their stored layout."""
@@ -122,6 +129,9 @@ class QuantizedQKV:
                    stream=None, workspace=None) -> "QuantizedQKV":
         """The same K and V operands with new queries q [B, Hq', Lq', D] (same batch and head_dim);
         the new Q operands in workspace when given (see quantize)."""
+        if self.alpha is not None:
+            raise ValueError("q: operands quantized with smoothing='mean+balance' take no new queries "
+                             "(α depends on the queries): quantize q, k and v together")
         example = q
         kernel = kernel or _default_kernel(self.format, self.dims[5])
         _check_kernel(kernel, self)
@@ -173,7 +183,7 @@ def _check_kernel(kernel, qkv: QuantizedQKV) -> None:
         raise ValueError(f"kernel: {spec.name} is format {spec.recipe!r}, the operands are {qkv.format!r}")
     if spec.head_dim != qkv.dims[5]:
         raise ValueError(f"kernel: {spec.name} has head_dim {spec.head_dim}, the operands {qkv.dims[5]}")
-    if emulator_options(spec) != qkv.emulator_options():
+    if emulator_options(spec) != scale_options(qkv.block_m, qkv.block_n, qkv.k_groups):
         raise ValueError(f"kernel: {spec.name} takes {describe_scales(*scale_blocks(spec), k_scale_groups(spec))}; "
                          f"the operands were quantized with {describe_scales(qkv.block_m, qkv.block_n, qkv.k_groups)}")
     if _tile_keys(spec) != qkv.tile_keys or _v_layout(spec) != _v_layout_of(qkv):
@@ -240,7 +250,7 @@ def _colstats(kernel, x, *, want_sum: bool, want_max: bool, stream):
     return total, amax
 
 
-def _quantize_k(kernel, k, stream, smooth_k=True):
+def _quantize_k(kernel, k, stream, smooth_k: bool):
     import cupy
 
     b, hkv, lk, d = k.shape
@@ -320,10 +330,16 @@ def _quantize_v(kernel, v, stream):
     return vt, v_scale, v_out_scale
 
 
-def _check_smooth_k(smooth_k) -> bool:
-    if not isinstance(smooth_k, (bool, np.bool_)):
-        raise ValueError(f"smooth_k: expected True or False, got {smooth_k!r}")
-    return bool(smooth_k)
+def smoothing_options(smoothing) -> dict:
+    """emulate()'s options for operands quantized under smoothing: the GPU computes α by the
+    "outliers" rule only."""
+    return {"smoothing": smoothing, **({"alpha_rule": "outliers"} if smoothing == "mean+balance" else {})}
+
+
+def _check_backend_smoothing(kernel, smoothing) -> None:
+    if smoothing == "mean+balance" and kernel.spec.backend != "cuda":
+        raise ValueError(f"smoothing: 'mean+balance' is built for CUDA kernels only, not {kernel.spec.name} "
+                         f"({kernel.spec.backend}); use 'mean' or None")
 
 
 def _checked_inputs(kernel, q, k, v, format: str | None = None):
@@ -350,22 +366,24 @@ def _checked_inputs(kernel, q, k, v, format: str | None = None):
     return q, k, v, dims
 
 
-def _quant_plan(kernel, q, k, v, dims, scale: float, with_shift: bool, smooth_k: bool) -> QuantPlan:
-    key = ("quant", dims, q.dtype.name, q.strides, k.strides, v.strides, scale, with_shift, smooth_k)
+def _quant_plan(kernel, q, k, v, dims, scale: float, with_shift: bool, smoothing) -> QuantPlan:
+    key = ("quant", dims, q.dtype.name, q.strides, k.strides, v.strides, scale, with_shift, smoothing)
     return cached_plan(kernel, key, lambda: QuantPlan(kernel, dims, q.dtype.name, (q.strides, k.strides, v.strides),
-                                                      scale, with_shift, smooth_k))
+                                                      scale, with_shift, smoothing))
 
 
 def quantize(q, k, v, *, format: str | None = None, scale: float | None = None, with_shift: bool = False,
-             kernel=None, stream=None, smooth_k: bool = True, workspace=None) -> QuantizedQKV:
+             kernel=None, stream=None, smoothing=UNSET, smooth_k: bool | None = None, workspace=None) -> QuantizedQKV:
     """Quantize fp16 or bf16 q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D] (any batch/head/sequence
     strides, channels contiguous) for an int8-QK kernel. Give format (its default kernel for the
     head dim is built) or kernel (its tile sets the scale blocks). with_shift keeps q̃·K̄, which
-    attention_quantized needs to return the LSE. smooth_k=False skips K smoothing (K̄ = 0): K is
-    quantized as given, as emulate's smooth_k=False does (to measure what smoothing buys).
+    attention_quantized needs to return the LSE. smoothing (as emulate's): "mean" (default) subtracts
+    K̄; None skips it (K̄ = 0: K quantized as given, to measure what smoothing buys); "mean+balance"
+    (CUDA) also balances Q's and K̃'s channels (see the module docstring). smooth_k=True / False is its
+    deprecated alias ("mean" / None).
     On CUDA the operands are views of one allocation: of workspace (a qattn.Workspace, e.g. inside a
     CUDA graph capture; the operands then last until the workspace's next use) when given."""
-    smooth_k = _check_smooth_k(smooth_k)
+    smoothing = smoothing_option(smoothing, smooth_k)
     example = q
     if kernel is None:
         if format is None:
@@ -377,25 +395,27 @@ def quantize(q, k, v, *, format: str | None = None, scale: float | None = None, 
     q, k, v, dims = _checked_inputs(kernel, q, k, v, format)
     spec = kernel.spec
     scale = _check_scale(scale, dims[5])
+    _check_backend_smoothing(kernel, smoothing)
+    alpha = None
     with on_device(q, stream):
         if spec.backend == "cuda":
-            plan = _quant_plan(kernel, q, k, v, dims, scale, with_shift, smooth_k)
+            plan = _quant_plan(kernel, q, k, v, dims, scale, with_shift, smoothing)
             call = CallMemory(example, stream, workspace)
             memory = call.scratch(plan.nbytes)
             plan.launch({"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "ws": memory.ptr}, call.stream_ptr)
             ops = plan.arrays(memory)
             small = ops["small"]
             q8, q_scale, shift, k8, k_scale = ops["q8"], ops["q_scale"], ops.get("shift"), ops["k8"], ops["k_scale"]
-            k_mean, v_op = small[0], ops.get("v_op", v)
+            k_mean, v_op, alpha = small[0], ops.get("v_op", v), ops.get("alpha")
             v_scale, v_out_scale = (small[1], small[2]) if plan.v_stats else (None, None)
         else:
-            k8, k_scale, k_mean = _quantize_k(kernel, k, stream, smooth_k)
+            k8, k_scale, k_mean = _quantize_k(kernel, k, stream, smoothing is not None)
             q8, q_scale, shift = _quantize_q(kernel, q, k_mean, scale, dims[2], with_shift, stream)
             v_op, v_scale, v_out_scale = _quantize_v(kernel, v, stream)
     q_rows, k_keys = scale_blocks(spec)
     return QuantizedQKV(format=spec.recipe, dtype=q.dtype.name, dims=dims, block_m=q_rows, block_n=k_keys,
                         scale=scale, q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale, k_mean=k_mean, shift=shift,
-                        v=v_op, v_scale=v_scale, v_out_scale=v_out_scale, smooth_k=smooth_k,
+                        v=v_op, v_scale=v_scale, v_out_scale=v_out_scale, smoothing=smoothing, alpha=alpha,
                         tile_keys=_tile_keys(spec), k_groups=k_scale_groups(spec))
 
 
@@ -461,58 +481,58 @@ class _CallPlan:
     """A whole int8-QK call on CUDA for one signature: the quantization launches and the attention
     launch on the operands they leave in the workspace."""
 
-    def __init__(self, kernel, q, k, v, dims, scale, return_lse, smooth_k, out_arr):
+    def __init__(self, kernel, q, k, v, dims, scale, return_lse, smoothing, out_arr):
         b, hq, _, lq, _, d = dims
         self.out_shape, self.out_dtype, self.lse_shape = (b, hq, lq, d), q.dtype, (b, hq, lq)
         # the caller's out, or a new C-order array
         out_strides = _strides(out_arr) if out_arr is not None else [np.int64(hq * lq * d), np.int64(lq * d),
                                                                      np.int64(d)]
-        self.quant = _quant_plan(kernel, q, k, v, dims, scale, return_lse, smooth_k)
+        self.quant = _quant_plan(kernel, q, k, v, dims, scale, return_lse, smoothing)
         operands = self.quant.operands()
         v_buffer = self.quant.buffers.get("v_op")
         v_strides = contiguous_strides(v_buffer) if v_buffer is not None else v.strides
         self.attention = attention_launch(kernel, dims, q.dtype.name, operands, v_strides, out_strides, return_lse)
 
 
-def _call_key(q, k, v, scale, return_lse, smooth_k, out):
+def _call_key(q, k, v, scale, return_lse, smoothing, out):
     out_sig = None if out is None else (out.shape, out.strides, out.dtype)
     return ("call", q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
-            q.data.device_id, k.data.device_id, v.data.device_id, scale, bool(return_lse), smooth_k, out_sig)
+            q.data.device_id, k.data.device_id, v.data.device_id, scale, bool(return_lse), smoothing, out_sig)
 
 
 def prefill_i8(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, lse=None,
-               stream=None, smooth_k: bool = True, workspace=None):
+               stream=None, smoothing=UNSET, smooth_k: bool | None = None, workspace=None):
     """The launcher of the int8-QK families (launch.LAUNCHERS["prefill_i8"]): quantize, then attend.
-    smooth_k=False quantizes K without subtracting its mean (see quantize). On CUDA a call's launches
-    are planned once per signature (shapes, strides, dtypes, options): a repeated call checks only
+    smoothing: "mean" (default), "mean+balance" or None, smooth_k its deprecated alias (see quantize).
+    On CUDA a call's launches are planned once per signature (shapes, strides, dtypes, options): a repeated call checks only
     its pointers' alignment and launches. The quantized operands are temporaries (memory.CallMemory:
     from workspace when given)."""
     return_lse = return_lse or lse is not None
+    smoothing = smoothing_option(smoothing, smooth_k)
     if kernel.spec.backend != "cuda":
         example = q
-        qkv = quantize(q, k, v, scale=scale, with_shift=return_lse, kernel=kernel, stream=stream, smooth_k=smooth_k)
+        qkv = quantize(q, k, v, scale=scale, with_shift=return_lse, kernel=kernel, stream=stream, smoothing=smoothing)
         result = attention_quantized(kernel, qkv, return_lse=return_lse, out=out, lse=lse, stream=stream)
         if return_lse:
             return (out if out is not None else like_input(result[0], example)), \
                 (lse if lse is not None else like_input(result[1], example))
         return out if out is not None else like_input(result, example)
-    return _whole_call(kernel, q, k, v, scale, return_lse, out, lse, stream, smooth_k, workspace)
+    return _whole_call(kernel, q, k, v, scale, return_lse, out, lse, stream, smoothing, workspace)
 
 
-def _whole_call(kernel, q, k, v, scale, return_lse, out, lse, stream, smooth_k, workspace):
+def _whole_call(kernel, q, k, v, scale, return_lse, out, lse, stream, smoothing, workspace):
     example = q
     q, k, v = (as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     out_given = None if out is None else as_device_array(out, "out")
     scale = None if scale is None else _check_scale(scale, 0)
-    smooth_k = _check_smooth_k(smooth_k)
 
     def build():  # the full checks, once per signature
         q_, k_, v_, dims = _checked_inputs(kernel, q, k, v)
         with on_device(q_, stream):
             out_checked = _checked_out(out_given, dims, _out_dtype(q_.dtype.name))
-        return _CallPlan(kernel, q_, k_, v_, dims, _check_scale(scale, dims[5]), return_lse, smooth_k, out_checked)
+        return _CallPlan(kernel, q_, k_, v_, dims, _check_scale(scale, dims[5]), return_lse, smoothing, out_checked)
 
-    plan = cached_plan(kernel, _call_key(q, k, v, scale, return_lse, smooth_k, out_given), build)
+    plan = cached_plan(kernel, _call_key(q, k, v, scale, return_lse, smoothing, out_given), build)
     pointers = {"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr}
     if out_given is not None:
         pointers["out"] = out_given.data.ptr

@@ -1,7 +1,8 @@
 """The CUDA launches of an int8-QK call, planned once per input signature.
 
 A QuantPlan holds the three quantization launches (column statistics of K and V per chunk of keys,
-their finish into K̄ and s_V, one grid of Q, K and V codes) and where each operand lives in one
+their finish into K̄ and s_V, one grid of Q, K and V codes; with smoothing="mean+balance" also Q's
+column absmax and the balancing factors α) and where each operand lives in one
 workspace allocation; attention_launch is the attention kernel's launch on operands named by
 Pointers (workspace offsets in a whole call, the arrays of a QuantizedQKV otherwise). Plans are
 cached on the kernel by the shapes, strides and options they were built for, so a repeated call
@@ -89,10 +90,11 @@ def tile_keys(spec) -> int:
 
 class QuantPlan:
     """The quantization launches for one signature: q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D] with
-    the given strides (bytes) and input dtype. Launched with pointers q, k, v and ws (the workspace
-    of nbytes); buffers names where each operand lies in it."""
+    the given strides (bytes) and input dtype, under smoothing (quant.SMOOTHINGS: "mean", "mean+balance"
+    or None). Launched with pointers q, k, v and ws (the workspace of nbytes); buffers names where each
+    operand lies in it."""
 
-    def __init__(self, kernel, dims, dtype: str, strides, scale: float, with_shift: bool, smooth_k: bool):
+    def __init__(self, kernel, dims, dtype: str, strides, scale: float, with_shift: bool, smoothing):
         spec = kernel.spec
         b, hq, hkv, lq, lk, d = dims
         q_st, k_st, v_st = (element_strides(s, 2) for s in strides)
@@ -101,7 +103,8 @@ class QuantPlan:
         sfx = SUFFIX[dtype]
         v_stats = recipe(spec.recipe).ctype["pv"] != "f16"  # 8-bit PV: per-channel s_V
         v_job = v_stats or dtype != "float16"  # fp16 V for the fp16 PV passes through
-        nchunks = -(-lk // COLSTATS_CHUNK)
+        smooth_k, balance = smoothing is not None, smoothing == "mean+balance"
+        nchunks, q_chunks = -(-lk // COLSTATS_CHUNK), -(-lq // COLSTATS_CHUNK)
         nbk = -(-lk // bn)
         lk_pad = nbk * bn
         k_tiles = tile_keys(spec) > 0  # K8 as block tiles of wgmma's layout
@@ -130,6 +133,10 @@ class QuantPlan:
             place("part_sum", (b, hkv, nchunks, d), "float64")
         if v_stats:
             place("part_max", (b, hkv, nchunks, d), "float32")
+        if balance:
+            place("alpha", (b, hkv, d), "float32")
+            place("part_range", (2, b, hkv, nchunks, d), "float32")  # K's column max and min per chunk
+            place("part_qmax", (b, hq, q_chunks, d), "float32")
         self.v_stats, self.v_job, self.with_shift = v_stats, v_job, with_shift
 
         self._plane = plane = b * hkv * d * 4  # bytes of one of K̄, s_V, s_V / P_SCALE
@@ -138,22 +145,34 @@ class QuantPlan:
         self.zero_fill = None if smooth_k or v_stats else (self.buffers["small"].offset, plane)
         self.launches = []
         pdl = programmatic(spec)
+        mul = np.float32(scale * quant.LOG2E)  # as quant.fold_softmax_scale
         if smooth_k or v_stats:
+            stats = (Pointer("k") if smooth_k else NULL, *k_st, Pointer("v") if v_stats else NULL, *v_st, np.int32(lk),
+                     ws("part_sum"), ws("part_max"))
             self.launches.append(PackedLaunch(
-                kernel.function("_stats_" + sfx), (nchunks, hkv, b), QUANT_THREADS, 0,
-                (Pointer("k") if smooth_k else NULL, *k_st, Pointer("v") if v_stats else NULL, *v_st, np.int32(lk),
-                 ws("part_sum"), ws("part_max")), pdl))
+                kernel.function(("_stats_balance_" if balance else "_stats_") + sfx), (nchunks, hkv, b),
+                QUANT_THREADS, 0, stats + ((ws("part_range"),) if balance else ()), pdl))
+            if balance:  # Q's column absmax: the V absmax of stats_body, over Q's rows
+                self.launches.append(PackedLaunch(
+                    kernel.function("_stats_" + sfx), (q_chunks, hq, b), QUANT_THREADS, 0,
+                    (NULL, *q_st, Pointer("q"), *q_st, np.int32(lq), NULL, ws("part_qmax")), pdl))
             self.launches.append(PackedLaunch(
                 kernel.function("_stats_finish"), (-(-d // FINISH_CHANNELS), hkv, b), QUANT_THREADS, 0,
                 (ws("part_sum"), ws("part_max"), np.int32(nchunks), np.int32(lk), k_mean, v_scale,
                  ws("small", 2 * plane) if v_stats else NULL), pdl))
+        if balance:
+            self.launches.append(PackedLaunch(
+                kernel.function("_balance"), (hkv, b, 1), QUANT_THREADS, 0,
+                (ws("part_range"), k_mean, ws("part_qmax"), np.int32(nchunks), np.int32(q_chunks),
+                 np.int32(hq // hkv), mul, ws("alpha")), pdl))
         blocks = -(-lq // q_quant_rows(spec)) * hq * b + nbk * hkv * b * (2 if v_job else 1)
-        mul = np.float32(scale * quant.LOG2E)  # as quant.fold_softmax_scale
         self.launches.append(PackedLaunch(
-            kernel.function("_quant_qkv_" + sfx), (blocks, 1, 1), QUANT_THREADS, 0,
+            kernel.function(("_quant_qkv_balance_" if balance else "_quant_qkv_") + sfx), (blocks, 1, 1),
+            QUANT_THREADS, 0,
             (Pointer("q"), *q_st, np.int32(lq), np.int32(hq), np.int32(hq // hkv), mul, ws("q8"), ws("q_scale"),
              ws("shift"), Pointer("k"), *k_st, Pointer("v"), *v_st, np.int32(lk), np.int32(hkv), np.int32(lk_pad),
-             np.int32(b), k_mean, v_scale, ws("k8"), ws("k_scale"), ws("v_op")), pdl))
+             np.int32(b), k_mean, v_scale, ws("k8"), ws("k_scale"), ws("v_op")) + ((ws("alpha"),) if balance else ()),
+            pdl))
 
     def launch(self, pointers: dict, stream_ptr: int) -> None:
         if self.zero_fill is not None:
