@@ -6,11 +6,9 @@ failed compile) end in a one-paragraph message that names the option, never a tr
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -24,69 +22,16 @@ from .engine.family import BACKENDS, KINDS
 from .engine.registry import RECIPES, recipe
 from .engine.spec import KernelSpec, device_arch
 from .engine.tile import Tile
-from .engine.cache import KernelCache, KernelNotCached
+from .engine.cache import KernelCache
 from .engine.compile import CompileError
 from .bench.peers import PEERS
 from .data import PRESETS
+from .cli_support import (HELP, _console, _fmt, _json_path, _note, _parse_decode_shapes, _Progress,
+                          _table, user_errors, write_json)
+from .tune.command import tune
 
 FALLBACK_ARCH = {"cuda": "sm_90a", "hip": "gfx942"}
 ALL_FORMATS = list(dict.fromkeys(name for kind in KINDS for name in registry.recipes(kind)))
-HELP = {"help_option_names": ["-h", "--help"]}
-
-# The leading word of a ValueError raised by the library names the field it is about.
-_OPTION_OF_FIELD = {
-    "kind": "KIND", "format": "--format", "backend": "--backend", "head_dim": "--head-dim", "arch": "--arch",
-    "causal": "--causal", "mma": "--mma", "tile": "--tile", "tile.warps": "--warps", "tile.stages": "--stages",
-    "shape": "--shape", "heads": "--heads", "kv_heads": "--kv-heads", "ctx": "--ctx", "preset": "--preset",
-    "npz": "--npz", "page_size": "--page-size", "scale_mode": "--scale", "options": "--page-size / --scale",
-}
-_FIELD = re.compile(r"^([a-z_]+(?:\.[a-z_]+)?)\b")
-
-
-def _as_click_error(exc: Exception) -> click.ClickException:
-    """A library error as a click error: a ValueError about a known field names its option."""
-    message = str(exc)
-    if isinstance(exc, ValueError):
-        match = _FIELD.match(message)
-        if match:
-            field = match.group(1)
-            hint = _OPTION_OF_FIELD.get(field) or _OPTION_OF_FIELD.get(field.split(".")[0])
-            if hint:
-                return click.BadParameter(message, param_hint=f"'{hint}'")
-    return click.ClickException(message)
-
-
-def user_errors(fn):
-    """Run a command body, turning user errors into click errors (message, exit status, no traceback)."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except (ValueError, TypeError, CompileError, KernelNotCached) as exc:
-            raise _as_click_error(exc) from None
-    return wrapper
-
-
-def _console(stderr: bool = False):
-    from rich.console import Console
-
-    console = Console(stderr=stderr, highlight=False)
-    if not console.is_terminal:  # piped or captured: keep spec names whole instead of folding at 80 columns
-        console.width = 160
-    return console
-
-
-def _table(title: str | None, *columns: str, right: tuple[str, ...] = ()):
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left")
-    for name in columns:
-        table.add_column(name, justify="right" if name in right else "left", overflow="fold")
-    return table
-
-
-def _note(message: str) -> None:
-    click.echo(f"note: {message}", err=True)
 
 
 def _default_arch(backend: str) -> str:
@@ -96,46 +41,6 @@ def _default_arch(backend: str) -> str:
         arch = FALLBACK_ARCH[backend]
         _note(f"no {backend.upper()} GPU found; compiling for --arch {arch}")
     return arch
-
-
-def _fmt(x, spec: str = ".3g") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-class _Progress:
-    """Progress over `total` steps on stderr: a live bar on a terminal; elsewhere (CI logs, pipes)
-    one line per finished step, so a long run shows it is alive and what it has done so far."""
-
-    def __init__(self, label: str, total: int):
-        self.label, self.total, self.count = label, total, 0
-        self.console = _console(stderr=True)
-        self.bar = None
-
-    def __enter__(self):
-        if self.console.is_terminal:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), console=self.console, transient=True)
-            self.bar.__enter__()
-            self.task = self.bar.add_task(self.label, total=self.total)
-        return self
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.__exit__(*exc)
-
-    def start(self, item: str) -> None:
-        """Show what the next step works on (on the bar only: a log gets the line when it ends)."""
-        if self.bar is not None:
-            self.bar.update(self.task, description=f"{self.label} {item}")
-
-    def done(self, line: str) -> None:
-        self.count += 1
-        if self.bar is not None:
-            self.bar.advance(self.task)
-        else:
-            click.echo(f"[{self.count}/{self.total}] {line}", err=True)
 
 
 # ---- kernel specs ---------------------------------------------------------------------------
@@ -533,17 +438,6 @@ def _parse_shapes(ctx, param, values):
     return shapes
 
 
-def _finite_or_none(value):
-    """JSON has no NaN/Inf: non-finite numbers become null (nonfinite and passed say what happened)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite_or_none(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite_or_none(v) for v in value]
-    return value
-
-
 def _verdict(record: dict) -> str:
     """pass, or FAIL with what broke the format's tolerance (NaN compares false: it fails too)."""
     if record["passed"]:
@@ -553,22 +447,6 @@ def _verdict(record: dict) -> str:
     if record["nonfinite"]:
         why.append("nonfinite")
     return f"FAIL {' '.join(why)}".strip()
-
-
-def _json_path(ctx, param, value: Path | None) -> Path | None:
-    """Refuse an unwritable --json FILE before the run rather than after it (click.Path only
-    checks a file that already exists)."""
-    if value is not None:
-        folder = value.parent
-        if not folder.is_dir():
-            raise click.BadParameter(f"folder {str(folder)!r} does not exist")
-        if not os.access(folder, os.W_OK):
-            raise click.BadParameter(f"folder {str(folder)!r} is not writable")
-    return value
-
-
-def write_json(path: Path, records) -> None:
-    path.write_text(json.dumps(_finite_or_none(records), indent=2, allow_nan=False) + "\n")
 
 
 @main.command(context_settings=HELP)  # also run standalone by tools/parity
@@ -749,16 +627,6 @@ def bench(ctx, formats, shapes, head_dim, causal, peers, json_path, seed, rounds
     _console().print(table)
     if json_path is not None:
         write_json(json_path, records)
-
-
-def _parse_decode_shapes(ctx, param, values):
-    shapes = []
-    for value in values:
-        match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", value)
-        if not match or min(int(match.group(1)), int(match.group(2))) < 1:
-            raise click.BadParameter(f"expected BATCHxCTX with positive integers, e.g. 8x32768, got {value!r}")
-        shapes.append((int(match.group(1)), int(match.group(2))))
-    return shapes
 
 
 _SIZE = re.compile(r"\s*(\d+)\s*([kKmM]?)\s*")
@@ -1104,7 +972,7 @@ def cache_clear():
     click.echo(f"removed {store.clear()} kernels from {store.root}")
 
 
-from .tune import command as _tune_command  # noqa: E402,F401  (adds `qattn tune`, built on the helpers above)
+main.add_command(tune)  # qattn tune (qattn/tune/command.py)
 
 
 if __name__ == "__main__":

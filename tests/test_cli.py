@@ -508,13 +508,13 @@ def test_gen_on_a_chosen_matrix_unit():
     assert default.exit_code == 0 and default.output == wgmma.output  # wgmma is sm_90a's default
     sync = runner.invoke(qattn.cli.main, ["gen", "-f", "i8-f8", "--arch", "sm_90a", "--mma", "mma.sync"])
     assert sync.exit_code == 0 and "wgmma.mma_async" not in sync.output and "mma.sync.aligned" in sync.output
-    bad = runner.invoke(qattn.cli.main, ["gen", "-f", "i8-f16", "--arch", "sm_90a", "--mma", "wgmma"])
+    bad = runner.invoke(qattn.cli.main, ["gen", "-f", "i8-i8", "--arch", "sm_90a", "--mma", "wgmma"])
     assert bad.exit_code == 2 and "'--mma'" in bad.output and "mma.sync" in bad.output
 
 
 def test_sanitize_workload_adds_the_arch_s_other_units(monkeypatch):
-    """tools/sanitize.py covers every format, and on sm_90a also i8-f8 on mma.sync and kv8-imma on
-    wgmma (FORMAT@UNIT)."""
+    """tools/sanitize.py covers every format, and on sm_90a also each format's other matrix unit
+    (FORMAT@UNIT: f16 and bf16 on wgmma, i8-f16 and i8-f8 on mma.sync, kv8-imma on wgmma)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
     import sanitize
 
@@ -522,6 +522,7 @@ def test_sanitize_workload_adds_the_arch_s_other_units(monkeypatch):
 
     with_kernel = [n for n, r in RECIPES.items() if "cuda" in r.families]
     monkeypatch.setattr(spec_module, "device_arch", lambda: "sm_90a")
-    assert sanitize.default_formats() == with_kernel + ["i8-f8@mma.sync", "kv8-imma@wgmma"]
+    assert sanitize.default_formats() == with_kernel + ["f16@wgmma", "bf16@wgmma", "i8-f16@mma.sync",
+                                                        "i8-f8@mma.sync", "kv8-imma@wgmma"]
     monkeypatch.setattr(spec_module, "device_arch", lambda: "sm_89")
     assert sanitize.default_formats() == with_kernel

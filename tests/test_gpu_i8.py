@@ -250,7 +250,8 @@ def test_quantization_steps_match_quant(fmt, dtype):
     scale = 1 / np.sqrt(d)
     spec = _default_spec(fmt)
     keys = int8.scale_blocks(spec)[1]  # 64, or 128 on the sm_90a wgmma kernel
-    assert qkv.dims == (b, hq, hkv, lq, lk, d) and qkv.emulator_options() == int8.emulator_options(spec)
+    assert qkv.dims == (b, hq, hkv, lq, lk, d)
+    assert qkv.emulator_options() == {**int8.emulator_options(spec), "smoothing": "mean"}
     # K mean and K codes (scales per block of keys, or per group of a block's keys)
     k_smooth, k_mean = i8quant.smooth_k(k32)
     np.testing.assert_allclose(qkv.k_mean.get(), k_mean[..., 0, :], rtol=1e-6, atol=1e-7)

@@ -8,8 +8,8 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from ..cli import (HELP, _console, _fmt, _json_path, _note, _parse_decode_shapes, _Progress, _table, main, user_errors,
-                   write_json)
+from ..cli_support import (HELP, _console, _fmt, _json_path, _note, _parse_decode_shapes, _Progress, _table,
+                           user_errors, write_json)
 from ..engine import tuned
 from ..engine.shape_class import LENGTH_BUCKETS
 from ..engine.spec import device_arch
@@ -175,6 +175,3 @@ def _used(entry: tuned.TunedEntry, device: tuned.Device | None) -> str:
 def _note_disabled() -> None:
     if not tuned.enabled():
         _note("QATTN_TUNED is off: qattn.attention ignores this table until it is unset")
-
-
-main.add_command(tune)

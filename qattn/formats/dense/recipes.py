@@ -147,10 +147,10 @@ HIP_MATRIX = Family(
 RECIPES = (
     Recipe("f16", "fp16 Q/K/V, fp32 accumulation, P rounded to fp16 (tensor cores)", ("float16",),
            Tolerance(max_rel=2e-2, rel_l2=2e-3), {"cuda": CUDA_MMA, "hip": HIP_MATRIX}, {"mma": "f16", "cvt": "f16x2"},
-           {("cuda", "sm_90a"): (CUDA_WGMMA, CUDA_MMA)}),
+           {("cuda", "sm_90a"): (CUDA_MMA, CUDA_WGMMA)}),
     Recipe("bf16", "bf16 Q/K/V, fp32 accumulation, P rounded to bf16 (tensor cores)", ("bfloat16",),
            Tolerance(max_rel=1e-1, rel_l2=1e-2), {"cuda": CUDA_MMA}, {"mma": "bf16", "cvt": "bf16x2"},
-           {("cuda", "sm_90a"): (CUDA_WGMMA, CUDA_MMA)}),
+           {("cuda", "sm_90a"): (CUDA_MMA, CUDA_WGMMA)}),
     Recipe("f32", "fp32 SIMT FMAs throughout: the noise floor for the exact formats", ("float32",),
            Tolerance(max_rel=1e-5, rel_l2=1e-5), {"cuda": CUDA_SIMT}),
 )
