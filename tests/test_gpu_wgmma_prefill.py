@@ -148,11 +148,13 @@ def test_other_tiles(fmt, head_dim, tile, causal):
 def test_agrees_with_mma_sync(fmt, head_dim, causal):
     """The wgmma and mma.sync kernels compute the same format on the same inputs: within the format's
     tolerance of each other (i8-f16's scale blocks differ between them: per row on wgmma, per 128 rows
-    on mma.sync), and the default call (qattn.attention) runs the wgmma kernel."""
+    on mma.sync), and the default call (qattn.attention) runs the measured faster one: wgmma for
+    i8-f16, mma.sync for f16 and bf16."""
     from qattn.api import default_spec
 
     wgmma, sync = _kernel(fmt, head_dim, causal), _kernel(fmt, head_dim, causal, mma="mma.sync")
-    assert default_spec(fmt, head_dim, causal=causal).family.values["mma_unit"] == "wgmma"
+    faster = "wgmma" if fmt == "i8-f16" else "mma.sync"
+    assert default_spec(fmt, head_dim, causal=causal).family.values["mma_unit"] == faster
     rng = np.random.default_rng(head_dim + causal)
     host, (q, k, v) = _host_inputs(rng, fmt, 2, 8, 2, 1111, 1500, head_dim)
     a, b = wgmma(q, k, v), sync(q, k, v)
@@ -160,4 +162,4 @@ def test_agrees_with_mma_sync(fmt, head_dim, causal):
     err = metrics.compare(_f32(a), _f32(b))
     assert err.nonfinite == 0 and err.rel_l2 <= tol, err
     default = qattn.attention(q, k, v, format=fmt, causal=causal)
-    assert metrics.compare(_f32(default), _f32(a)).rel_l2 <= tol
+    assert metrics.compare(_f32(default), _f32(a if faster == "wgmma" else b)).rel_l2 == 0
