@@ -75,7 +75,7 @@ def test_render_every_supported_spec(spec):
 def test_render_differs_where_spec_differs():
     base = KernelSpec(recipe="f16", head_dim=128, arch="sm_90a", mma="mma.sync")  # a tile sm_80 takes too
     sources = {render(s) for s in (base, base.with_(causal=True), base.with_(recipe="bf16"),
-                                   base.with_(head_dim=64), base.with_(arch="sm_80", mma=None), base.with_(mma=None, tile=None))}
+                                   base.with_(head_dim=64), base.with_(arch="sm_80", mma=None), base.with_(mma="wgmma", tile=None))}
     assert len(sources) == 6
 
 
