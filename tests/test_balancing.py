@@ -105,9 +105,9 @@ def test_balanced_emulator_quantizes_the_balanced_operands_and_keeps_the_lse(rng
     expected = exact.astype(np.float32) * q8.scale * np.repeat(k8.scale, 2, axis=1)[..., 0][:, :, None, :]
     assert np.array_equal(got, expected)
     ref, ref_lse = emulate.reference(fmt, q, k, v, causal=True, return_lse=True)
-    for smoothing in ("mean", "mean+balance"):
-        _, lse = emulate.emulate(fmt, q, k, v, causal=True, return_lse=True, smoothing=smoothing)
-        assert np.abs(lse - ref_lse).max() <= 2e-2 * np.abs(ref_lse).max(), smoothing
+    lse_error = {s: np.abs(emulate.emulate(fmt, q, k, v, causal=True, return_lse=True, smoothing=s)[1] - ref_lse).max()
+                 for s in ("mean", "mean+balance")}
+    assert lse_error["mean+balance"] <= 1.05 * lse_error["mean"], lse_error
 
 
 def test_alpha_rule_is_checked(rng):
