@@ -187,10 +187,10 @@ def test_only_sageattention_1_0_6_has_no_sageattn2(monkeypatch, fake_torch):
     assert peer("sageattn") is not None and peer("sageattn2") is None
 
 
-def test_accuracy_names_a_bad_preset_or_query_count():
+def test_accuracy_names_a_bad_source_or_query_count():
     from qattn.bench.prefill import accuracy_against_fp64
 
-    with pytest.raises(ValueError, match="presets: unknown preset 'gauss'"):
+    with pytest.raises(ValueError, match="sources: unknown source 'gauss'"):
         accuracy_against_fp64(("gauss",))
     with pytest.raises(ValueError, match="max_queries: expected a positive number"):
         accuracy_against_fp64(("normal",), max_queries=0)

@@ -20,28 +20,18 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from qattn import data  # noqa: E402
+from qattn.bench.sources import SOURCES, inputs  # noqa: E402
 from qattn.check import emulate, metrics  # noqa: E402
 from qattn.formats.int8qk.emulate import FORMATS  # noqa: E402
 
-MINILM = ROOT / "tests" / "data" / "minilm_qkv.npz"
 # (smoothing, alpha rule) of each column, mean-only first: the ratios' denominator
 VARIANTS = (("mean", "sqrt"), ("mean+balance", "outliers"), ("mean+balance", "sqrt"), ("mean+balance", "pow2"))
-
-
-def _inputs(source: str, ctx: int, heads: int, kv_heads: int, queries: int, seed: int) -> dict:
-    if source != "minilm":
-        return data.preset(source, ctx=ctx, queries=queries, heads=heads, kv_heads=kv_heads, seed=seed)
-    with np.load(MINILM) as f:  # one head, D = 32: the seed picks the query rows
-        q, k, v, scale = f["q"], f["k"], f["v"], float(f["scale"])
-    rows = np.sort(np.random.default_rng(seed).choice(q.shape[-2], min(queries, q.shape[-2]), replace=False))
-    return dict(q=q[..., rows, :], k=k[..., -ctx:, :], v=v[..., -ctx:, :], scale=scale)
 
 
 def measure(job: tuple) -> dict:
     """rel_l2 of every format under every variant on one (source, ctx, seed)."""
     source, ctx, seed, heads, kv_heads, queries = job
-    x = _inputs(source, ctx, heads, kv_heads, queries, seed)
+    x = inputs(source, ctx=ctx, queries=queries, heads=heads, kv_heads=kv_heads, seed=seed)
     q, k, v, scale = x["q"], x["k"], x["v"], x.get("scale")
     ref = emulate.reference("i8-f16", q, k, v, scale=scale)
     errors = {fmt: [metrics.compare(emulate.emulate(fmt, q, k, v, scale=scale, smoothing=smoothing,
@@ -71,8 +61,7 @@ def table(records: list) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sources = list(data.PRESETS) + ["minilm"]
-    ap.add_argument("--preset", action="append", choices=sources, help="inputs (repeatable; default all)")
+    ap.add_argument("--preset", action="append", choices=SOURCES, help="inputs (repeatable; default all)")
     ap.add_argument("--ctx", action="append", type=int, help="keys (repeatable; default 4096 and 32768)")
     ap.add_argument("--seeds", type=int, default=2, help="seeds per (input, ctx), averaged (default 2)")
     ap.add_argument("--heads", type=int, default=2, help="query heads (default 2)")
@@ -82,7 +71,7 @@ def main() -> int:
     ap.add_argument("--json", help="also write the records here")
     args = ap.parse_args()
     jobs = [(source, ctx, seed, args.heads, args.kv_heads, args.queries)
-            for source in args.preset or sources for ctx in args.ctx or (4096, 32768) for seed in range(args.seeds)]
+            for source in args.preset or SOURCES for ctx in args.ctx or (4096, 32768) for seed in range(args.seeds)]
     with ProcessPoolExecutor(args.workers) as pool:
         records = list(pool.map(measure, jobs))
     print(table(records))

@@ -9,6 +9,7 @@ first two heads.
     tools/bench_prefill.py --format i8-f8 --format i8-f8@mma.sync  # the same format on two matrix units
     tools/bench_prefill.py --shape 4x32x4096 --sustained 2.5 --rounds 2  # power-capped steady state
     tools/bench_prefill.py --shape 4x32x4096 --settle 1 --rounds 5   # single calls, each from an idle GPU
+    tools/bench_prefill.py --format i8-f8 --smoothing mean --smoothing mean+balance --causal both  # balancing's cost
 """
 import argparse
 import json
@@ -19,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from qattn.engine.tile import Tile  # noqa: E402
 from qattn.bench.peers import PEERS  # noqa: E402
-from qattn.bench.prefill import bench_prefill
+from qattn.bench.prefill import SMOOTHINGS, bench_prefill, smoothing_label  # noqa: E402
 
 
 def _positive(text: str) -> int:
@@ -40,12 +41,33 @@ def _seconds(*, zero_ok: bool):
     return parse
 
 
+def smoothing_costs(records: list) -> str:
+    """A markdown table of each int8-QK call's time under every smoothing against its time under the
+    first smoothing timed (same shape, causal mask, format and tile): the whole call's ms and ratio,
+    and the quantization's ms (what the smoothing adds is launched there) and its difference."""
+    firsts, lines = {}, []
+    for r in records:
+        if "smoothing" not in r or "ms" not in r:
+            continue
+        first = firsts.setdefault((r["batch"], r["heads"], r["seq"], r["causal"], r["kernel"]), r)
+        cells = [r["kernel"], f"B{r['batch']} H{r['heads']} L{r['seq']} D{r['head_dim']}",
+                 "yes" if r["causal"] else "no", smoothing_label(r["smoothing"]), f"{r['ms']:.3f}",
+                 f"{r['ms'] / first['ms']:.3f}", f"{r['quant_ms']:.3f}", f"{r['quant_ms'] - first['quant_ms']:+.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    base = smoothing_label(next(iter(firsts.values()))["smoothing"]) if firsts else "first"
+    header = ["kernel", "shape", "causal", "smoothing", "ms", f"/ {base}", "quant ms", f"quant − {base}"]
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *lines])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", action="append", help="BATCHxHEADSxSEQ (repeatable)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--format", action="append",
                     help="qattn formats (default f16); FORMAT@UNIT picks a matrix unit, e.g. i8-f8@mma.sync")
+    ap.add_argument("--smoothing", action="append", choices=list(SMOOTHINGS),
+                    help="the int8-QK formats' smoothing (repeatable: each format is timed under each, in the "
+                         "same rounds, and a table of each one's time over the first's follows)")
     ap.add_argument("--causal", choices=["no", "yes", "both"], default="no")
     ap.add_argument("--tile", action="append", help="BMxBNxWARPSxSTAGES to sweep (default: tuned tile)")
     ap.add_argument("--rounds", type=_positive, default=3,
@@ -67,17 +89,20 @@ def main() -> int:
             peers = PEERS if i == 0 else ()
             records += bench_prefill(shapes, tuple(args.format or ["f16"]), head_dim=args.head_dim,
                                      causal=causal, tiles=tile, peers=peers, rounds=args.rounds,
-                                     sustained=args.sustained, settle=args.settle)
-    print(f"{'impl':<19}{'kernel':<50}{'B':>3}{'H':>4}{'L':>7}{'D':>5} {'causal':<7}{'ms':>9}{'TFLOPS':>8}"
+                                     sustained=args.sustained, settle=args.settle,
+                                     smoothings=tuple(SMOOTHINGS[s] for s in args.smoothing or ()))
+    print(f"{'impl':<27}{'kernel':<50}{'B':>3}{'H':>4}{'L':>7}{'D':>5} {'causal':<7}{'ms':>9}{'TFLOPS':>8}"
           f"{'vs flash':>9}{'vs cuDNN':>9}{'vs sage':>8}{'vs sage2':>9}{'rel_l2':>10}{'quant ms':>9}")
     for r in records:
         if "error" in r:
-            print(f"{r['impl']:<19} error: {r['error']}")
+            print(f"{r['impl']:<27} error: {r['error']}")
             continue
-        print(f"{r['impl']:<19}{r.get('kernel', ''):<50}{r['batch']:>3}{r['heads']:>4}{r['seq']:>7}{r['head_dim']:>5} "
+        print(f"{r['impl']:<27}{r.get('kernel', ''):<50}{r['batch']:>3}{r['heads']:>4}{r['seq']:>7}{r['head_dim']:>5} "
               f"{str(r['causal']):<7}{r['ms']:>9.3f}{r['tflops']:>8.1f}"
               f"{r.get('vs_sdpa_flash', float('nan')):>9.2f}{r.get('vs_sdpa_cudnn', float('nan')):>9.2f}"
               f"{r.get('vs_sageattn', float('nan')):>8.2f}{r.get('vs_sageattn2', float('nan')):>9.2f}{r['rel_l2']:>10.2e}{r.get('quant_ms', float('nan')):>9.3f}")
+    if args.smoothing:
+        print(smoothing_costs(records))
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
     return 0
