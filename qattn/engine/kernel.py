@@ -29,6 +29,7 @@ class Kernel:
     _functions: dict = field(default_factory=dict, repr=False)  # entry suffix -> loaded function
     _module: object = field(default=None, repr=False)
     _resident: dict = field(default_factory=dict, repr=False)  # (device, entry) -> (SMs, blocks per SM)
+    launch_shapes: dict = field(default_factory=dict, repr=False)  # a launcher's per-device launch shapes
     # launch plans by call signature (packed.cached_plan), least recently used first
     plans: OrderedDict = field(default_factory=OrderedDict, repr=False)
 

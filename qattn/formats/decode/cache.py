@@ -162,9 +162,15 @@ class PagedKVCache:
                           **({"tile": tile} if tile is not None else {}))
 
     def kernel(self, tile=None, qk: str = "auto"):
+        """The decode kernel of this cache (built or loaded once per tile and QK path: every decode
+        call asks for it, and making its spec costs more host time than the launches)."""
         from ...engine.kernel import build_kernel
 
-        return build_kernel(self.spec(tile=tile, qk=qk))
+        kernels = self.__dict__.setdefault("_kernels", {})
+        found = kernels.get((tile, qk))
+        if found is None:
+            found = kernels[(tile, qk)] = build_kernel(self.spec(tile=tile, qk=qk))
+        return found
 
     # ---- writing ---------------------------------------------------------------------------------
     def write(self, k, v, slots, *, stream=None) -> None:

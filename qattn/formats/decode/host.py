@@ -6,7 +6,7 @@ CUDA graph: torch callers as they are, CuPy callers with ``out=`` (``lse=``) and
 split, ``workspace=`` (a ``qattn.Workspace``, or a byte array of ``workspace_bytes(...)``); see
 engine/memory.py. The split count depends only on shapes known on the host (the
 batch, heads, the block table's width times the page size, the GPU's SM count), never on the lengths
-in ``seq_lens``, which stay on the GPU.
+in ``seq_lens``, which stay on the GPU; schedule.py says how it is chosen.
 """
 from __future__ import annotations
 
@@ -21,27 +21,9 @@ from ...engine.packed import NULL, PackedLaunch, Pointer, cached_plan, programma
 from ...engine.registry import recipe
 from .cache import PagedKVCache
 from .recipes import EIGHT_BIT, MAX_ROWS, TABLE_SLOTS
+from .schedule import MAX_SPLITS, auto_splits, key_bytes, occupancy
 
 MAX_QUERIES = 16  # new tokens per sequence and step (speculative decoding)
-MAX_SPLITS = 128
-MIN_STEPS_PER_SPLIT = 4  # each split pays its Q load, pipeline fill and partial: keep it a few steps long
-
-
-def auto_splits(blocks: int, key_steps: int, sms: int, blocks_per_sm: int, least: int = 1) -> int:
-    """Splits of each block's key range for `blocks` blocks (kv heads x row chunks x batch) over at
-    most `key_steps` steps, on `sms` SMs holding `blocks_per_sm` each: the fewest (from `least`) whose
-    grid fills its last wave of resident blocks to 90% or more (a partial last wave costs a whole
-    block's time), else the best filled; at most one split per MIN_STEPS_PER_SPLIT steps."""
-    slots = sms * blocks_per_sm
-    most = max(least, min(MAX_SPLITS, key_steps // MIN_STEPS_PER_SPLIT))
-
-    def filled(splits: int) -> float:
-        total = blocks * splits
-        return total / (slots * -(-total // slots))
-
-    candidates = range(least, most + 1)
-    good = [s for s in candidates if filled(s) >= 0.9]
-    return good[0] if good else max(candidates, key=filled)
 
 
 def keys_per_split(bound: int, splits: int, step: int) -> int:
@@ -115,8 +97,9 @@ def _plan(kernel, cache: PagedKVCache, q, table, lens, out, scale, return_lse, s
     step = spec.tile.block_n
     bound = table.shape[1] * cache.page_size
     least = least_splits(bound, step, cache.page_size)
+    shape = _occupancy(kernel, cache, _entry(q))
     if splits is None:
-        splits = auto_splits(blocks, -(-bound // step), *kernel.resident(cache.device, _entry(q)), least=least)
+        splits = auto_splits(blocks, -(-bound // step), shape.sms, shape.blocks_per_sm, least=least)
     elif splits < least:
         raise ValueError(f"splits: a table of {table.shape[1]} pages of {cache.page_size} needs at least {least} "
                          f"splits (each split stages at most {TABLE_SLOTS} page ids), got {splits}")
@@ -132,7 +115,7 @@ def _plan(kernel, cache: PagedKVCache, q, table, lens, out, scale, return_lse, s
             np.int32(kps), np.float32(scale * math.log2(math.e)))
     fast = programmatic(spec)
     decode = PackedLaunch(kernel.function(_entry(q)), (splits, cache.kv_heads * chunks, b), kernel.threads,
-                          kernel.shared_bytes, args, fast)
+                          shape.shared_bytes, args, fast)
     merge = None
     if splits > 1:
         merge_args = (Pointer("ws"), Pointer("ws", ws_rows * d * 4), Pointer("out"),
@@ -144,6 +127,12 @@ def _plan(kernel, cache: PagedKVCache, q, table, lens, out, scale, return_lse, s
 
 def _entry(q) -> str:
     return "_bf16" if q.dtype.name == "bfloat16" else "_f16"
+
+
+def _occupancy(kernel, cache: PagedKVCache, entry: str):
+    """The kernel entry's launch shape: blocks per SM capped at what streams K/V fastest (schedule.py)."""
+    tile = kernel.spec.tile
+    return occupancy(kernel, entry, cache.device, tile.stages * tile.block_n * key_bytes(cache.format, cache.head_dim))
 
 
 def decode(q, cache: PagedKVCache, block_table, seq_lens, *, qk: str = "auto", splits: int | None = None,
@@ -201,8 +190,8 @@ def splits_for(cache: PagedKVCache, batch: int, heads: int, queries: int, max_pa
     kernel = cache.kernel(tile, qk)
     chunks = -(-(heads // cache.kv_heads * queries) // MAX_ROWS)
     step, bound = kernel.spec.tile.block_n, max_pages * cache.page_size
-    return auto_splits(cache.kv_heads * chunks * batch, -(-bound // step),
-                       *kernel.resident(cache.device, "_f16" if "bf16" not in cache.format else "_bf16"),
+    shape = _occupancy(kernel, cache, "_f16" if "bf16" not in cache.format else "_bf16")
+    return auto_splits(cache.kv_heads * chunks * batch, -(-bound // step), shape.sms, shape.blocks_per_sm,
                        least=least_splits(bound, step, cache.page_size))
 
 

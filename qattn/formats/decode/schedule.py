@@ -1,0 +1,92 @@
+"""How a decode call fills the GPU: blocks resident per SM and the split of each sequence's keys.
+
+Decode streams the K/V pages once, so its speed is the DRAM stream's. Measured on the H200 (GQA
+32/8, D128, pages of 32 in shuffled order, docs/notes/decode.md): every format streams fastest
+with about 128 KiB of K/V in flight per SM (its blocks' pipeline slots): two blocks of the 16-bit
+kernel, three of K8/V16 or K16/V8, four of K8/V8. More in flight than that slows the stream (the
+16-bit kernel at three blocks per SM: 0.75-0.82 of copy bandwidth against 0.93 at two), fewer
+leaves it short. So a call caps the blocks per SM at that target (by asking for more dynamic shared
+memory than the kernel needs, which is what the occupancy calculator counts) and splits the keys
+so that its blocks make one full wave of the capped slots.
+"""
+from __future__ import annotations
+
+from .recipes import EIGHT_BIT, sides
+
+IN_FLIGHT_BYTES = 128 * 1024  # K/V bytes in flight per SM at which the measured stream is fastest
+MAX_SPLITS = 128
+MIN_STEPS_PER_SPLIT = 4  # each split pays its Q load, pipeline fill and partial: keep it a few steps long
+FULL_WAVE = 0.9  # a grid whose last wave is at least this full wastes little of it
+
+
+def key_bytes(fmt: str, head_dim: int) -> int:
+    """DRAM bytes of one key of one kv head: its K and V codes and an 8-bit side's token scale."""
+    return sum(head_dim * (1 if side in EIGHT_BIT else 2) + (4 if side in EIGHT_BIT else 0) for side in sides(fmt))
+
+
+def target_blocks_per_sm(in_flight_per_block: int, resident: int) -> int:
+    """Blocks per SM that hold about IN_FLIGHT_BYTES of pipeline slots, at least 1, at most resident."""
+    return max(1, min(resident, round(IN_FLIGHT_BYTES / in_flight_per_block)))
+
+
+def capped_shared_bytes(needed: int, blocks_per_sm: int, sm_bytes: int, reserved: int, block_limit: int) -> int:
+    """Dynamic shared memory a block asks for so that at most blocks_per_sm fit on an SM of sm_bytes
+    (each block also takes `reserved`), never less than it needs nor more than block_limit."""
+    return min(block_limit, max(needed, sm_bytes // blocks_per_sm - reserved))
+
+
+def auto_splits(blocks: int, key_steps: int, sms: int, blocks_per_sm: int, least: int = 1) -> int:
+    """Splits of each block's key range for `blocks` blocks (kv heads x row chunks x batch) over at
+    most `key_steps` steps, on `sms` SMs holding `blocks_per_sm` each, from `least`, at most one split
+    per MIN_STEPS_PER_SPLIT steps. Where the grid fits one wave of resident blocks, the count that
+    fills that wave best (the fewest on a tie): a second wave would pay every block's prologue again
+    and run on a partly idle GPU. Otherwise the fewest whose last wave is FULL_WAVE full, else the
+    best filled."""
+    slots = sms * blocks_per_sm
+    most = max(least, min(MAX_SPLITS, key_steps // MIN_STEPS_PER_SPLIT))
+
+    def filled(splits: int) -> float:
+        total = blocks * splits
+        return total / (slots * -(-total // slots))
+
+    candidates = range(least, most + 1)
+    one_wave = [s for s in candidates if blocks * s <= slots]
+    if one_wave:
+        return max(one_wave, key=lambda s: (blocks * s, -s))
+    good = [s for s in candidates if filled(s) >= FULL_WAVE]
+    return good[0] if good else max(candidates, key=filled)
+
+
+class Occupancy:
+    """A decode kernel entry's launch shape on one device: the dynamic shared memory it asks for and
+    the SMs and blocks per SM that gives (the driver's occupancy figure)."""
+
+    def __init__(self, kernel, suffix: str, device: int, in_flight_per_block: int):
+        from cupy.cuda import driver, runtime
+
+        attr = lambda a: runtime.deviceGetAttribute(a, device)  # noqa: E731
+        function = kernel.function(suffix)
+        self.sms = attr(runtime.cudaDevAttrMultiProcessorCount)
+        natural = kernel.resident(device, suffix)[1]
+        self.blocks_per_sm = target_blocks_per_sm(in_flight_per_block, natural)
+        self.shared_bytes = kernel.shared_bytes
+        if self.blocks_per_sm < natural:
+            capped = capped_shared_bytes(kernel.shared_bytes, self.blocks_per_sm,
+                                         attr(runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor),
+                                         attr(runtime.cudaDevAttrReservedSharedMemoryPerBlock),
+                                         attr(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin))
+            driver.funcSetAttribute(function.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, capped)
+            got = driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, kernel.threads, capped)
+            if 1 <= got < natural:  # else the cap did not take: launch as the kernel is
+                self.blocks_per_sm, self.shared_bytes = got, capped
+            else:
+                self.blocks_per_sm = natural
+
+
+def occupancy(kernel, suffix: str, device: int, in_flight_per_block: int) -> Occupancy:
+    """The Occupancy of a kernel entry on a device, worked out once per kernel."""
+    key = (device, suffix)
+    found = kernel.launch_shapes.get(key)
+    if found is None:
+        found = kernel.launch_shapes[key] = Occupancy(kernel, suffix, device, in_flight_per_block)
+    return found

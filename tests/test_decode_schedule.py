@@ -1,0 +1,38 @@
+"""The decode call's launch shape: blocks per SM for the K/V bytes in flight, the shared-memory cap
+that enforces it, and the split count that fills one wave."""
+import pytest
+
+from qattn.engine.tile import Tile
+from qattn.formats.decode.schedule import (IN_FLIGHT_BYTES, auto_splits, capped_shared_bytes, key_bytes,
+                                           target_blocks_per_sm)
+
+H200_SM_BYTES, RESERVED, BLOCK_LIMIT = 233472, 1024, 232448
+
+
+@pytest.mark.parametrize("fmt, want", [("f16-f16", 2), ("bf16-bf16", 2), ("e4m3-f16", 3), ("f16-i8", 3), ("f16-e4m3", 3),
+                                       ("e4m3-e4m3", 4), ("i8-i8", 4)])
+def test_the_target_holds_about_the_measured_bytes_in_flight(fmt, want):
+    tile = Tile(16, 64, 4, 2)  # the default decode tile: 64 keys a step, two slots
+    per_block = tile.stages * tile.block_n * key_bytes(fmt, 128)
+    assert target_blocks_per_sm(per_block, resident=6) == want
+    assert target_blocks_per_sm(per_block, resident=1) == 1  # never above what fits
+    assert abs(want * per_block - IN_FLIGHT_BYTES) < per_block
+
+
+def test_the_shared_memory_cap_admits_exactly_the_target():
+    for need in (20_000, 36_000, 71_000):
+        for target in (1, 2, 3, 4):
+            ask = capped_shared_bytes(need, target, H200_SM_BYTES, RESERVED, BLOCK_LIMIT)
+            assert ask >= need and ask <= BLOCK_LIMIT
+            fits = H200_SM_BYTES // (ask + RESERVED)
+            assert fits == target or (ask == need and fits < target)
+
+
+def test_splits_fill_one_wave_when_the_grid_fits_in_one():
+    assert auto_splits(8, 2048, 132, 2) == 33  # 264 blocks: two on every SM, not 30 (240, 91%)
+    assert auto_splits(64, 512, 132, 4) == 8  # 512 of 528 slots
+    assert auto_splits(64, 512, 132, 2) == 4
+    assert auto_splits(512, 64, 132, 4) == 1  # 512 blocks already fill the wave
+    assert auto_splits(512, 64, 132, 2) == 1  # two waves of 264, the last 94% full
+    assert auto_splits(3, 2048, 132, 4, least=5) == 128  # as many as allowed: 384 of 528 slots
+    assert auto_splits(4, 7, 132, 4) == 1  # too few steps to split
