@@ -21,11 +21,12 @@ def test_the_target_holds_about_the_measured_bytes_in_flight(fmt, want):
 
 def test_the_shared_memory_cap_admits_exactly_the_target():
     for need in (20_000, 36_000, 71_000):
-        for target in (1, 2, 3, 4):
-            ask = capped_shared_bytes(need, target, H200_SM_BYTES, RESERVED, BLOCK_LIMIT)
-            assert ask >= need and ask <= BLOCK_LIMIT
-            fits = H200_SM_BYTES // (ask + RESERVED)
-            assert fits == target or (ask == need and fits < target)
+        for static in (0, 4096):
+            for target in (1, 2, 3, 4):
+                ask = capped_shared_bytes(need, target, H200_SM_BYTES, RESERVED, BLOCK_LIMIT, static)
+                assert need <= ask <= BLOCK_LIMIT - static
+                fits = H200_SM_BYTES // (ask + static + RESERVED)
+                assert fits == target or (ask == need and fits < target)
 
 
 def test_splits_fill_one_wave_when_the_grid_fits_in_one():

@@ -29,10 +29,12 @@ def target_blocks_per_sm(in_flight_per_block: int, resident: int) -> int:
     return max(1, min(resident, round(IN_FLIGHT_BYTES / in_flight_per_block)))
 
 
-def capped_shared_bytes(needed: int, blocks_per_sm: int, sm_bytes: int, reserved: int, block_limit: int) -> int:
+def capped_shared_bytes(needed: int, blocks_per_sm: int, sm_bytes: int, reserved: int, block_limit: int,
+                        static: int = 0) -> int:
     """Dynamic shared memory a block asks for so that at most blocks_per_sm fit on an SM of sm_bytes
-    (each block also takes `reserved`), never less than it needs nor more than block_limit."""
-    return min(block_limit, max(needed, sm_bytes // blocks_per_sm - reserved))
+    (each block also takes `reserved` and its `static` shared memory), never less than it needs nor
+    more than block_limit allows beside the static part."""
+    return min(block_limit - static, max(needed, sm_bytes // blocks_per_sm - reserved - static))
 
 
 def auto_splits(blocks: int, key_steps: int, sms: int, blocks_per_sm: int, least: int = 1) -> int:
@@ -71,10 +73,11 @@ class Occupancy:
         self.blocks_per_sm = target_blocks_per_sm(in_flight_per_block, natural)
         self.shared_bytes = kernel.shared_bytes
         if self.blocks_per_sm < natural:
+            static = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, function.ptr)
             capped = capped_shared_bytes(kernel.shared_bytes, self.blocks_per_sm,
                                          attr(runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor),
                                          attr(runtime.cudaDevAttrReservedSharedMemoryPerBlock),
-                                         attr(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin))
+                                         attr(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin), static)
             driver.funcSetAttribute(function.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, capped)
             got = driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, kernel.threads, capped)
             if 1 <= got < natural:  # else the cap did not take: launch as the kernel is
