@@ -49,16 +49,17 @@ DEFAULT_FORMAT = {"prefill": "f16", "decode": "f16-f16"}
 
 
 def decode_options(kind: str, page_size: int | None, scale: str | None, qk: str | None,
-                   k_mean: str | None = None) -> dict:
-    """The spec options of --page-size, --scale, --qk and --k-mean: decode kernels only."""
+                   k_mean: str | None = None, k_balance: bool | None = None) -> dict:
+    """The spec options of --page-size, --scale, --qk, --k-mean and --k-balance: decode kernels only."""
     given = {name: value for name, value in (("--page-size", page_size), ("--scale", scale), ("--qk", qk),
-                                             ("--k-mean", k_mean)) if value is not None}
+                                             ("--k-mean", k_mean), ("--k-balance", k_balance)) if value is not None}
     if kind != "decode":
         if given:
             raise click.BadParameter(f"{kind} kernels take no {', '.join(given)}; they are decode options",
                                      param_hint=" / ".join(f"'{name}'" for name in given))
         return {}
-    options = {"page_size": page_size, "scale_mode": scale, "k_mean": k_mean, "qk": qk or "auto"}
+    balance = None if k_balance is None else "on" if k_balance else "off"
+    options = {"page_size": page_size, "scale_mode": scale, "k_mean": k_mean, "k_balance": balance, "qk": qk or "auto"}
     return {name: value for name, value in options.items() if value is not None}
 
 
@@ -129,6 +130,8 @@ def spec_options(repeatable: bool = False):
                           "(Q quantized, 8-bit MMA), or auto (the arch's pick; default)"),
         click.option("--k-mean", type=click.Choice(("off", "page")),
                      help="decode: an 8-bit K's page means (K - μ_page stored, q·μ_page added back) or off (default)"),
+        click.option("--k-balance/--no-k-balance", "k_balance", default=None,
+                     help="decode: Q/K channel balancing of an 8-bit K (K / α stored, q·α at the Q load) [default: off]"),
         click.option("--arch", "arch", multiple=repeatable, metavar="ARCH",
                      help=f"target, e.g. sm_90a or gfx942 (default: the current GPU's, else "
                           f"{FALLBACK_ARCH['cuda']} / {FALLBACK_ARCH['hip']}){many}"),
@@ -217,12 +220,13 @@ def list_():
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="write the source to FILE instead of printing it")
 @user_errors
-def gen(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, k_mean, arch, output):
+def gen(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, k_mean, k_balance, arch,
+        output):
     """Print the rendered kernel source of one spec (KIND: prefill or decode)."""
     from .engine.render import render
 
     spec = make_spec(kind, fmt, head_dim, tile, warps, stages, bool(causal), backend, arch or _default_arch(backend), mma,
-                     decode_options(kind, page_size, scale, qk, k_mean))
+                     decode_options(kind, page_size, scale, qk, k_mean, k_balance))
     source = render(spec)
     if output is None:
         click.echo(source, nl=False)
@@ -276,13 +280,13 @@ def _resource_rows(backend: str, res: dict) -> list[tuple[str, object]]:
 @spec_options()
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @user_errors
-def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, k_mean, arch,
+def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, k_mean, k_balance, arch,
             as_json):
     """Compile one spec and show its resources (CUDA: registers, shared memory, stack, spills,
     blocks/SM; HIP: VGPRs, SGPRs, LDS, scratch, spills, waves/SIMD) and its matrix and conversion
     instructions."""
     spec = make_spec(kind, fmt, head_dim, tile, warps, stages, bool(causal), backend, arch or _default_arch(backend), mma,
-                     decode_options(kind, page_size, scale, qk, k_mean))
+                     decode_options(kind, page_size, scale, qk, k_mean, k_balance))
     report = inspect_spec(spec)
     named_tile = tile is not None or warps is not None or stages is not None
     listed = None if named_tile or backend != "cuda" else registry.family_of(spec.recipe, kind).launch_tiles.get((spec.recipe, spec.head_dim, spec.arch))
@@ -374,13 +378,13 @@ def _first_error_line(exc: Exception) -> str:
 @click.option("--all", "every", is_flag=True,
               help="every supported combination of the formats with a kernel (options given narrow it)")
 @user_errors
-def compile_(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, k_mean, arch,
+def compile_(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, k_mean, k_balance, arch,
              every):
     """Compile a matrix of specs x archs into the kernel cache (no GPU needed); exit 1 if any fails."""
     from .engine.kernel import build_kernel
 
     specs = compile_matrix(kind, list(fmt), list(head_dim), tile, warps, stages, causal, backend, list(arch), every, mma,
-                           decode_options(kind, page_size, scale, qk, k_mean))
+                           decode_options(kind, page_size, scale, qk, k_mean, k_balance))
     regs, spills = ("regs", "spills (B)") if backend == "cuda" else ("VGPRs", "spilled regs")
     summary = _table(None, "spec", "status", "s", regs, "smem (B)", spills, right=("s", regs, "smem (B)", spills))
     failed, start = [], time.perf_counter()
@@ -480,9 +484,12 @@ def _verdict(record: dict) -> str:
 @click.option("--k-mean", type=click.Choice(("off", "page")),
               help="decode: page means of an 8-bit K (K - μ_page stored, q·μ_page added back; the cache written as "
                    "a prompt, then pieces) [default: off]")
+@click.option("--k-balance/--no-k-balance", "k_balance", default=None,
+              help="decode: Q/K channel balancing of an 8-bit K, α calibrated from the first write (K / α stored, "
+                   "q·α at the Q load) [default: off]")
 @user_errors
 def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, json_path, seed, time_it, kind, page_size,
-           scale, preset, qk_paths, k_bias, k_mean):
+           scale, preset, qk_paths, k_bias, k_mean, k_balance):
     """Check formats against FP64 on fresh random inputs and time their kernels; exit 1 if any
     check fails its format's tolerance. With --kind decode, each format's paged decode against FP64
     on the dequantized cache (its tolerance) and on the original K/V (format_rel_l2: the format's cost)."""
@@ -496,9 +503,10 @@ def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, j
             raise click.BadParameter("decode rows are always bottom-right causal among the new tokens",
                                      param_hint="'--causal'")
         options = {"page_size": int(page_size or 32), "scale": scale or "token", "preset": preset,
-                   "k_bias": bool(k_bias), "k_mean": k_mean or "off"}
-    elif page_size or scale or preset or qk_paths or k_bias is not None or k_mean is not None:
-        raise click.BadParameter("--page-size, --scale, --preset, --qk, --k-bias and --k-mean are decode options",
+                   "k_bias": bool(k_bias), "k_mean": k_mean or "off", "k_balance": bool(k_balance)}
+    elif page_size or scale or preset or qk_paths or k_bias is not None or k_mean is not None or k_balance is not None:
+        raise click.BadParameter("--page-size, --scale, --preset, --qk, --k-bias, --k-mean and --k-balance are decode "
+                                 "options",
                                  param_hint="'--kind'")
     runs = _qk_runs(formats, qk_paths) if kind == "decode" else [(formats, {})]
     gpu = device_arch() is not None
@@ -521,7 +529,8 @@ def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, j
     if kind == "decode":
         title = (f"decode parity vs FP64: batch {batch}, heads {heads}/{kv}, D {head_dim}, page {options['page_size']}, "
                  f"{options['scale']} scales, {preset or 'N(0,1)'} K/V{', pre-bias residual K' if k_bias else ''}"
-                 f"{', page means of K' if options['k_mean'] == 'page' else ''}")
+                 f"{', page means of K' if options['k_mean'] == 'page' else ''}"
+                 f"{', balanced K channels' if options['k_balance'] else ''}")
         speed = ("GB/s", "gbs", ".0f")
         extra = ("format rel_l2",)
     else:

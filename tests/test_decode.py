@@ -34,10 +34,11 @@ def test_formats_live_in_their_own_kind():
 
 def test_spec_options_name_and_validate():
     spec = KernelSpec(kind="decode", recipe="e4m3-e4m3", head_dim=128, arch="sm_90a", options={"page_size": 16})
-    assert spec.options == (("page_size", 16), ("scale_mode", "token"), ("k_mean", "off"), ("qk", "transform"))
+    assert spec.options == (("page_size", 16), ("scale_mode", "token"), ("k_mean", "off"), ("k_balance", "off"),
+                            ("qk", "transform"))
     assert spec.name == "decode_e4m3-e4m3_d128_m8n64w4s2_p16_token_transform_sm90a"  # "off" stays out of the name
     assert spec.family.values["page_size"] == 16 and spec.as_dict()["options"] == {
-        "page_size": 16, "scale_mode": "token", "k_mean": "off", "qk": "transform"}
+        "page_size": 16, "scale_mode": "token", "k_mean": "off", "k_balance": "off", "qk": "transform"}
     paged = spec.with_(options={"page_size": 16, "k_mean": "page"})
     assert paged.name == "decode_e4m3-e4m3_d128_m8n64w4s2_p16_token_kmean-page_transform_sm90a"
     # a 16-bit K has no QK paths; an 8-bit K has its own 8-bit MMA path only
@@ -516,7 +517,7 @@ def test_page_mean_kernels_compile_without_spills(fmt, archs):
 def test_page_means_refused_on_hip():
     with pytest.raises(ValueError, match="^k_mean: the HIP decode kernel and writer keep no page means"):
         KernelSpec(kind="decode", recipe="i8-i8", backend="hip", arch="gfx942", options={"k_mean": "page"})
-    assert KernelSpec(kind="decode", recipe="i8-i8", backend="hip", arch="gfx942").options[-2] == ("k_mean", "off")
+    assert dict(KernelSpec(kind="decode", recipe="i8-i8", backend="hip", arch="gfx942").options)["k_mean"] == "off"
 
 
 def test_cli_page_means(tmp_path):

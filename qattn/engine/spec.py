@@ -130,10 +130,13 @@ class KernelSpec:
 
 
 def _option_tag(name: str, value) -> str:
-    """An option in a spec name: page_size 32 -> p32, k_mean page -> kmean-page, other values as they
-    are (an option left "off" is left out, so that adding one renames no existing kernel)."""
+    """An option in a spec name: page_size 32 -> p32, k_mean page -> kmean-page, k_balance on -> kbal,
+    other values as they are (an option left "off" is left out, so that adding one renames no existing
+    kernel)."""
     if name == "page_size":
         return f"p{value}"
+    if name == "k_balance":
+        return "kbal"
     return f"kmean-{value}" if name == "k_mean" else str(value)
 
 

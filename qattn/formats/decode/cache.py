@@ -28,6 +28,18 @@ them into the snapshot the next write starts its pages with (all in the write's 
 cache's first write starts its pages with its own mean (computed from it by a few launches, once, as
 head scales are calibrated). A write that starts a page must hold that page's tokens in slot order (a
 slot mapping does); writing a page's offset 0 again restarts the page.
+
+Q/K channel balancing of an 8-bit K (``k_balance``): scale-type outlier channels (large, with a sign that
+varies by token, so no mean removes them) set each token's 8-bit scale and round the other channels away.
+With one α per (kv head, channel), q·k = Σ_c (q_c α_c)(k_c / α_c) exactly, so the writer stores
+(K - b - μ_page) x fl(1/α) (balanced after the bias and the page mean are taken off) and the decode kernel
+multiplies q by α at its load; q·b and q·μ_page take q as given. ``k_balance="calibrate"`` computes α from the
+first write (K - b, less the seeded page mean; a few launches, once): with m_c the channel's absmax and m̃
+the median over the head's channels, α_c = 2^round(log2 sqrt(m_c / m̃)) where that is at least 2, else 1.
+Powers of two make q·α (fp16/bf16) and K / α exact: balancing adds no rounding of its own. A given α
+(fp32 [kv_heads, head_dim], positive and finite) need not be a power of two; q·α is then rounded to the
+query's type. ``cache.k_balance`` is the α in use (a CuPy array; ones until a "calibrate" cache's first
+write).
 """
 from __future__ import annotations
 
@@ -40,7 +52,7 @@ from ...engine.arrays import as_device_array, launch_stream
 from ...engine.memory import capturing
 from ...engine.fragments import pv_key_slot
 from ...engine.packed import NULL, PackedLaunch, Pointer
-from .quant import QMAX, HostPagedCache
+from .quant import QMAX, HostPagedCache, balance_factors, balance_inverse, checked_balance
 from .quant import PageMeans, mean_record, mean_terms, mean_values
 from .recipes import EIGHT_BIT, FORMATS, HALF, HEAD_DIMS, K_MEANS, PAGE_SIZES, SCALE_MODES, resolve_qk
 
@@ -50,6 +62,15 @@ DTYPES = {"f16": "float16", "bf16": "bfloat16"}
 # Live caches by handle: an integer names a cache where an object cannot go (torch.ops.qattn.decode).
 _HANDLES = itertools.count(1)
 LIVE: "weakref.WeakValueDictionary[int, PagedKVCache]" = weakref.WeakValueDictionary()
+
+
+def _on_host(given):
+    """k_balance as checked_balance takes it: a string or None as given, an array (CuPy, torch, NumPy) on the host."""
+    if given is None or isinstance(given, str):
+        return given
+    import cupy
+
+    return cupy.asnumpy(cupy.asarray(given)) if hasattr(given, "__cuda_array_interface__") else np.asarray(given)
 
 
 def _positive(value, name: str) -> int:
@@ -64,7 +85,7 @@ class PagedKVCache:
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, *, k: str = "f16",
                  v: str = "f16", scale: str = "token", k_scale=None, v_scale=None, k_bias=None,
-                 k_mean: str = "off", device: int | None = None):
+                 k_mean: str = "off", k_balance=None, device: int | None = None):
         import cupy
 
         self.num_pages = _positive(num_pages, "num_pages")
@@ -93,6 +114,10 @@ class PagedKVCache:
         if k_mean != "off" and k not in EIGHT_BIT:
             raise ValueError(f"k_mean: page means are for an 8-bit K ({' or '.join(EIGHT_BIT)}); the {k} K is stored "
                              "as given")
+        if k_balance is not None and k not in EIGHT_BIT:
+            raise ValueError(f"k_balance: channel balancing is for an 8-bit K ({' or '.join(EIGHT_BIT)}); the {k} K "
+                             "is stored as given")
+        balance = checked_balance(_on_host(k_balance), kv_heads, head_dim)
         self.page_size, self.head_dim, self.scale, self.k_mean = int(page_size), int(head_dim), scale, k_mean
         self.k_dtype, self.v_dtype = k, v
         with cupy.cuda.Device(device if device is not None else cupy.cuda.Device().id) as dev:
@@ -104,6 +129,11 @@ class PagedKVCache:
             self.k_scale = self._scale_buffer(k, k_scale, "k_scale")
             self.v_scale = self._scale_buffer(v, v_scale, "v_scale")
             self.k_bias = self._bias_buffer(k_bias)
+            if balance is None:
+                self.k_balance = self._k_unbalance = None
+            else:  # α and fl(1/α); ones until a "calibrate" cache's first write
+                alpha = np.ones((self.kv_heads, self.head_dim), np.float32) if isinstance(balance, str) else balance
+                self.k_balance, self._k_unbalance = cupy.asarray(alpha), cupy.asarray(balance_inverse(alpha))
             if k_mean == "page":  # the records (the last: the running mean's snapshot), the sums and the ticket
                 self.mean_codes = cupy.zeros((self.num_pages + 1, self.kv_heads, self.head_dim), dtype=cupy.int8)
                 self.mean_scale = cupy.zeros((self.num_pages + 1, self.kv_heads), dtype=cupy.float32)
@@ -111,6 +141,7 @@ class PagedKVCache:
             else:
                 self.mean_codes = self.mean_scale = self.mean_sums = None
         self._mean_seeded = k_mean == "off"
+        self._balanced = not isinstance(balance, str)
         # head scales left to the first write (token scales are the writer's, per token)
         self._calibrated = {name: scale != "head" or given is not None or side in HALF
                             for name, side, given in (("k", k, k_scale), ("v", v, v_scale))}
@@ -158,6 +189,7 @@ class PagedKVCache:
         path = resolve_qk(self.format, arch, qk)
         if self.k_dtype in EIGHT_BIT:
             options["qk"], options["k_mean"] = path, self.k_mean
+            options["k_balance"] = "off" if self.k_balance is None else "on"
         return KernelSpec(kind="decode", recipe=self.format, head_dim=self.head_dim, arch=arch, options=options,
                           **({"tile": tile} if tile is not None else {}))
 
@@ -177,7 +209,8 @@ class PagedKVCache:
         """Quantize and scatter new tokens k, v [T, kv_heads, head_dim] (fp16 or bf16, any token and
         head strides, channels contiguous) into slots [T] (int32 or int64, on the same GPU), in one
         launch on the caller's stream (torch's current stream for torch tensors). With head scales
-        not given, the first write also computes them from its k and v (a few more launches, once)."""
+        not given (or k_balance="calibrate"), the first write also computes them from its k and v (a few
+        more launches, once)."""
         example = k
         k, v, slots = as_device_array(k, "k"), as_device_array(v, "v"), as_device_array(slots, "slots")
         for x, name in ((k, "k"), (v, "v")):
@@ -203,11 +236,12 @@ class PagedKVCache:
         if tokens == 0:
             return
         stream_ptr = launch_stream(stream, example)
-        if not (all(self._calibrated.values()) and self._mean_seeded) and capturing(stream_ptr):
-            raise ValueError("k: the first write of a cache without given head scales calibrates them (and with page "
-                             "means seeds the mean), which a CUDA graph capture cannot hold; write once before the "
-                             "capture (or give k_scale=, v_scale=)")
+        if not (all(self._calibrated.values()) and self._mean_seeded and self._balanced) and capturing(stream_ptr):
+            raise ValueError("k: the first write of a cache without given head scales calibrates them (with page "
+                             "means seeds the mean, with k_balance='calibrate' computes α), which a CUDA graph capture "
+                             "cannot hold; write once before the capture (or give k_scale=, v_scale=, k_balance=α)")
         self._seed_mean(k, slots)
+        self._calibrate_balance(k, slots)
         self._calibrate(k, v)
         key = (k.dtype.name, slots.dtype.name, k.strides, v.strides, tokens)
         launch = self._launches.get(key)
@@ -217,7 +251,7 @@ class PagedKVCache:
         pointers = {"k": k.data.ptr, "v": v.data.ptr, "slots": slots.data.ptr, "kp": self.k_pool.data.ptr,
                     "vp": self.v_pool.data.ptr, "ks": 0 if self.k_scale is None else self.k_scale.data.ptr,
                     "vs": 0 if self.v_scale is None else self.v_scale.data.ptr,
-                    "kb": 0 if self.k_bias is None else self.k_bias.data.ptr, **self.mean_pointers()}
+                    **self.k_term_pointers()}
         launch(pointers, stream_ptr)
 
     def _write_launch(self, k, v, slots, tokens: int) -> PackedLaunch:
@@ -227,7 +261,8 @@ class PagedKVCache:
         args = (Pointer("k"), Pointer("v"), Pointer("slots"), Pointer("kp"), Pointer("vp"),
                 Pointer("ks") if not head else Pointer(None), Pointer("vs") if not head else Pointer(None),
                 Pointer("ks") if head else Pointer(None), Pointer("vs") if head else Pointer(None), Pointer("kb"),
-                *self._mean_args(), np.int64(k.strides[0] // 2), np.int64(k.strides[1] // 2), np.int64(v.strides[0] // 2),
+                *self._mean_args(), *((Pointer("kr"),) if self.k_balance is not None else ()),
+                np.int64(k.strides[0] // 2), np.int64(k.strides[1] // 2), np.int64(v.strides[0] // 2),
                 np.int64(v.strides[1] // 2), np.int32(tokens), np.int32(self.kv_heads))
         return PackedLaunch(kernel.function(suffix), (-(-tokens // WRITE_TOKENS), self.kv_heads, 1), 32 * WRITE_WARPS, 0,
                             args)
@@ -240,9 +275,11 @@ class PagedKVCache:
         return (Pointer("msum"), Pointer("mc"), Pointer("ms"), Pointer("mc", records * self.head_dim),
                 Pointer("ms", records * 4))
 
-    def mean_pointers(self) -> dict:
-        """The page means' device pointers by launch name (zeros without them)."""
-        buffers = {"msum": self.mean_sums, "mc": self.mean_codes, "ms": self.mean_scale}
+    def k_term_pointers(self) -> dict:
+        """The device pointers of K's exact terms by launch name (zeros where off): the bias, the page means
+        (sums, codes, scales), α and fl(1/α)."""
+        buffers = {"kb": self.k_bias, "msum": self.mean_sums, "mc": self.mean_codes, "ms": self.mean_scale,
+                   "ka": self.k_balance, "kr": self._k_unbalance}
         return {name: 0 if x is None else x.data.ptr for name, x in buffers.items()}
 
     def _residual(self, k):
@@ -263,6 +300,21 @@ class PagedKVCache:
         self.mean_codes[-1], self.mean_scale[-1] = mean_record(sums, keep.sum(axis=0), cupy)
         self._mean_seeded = True
 
+    def _calibrate_balance(self, k, slots) -> None:
+        """k_balance="calibrate": α from the first write's stored rows of K - b (less the seeded mean with
+        page means), as quant.balance_factors computes it."""
+        import cupy
+
+        if self._balanced:
+            return
+        x = self._residual(k)
+        if self.k_mean != "off":
+            x = x - mean_values(self.mean_codes[-1], self.mean_scale[-1], cupy)[None]
+        alpha = balance_factors(cupy.where((slots >= 0)[:, None, None], x, cupy.float32(0)), cupy)
+        self.k_balance[...] = alpha
+        self._k_unbalance[...] = balance_inverse(alpha, cupy)
+        self._balanced = True
+
     def _calibrate(self, k, v) -> None:
         """Head scales not given: max|x| / QMAX over the first write's tokens and channels (of K - b
         with a bias, less the seeded mean with page means: about what is stored)."""
@@ -274,6 +326,8 @@ class PagedKVCache:
             x = self._residual(x) if name == "k" else x.astype(cupy.float32)
             if name == "k" and self.k_mean != "off":
                 x = x - mean_values(self.mean_codes[-1], self.mean_scale[-1], cupy)[None]
+            if name == "k" and self.k_balance is not None:
+                x = x * self._k_unbalance[None]
             absmax = cupy.abs(x).max(axis=(0, 2))
             scale = (absmax / np.float32(QMAX[side])).astype(cupy.float32)
             getattr(self, f"{name}_scale")[...] = cupy.where(scale > 0, scale, cupy.float32(1))
@@ -309,4 +363,4 @@ class PagedKVCache:
                               sums[:, -1].copy(), self._mean_seeded)
         return HostPagedCache(self.format, self.page_size, values(self.k_pool, self.k_dtype, False),
                               values(self.v_pool, self.v_dtype, True), scales(self.k_scale), scales(self.v_scale),
-                              scales(self.k_bias), means)
+                              scales(self.k_bias), means, scales(self.k_balance))

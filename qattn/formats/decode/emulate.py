@@ -12,7 +12,9 @@ The 8-bit QK paths ("fp8", "int8") quantize each query row as the cache writer q
 (s_K · (s_q · τ·log2 e)). With a pre-bias residual K (k_bias b), S of the stored residual plus
 q·b (fp32, from the 16-bit query values) times τ·log2 e. With page means (k_mean), each key's score
 also gains q·(its page's mean codes) (fp32, from the 16-bit query values) times (the record's scale ·
-τ·log2 e), as the kernel adds it.
+τ·log2 e), as the kernel adds it. With K balanced (the cache's α), the QK product takes q·α: fl(q x α)
+in fp32 rounded to the query's type (transform path) or quantized (8-bit paths); q·b and q·μ_page take
+q as given.
 """
 from __future__ import annotations
 
@@ -98,10 +100,11 @@ def emulate(q, cache: HostPagedCache, block_table, seq_lens, *, splits: int = 1,
         for h in range(hkv):
             heads = q[b, h * group:(h + 1) * group].astype(half)  # [g, Lq, D]
             q16 = heads.reshape(group * lq, d)
+            balanced = q16 if cache.alpha is None else (q16.astype(F32) * cache.alpha[h]).astype(F32)
             if qk == "transform":
-                qv, row_scale = q16, np.full(group * lq, scale_log2, F32)
+                qv, row_scale = balanced.astype(half), np.full(group * lq, scale_log2, F32)
             else:
-                codes = quantize_tokens(q16.astype(F32), QK_CODE[qk])
+                codes = quantize_tokens(balanced.astype(F32), QK_CODE[qk])
                 qv, row_scale = codes.codes.astype(np.float64), (codes.scale * scale_log2).astype(F32)
             row_bias = np.zeros(group * lq, F32)
             if cache.k_bias is not None:

@@ -107,8 +107,9 @@ def _plan(kernel, cache: PagedKVCache, q, table, lens, out, scale, return_lse, s
     o_strides = (out.strides if out is not None else
                  tuple(int(np.prod(q.shape[i + 1:])) * 2 for i in range(4)))
     ws_rows = splits * b * hq * lq
+    balanced = (Pointer("ka"),) if cache.k_balance is not None else ()
     args = (Pointer("q"), Pointer("kp"), Pointer("vp"), Pointer("ks"), Pointer("vs"), Pointer("table"), Pointer("kb"),
-            Pointer("mc"), Pointer("ms"), Pointer("lens"), Pointer("out"), Pointer("lse") if return_lse and splits == 1 else NULL,
+            Pointer("mc"), Pointer("ms"), Pointer("lens"), *balanced, Pointer("out"), Pointer("lse") if return_lse and splits == 1 else NULL,
             Pointer("ws") if splits > 1 else NULL, Pointer("ws", ws_rows * d * 4) if splits > 1 else NULL,
             *(np.int64(s // 2) for s in q.strides[:3]), *(np.int64(s // 2) for s in o_strides[:3]),
             np.int32(b), np.int32(hq), np.int32(cache.kv_heads), np.int32(lq), np.int32(table.strides[0] // 4),
@@ -175,7 +176,7 @@ def decode(q, cache: PagedKVCache, block_table, seq_lens, *, qk: str = "auto", s
     pointers = {"q": q.data.ptr, "kp": cache.k_pool.data.ptr, "vp": cache.v_pool.data.ptr,
                 "ks": 0 if cache.k_scale is None else cache.k_scale.data.ptr,
                 "vs": 0 if cache.v_scale is None else cache.v_scale.data.ptr, "table": table.data.ptr,
-                "kb": 0 if cache.k_bias is None else cache.k_bias.data.ptr, **cache.mean_pointers(),
+                **cache.k_term_pointers(),
                 "lens": lens.data.ptr, "out": out_arr.data.ptr, "lse": 0 if lse_arr is None else lse_arr.data.ptr,
                 "ws": 0 if partials is None else partials.ptr}
     plan.decode(pointers, memory.stream_ptr)

@@ -44,10 +44,11 @@ def _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, preset, seed):
 def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, heads: int = 8, kv_heads: int = 8,
           head_dim: int = 128, page_size: int = 32, scale: str = "token", preset: str | None = None, seed: int = 0,
           time_it: bool = True, qk: str = "auto", arch: str | None = None, k_bias: bool = False,
-          k_mean: str = "off") -> dict:
+          k_mean: str = "off", k_balance: bool = False) -> dict:
     """One record (JSON-ready apart from non-finite floats) for fmt at ctx cached tokens per sequence,
     the last `queries` of them new (bottom-right causal among them). k_bias: a pre-bias residual K
-    cache, given the data's K bias (see _inputs); k_mean: "page" for page means (an 8-bit K)."""
+    cache, given the data's K bias (see _inputs); k_mean: "page" for page means (an 8-bit K); k_balance:
+    Q/K channel balancing of an 8-bit K, α calibrated from the first write."""
     if queries > ctx:
         raise ValueError(f"shape: {queries} new tokens need at least as many cached ones, got ctx {ctx}")
     if backend == "cuda" and arch is None:
@@ -57,6 +58,7 @@ def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, hea
     qk = resolve_qk(fmt, arch or "sm_90a", qk)
     q, k, v, bias = _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, preset, seed)
     bias = bias if k_bias else None
+    balance = "calibrate" if k_balance else None
     pages_per_seq = -(-ctx // page_size)
     rng = np.random.default_rng([seed, 1])
     table = rng.permutation(batch * pages_per_seq).reshape(batch, pages_per_seq).astype(np.int32)
@@ -66,10 +68,11 @@ def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, hea
     writes = [_write_tokens(x, ctx if k_mean == "off" else max(1, ctx // 4)) for x in (k, v, slots)]
     ms, kernel = None, None
     if backend == "cuda":
-        out, ms, kernel, host = _run_cuda(fmt, q, writes, table, lens, page_size, scale, time_it, qk, bias, k_mean)
+        out, ms, kernel, host = _run_cuda(fmt, q, writes, table, lens, page_size, scale, time_it, qk, bias, k_mean,
+                                          balance)
     else:
         host = HostPagedCache.empty(fmt, batch * pages_per_seq, page_size, kv_heads, head_dim, scale, k_bias=bias,
-                                    k_mean=k_mean)
+                                    k_mean=k_mean, k_balance=balance)
         for wk, wv, ws in zip(*writes):
             host.write(wk, wv, ws, scale=scale)
         out = emulate.emulate(q, host, table, lens, qk=qk)
@@ -85,7 +88,7 @@ def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, hea
         "kind": "decode", "format": fmt, "ctx": ctx, "queries": queries, "batch": batch, "heads": heads,
         "kv_heads": kv_heads, "head_dim": head_dim, "page_size": page_size, "scale": scale,
         "data": preset or "normal", "backend": backend, "kernel": kernel, "qk": qk, "k_bias": bias is not None,
-        "k_mean": k_mean,
+        "k_mean": k_mean, "k_balance": balance is not None,
         "input_dtype": recipe(fmt, "decode").input_dtypes[0], "seed": seed,
         "max_rel": err.max_rel, "rel_l2": err.rel_l2, "cos": err.cos, "nonfinite": err.nonfinite,
         "worst_index": list(err.worst_index), "failures": metrics.failures(out32, ref, tol.max_rel),
@@ -103,7 +106,7 @@ def _write_tokens(x, first: int) -> list:
     return [x[:, lo:hi].reshape(-1, *x.shape[2:]) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
 
 
-def _run_cuda(fmt, q, writes, table, lens, page_size, scale, time_it, qk, bias, k_mean):
+def _run_cuda(fmt, q, writes, table, lens, page_size, scale, time_it, qk, bias, k_mean, balance):
     import cupy
 
     from ...bench.timing import time_cuda
@@ -113,7 +116,7 @@ def _run_cuda(fmt, q, writes, table, lens, page_size, scale, time_it, qk, bias, 
     k_side, v_side = sides(fmt)
     kv_heads, head_dim = writes[0][0].shape[1:]
     cache = PagedKVCache(int(table.size), page_size, kv_heads, head_dim, k=k_side, v=v_side, scale=scale,
-                         k_bias=bias, k_mean=k_mean)
+                         k_bias=bias, k_mean=k_mean, k_balance=balance)
     for wk, wv, ws in zip(*writes):
         cache.write(cupy.asarray(wk), cupy.asarray(wv), cupy.asarray(ws))
     qd, td, ld = cupy.asarray(q), cupy.asarray(table), cupy.asarray(lens)

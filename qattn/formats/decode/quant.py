@@ -8,6 +8,11 @@ NaN code), so the token dequantizes to non-finite values, as the kernel reads it
 An 8-bit K may keep page means (k_mean "page", PageMeans): K - μ_page is stored, μ_page an int8 record
 (codes, one scale) per (page, kv head) fixed when the page is started, from a running mean kept in
 fixed point so that the GPU's atomics and this model sum to the same bits.
+
+An 8-bit K may be balanced per channel (k_balance): one α per (kv head, channel), and (K - b - μ_page)
+times fl(1/α) stored, so that a scale-type outlier channel no longer sets every token's scale; the
+decode kernel multiplies q by α (exact in real arithmetic: q·k = Σ (q_c α_c)(k_c / α_c)). Calibrated α
+(balance_factors) are powers of two, so both products are exact.
 """
 from __future__ import annotations
 
@@ -64,6 +69,43 @@ def quantize_tokens(x: np.ndarray, code: str, scale: np.ndarray | None = None) -
     else:  # fmax/fmin take the number over a NaN, as the kernel's fmaxf/fminf
         codes = np.rint(np.fmin(np.fmax(y, np.float32(-INT8_MAX)), np.float32(INT8_MAX))).astype(np.int8)
     return TokenCodes(codes, np.array(s, np.float32))
+
+
+BALANCE_MIN = 2.0  # a calibrated α below this is 1: the channel is left as it is
+
+
+def balance_factors(x, xp=np):
+    """α [H, D] from a calibration write's K residual x [T, H, D]: with m_c the column absmax of channel c
+    (non-finite values left out) and m̃ the median over the head's channels, α_c = 2^round(log2 sqrt(m_c / m̃))
+    where that is at least BALANCE_MIN, else 1 (powers of two: q·α and K / α add no rounding)."""
+    x = xp.asarray(x, xp.float32)
+    if x.shape[0] == 0:
+        return xp.ones(x.shape[1:], xp.float32)
+    absmax = xp.where(xp.isfinite(x), xp.abs(x), xp.float32(0)).max(axis=0).astype(xp.float64)
+    median = xp.median(absmax, axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = absmax / xp.where(median > 0, median, 1.0)
+        alpha = xp.exp2(xp.rint(0.5 * xp.log2(xp.where(ratio > 0, ratio, 1.0))))
+    return xp.where((median > 0) & (alpha >= BALANCE_MIN), alpha, 1.0).astype(xp.float32)
+
+
+def checked_balance(given, kv_heads: int, head_dim: int) -> np.ndarray:
+    """k_balance as given to a cache: None, "calibrate" (returned as they are) or α, positive finite values
+    [kv_heads, head_dim] (a host array, returned as fp32); else a ValueError naming k_balance."""
+    if given is None or (isinstance(given, str) and given == "calibrate"):
+        return given
+    alpha = None if isinstance(given, str) else np.asarray(given, np.float32)
+    if alpha is None or alpha.shape != (kv_heads, head_dim) or not np.all(np.isfinite(alpha) & (alpha > 0)):
+        got = repr(given) if alpha is None else f"shape {alpha.shape}" + (
+            "" if alpha.shape != (kv_heads, head_dim) else " with values not positive and finite")
+        raise ValueError(f"k_balance: expected None, 'calibrate' or positive finite values [kv_heads, head_dim] = "
+                         f"[{kv_heads}, {head_dim}], got {got}")
+    return alpha
+
+
+def balance_inverse(alpha, xp=np):
+    """fl(1/α) in fp32: what the writer multiplies K's residual by (exact for powers of two)."""
+    return (xp.float32(1) / xp.asarray(alpha, xp.float32)).astype(xp.float32)
 
 
 MEAN_UNIT, MEAN_CLAMP = 2.0 ** 16, 2.0 ** 24  # the running sums' fixed point (the writer's MEAN_UNIT, MEAN_CLAMP)
@@ -166,8 +208,9 @@ class HostPagedCache:
     holding each token's stored values (8-bit codes as their exact values, or the 16-bit values);
     k_scale, v_scale [pages, kv heads, page_size] (token scales), [kv heads] (head scales) or None (a
     16-bit side); k_bias [kv heads, D] fp32 or None (a pre-bias residual K stores K - b); k_mean, the
-    page means of an 8-bit K or None (K - b - μ_page stored). A token's value is stored value x scale
-    (+ k_bias + μ_page for K)."""
+    page means of an 8-bit K or None (K - b - μ_page stored); k_balance, an 8-bit K's α [kv heads, D]
+    fp32, "calibrate" (set by the first write) or None ((K - b - μ_page) x fl(1/α) stored). A token's
+    value is stored value x scale (x α + k_bias + μ_page for K)."""
 
     fmt: str
     page_size: int
@@ -177,10 +220,17 @@ class HostPagedCache:
     v_scale: np.ndarray | None
     k_bias: np.ndarray | None = None
     k_mean: PageMeans | None = None
+    k_balance: np.ndarray | str | None = None
+
+    @property
+    def alpha(self) -> np.ndarray | None:
+        """K's balancing α [kv heads, D] fp32, or None (no balancing, or "calibrate" before a write)."""
+        return self.k_balance if isinstance(self.k_balance, np.ndarray) else None
 
     @classmethod
     def empty(cls, fmt: str, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
-              scale: str = "token", k_scale=None, v_scale=None, k_bias=None, k_mean: str = "off") -> "HostPagedCache":
+              scale: str = "token", k_scale=None, v_scale=None, k_bias=None, k_mean: str = "off",
+              k_balance=None) -> "HostPagedCache":
         sides = fmt.split("-")
         shape = (num_pages, kv_heads, page_size, head_dim)
 
@@ -194,7 +244,8 @@ class HostPagedCache:
         return cls(fmt, page_size, np.zeros(shape, np.float32), np.zeros(shape, np.float32),
                    side_scale(sides[0], k_scale), side_scale(sides[1], v_scale),
                    None if k_bias is None else np.asarray(k_bias, np.float32).reshape(kv_heads, head_dim),
-                   PageMeans.empty(num_pages, kv_heads, head_dim) if k_mean == "page" else None)
+                   PageMeans.empty(num_pages, kv_heads, head_dim) if k_mean == "page" else None,
+                   checked_balance(k_balance, kv_heads, head_dim))
 
     def write(self, k: np.ndarray, v: np.ndarray, slots: np.ndarray, *, scale: str = "token") -> None:
         """Store new tokens k, v [T, kv heads, D] at slots [T] (page * page_size + offset; negative:
@@ -212,6 +263,11 @@ class HostPagedCache:
                     self.k_mean.seed(x, slots)
                 calibration = (calibration - self.k_mean.snapshot[None]).astype(np.float32)
                 x = (x - self.k_mean.write(x, slots, self.page_size)).astype(np.float32)
+            if name == "k" and self.k_balance is not None:
+                if isinstance(self.k_balance, str):
+                    self.k_balance = balance_factors(calibration)
+                inverse = balance_inverse(self.k_balance)[None]
+                calibration, x = ((y * inverse).astype(np.float32) for y in (calibration, x))
             x = x[keep]
             store = getattr(self, name)
             if code not in QMAX:  # rounded to the 16-bit type, as the writer stores it
@@ -240,13 +296,15 @@ class HostPagedCache:
         return values, scale
 
     def dequantize(self, name: str, table_row: np.ndarray, length: int) -> np.ndarray:
-        """One sequence's side as float64 [kv heads, length, D]: stored value x scale (+ the K bias and
-        the page means), exactly."""
+        """One sequence's side as float64 [kv heads, length, D]: stored value x scale (for K: x α, + the K
+        bias and the page means), exactly."""
         values, scale = self.gather(name, table_row, length)
         values = values.astype(np.float64)
         if scale is not None:
             scale = np.asarray(scale, np.float64)
             values = values * (scale[:, :, None] if scale.ndim == 2 else scale[:, None, None])
+        if name == "k" and self.alpha is not None:
+            values = values * self.alpha[:, None, :].astype(np.float64)
         if name == "k" and self.k_bias is not None:
             values = values + self.k_bias[:, None, :].astype(np.float64)
         if name == "k" and self.k_mean is not None:

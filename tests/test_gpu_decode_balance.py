@@ -1,0 +1,193 @@
+"""Q/K channel balancing of an 8-bit K decode cache (k_balance) on the GPU: the writer's bytes and α
+against the host model, every balanced QK path against its emulator (rel_l2 1e-3) with and without a
+K bias and page means, a given (not power-of-two) α, and a balanced decode step in a CUDA graph."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import qattn
+from qattn.check import metrics
+from qattn.formats.decode import emulate as emu
+from qattn.formats.decode.quant import HostPagedCache
+from qattn.formats.decode.recipes import tolerance
+
+pytestmark = pytest.mark.gpu
+EMU_REL_L2 = 1e-3
+OUTLIERS = (3, 17, 40)  # scale-type outlier channels of the test K (50-200x an ordinary channel)
+
+
+def _dtype(fmt: str):
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16 if "bf16" in fmt else np.float16
+
+
+def _balanced(fmt, *, lens, kv_heads=2, head_dim=128, page_size=16, scale="token", k_bias=None, k_mean="off",
+              k_balance="calibrate", seed=0):
+    """A balanced GPU cache and its host model written alike with K holding scale-type outlier channels (and
+    the bias, if any, added): every sequence's prompt (its first quarter) in one write, then 64 tokens of each
+    sequence a write (pages shuffled); plus the table and the original K/V per sequence."""
+    import cupy
+
+    rng = np.random.default_rng(seed)
+    k_side, v_side = fmt.split("-")
+    max_pages = max(-(-int(n) // page_size) for n in lens) + 1
+    num_pages = len(lens) * max_pages + 3
+    options = dict(k_bias=k_bias, k_mean=k_mean, k_balance=k_balance)
+    cache = qattn.PagedKVCache(num_pages, page_size, kv_heads, head_dim, k=k_side, v=v_side, scale=scale, **options)
+    host = HostPagedCache.empty(fmt, num_pages, page_size, kv_heads, head_dim, scale, **options)
+    table = rng.permutation(num_pages)[:len(lens) * max_pages].reshape(len(lens), max_pages).astype(np.int32)
+    gain = np.ones(head_dim)
+    gain[list(OUTLIERS)] = np.array([50.0, 120.0, 200.0]) / 3
+    dtype = _dtype(fmt)
+    ks, vs, slots = [], [], []
+    for b, n in enumerate(lens):
+        bias = 0 if k_bias is None else np.asarray(k_bias)[None]
+        ks.append((rng.standard_normal((n, kv_heads, head_dim)) * gain + bias).astype(dtype))
+        vs.append(rng.standard_normal((n, kv_heads, head_dim)).astype(dtype))
+        slots.append((table[b, np.arange(n) // page_size] * page_size + np.arange(n) % page_size).astype(np.int32))
+    bounds = [[0, n // 4] + list(range(n // 4 + 64, n, 64)) + [n] for n in lens]
+    for w in range(max(len(b) for b in bounds) - 1):
+        live = [i for i, b in enumerate(bounds) if w + 1 < len(b)]
+        parts = [slice(bounds[i][w], bounds[i][w + 1]) for i in live]
+        k = np.concatenate([ks[i][p] for i, p in zip(live, parts)])
+        v = np.concatenate([vs[i][p] for i, p in zip(live, parts)])
+        s = np.concatenate([slots[i][p] for i, p in zip(live, parts)])
+        if len(s) == 0:
+            continue
+        cache.write(cupy.asarray(k), cupy.asarray(v), cupy.asarray(s))
+        host.write(k, v, s, scale=scale)
+    return (cache, host, table, np.asarray(lens, np.int32), [k.astype(np.float64).transpose(1, 0, 2) for k in ks],
+            [v.astype(np.float64).transpose(1, 0, 2) for v in vs])
+
+
+@pytest.mark.parametrize("fmt, scale, k_mean, biased", [("i8-i8", "token", "off", False), ("e4m3-e4m3", "token", "off", True),
+                                                        ("i8-f16", "head", "off", False), ("i8-i8", "token", "page", True),
+                                                        ("e4m3-bf16", "head", "page", False)])
+def test_balanced_writer_stores_what_the_host_model_stores(fmt, scale, k_mean, biased):
+    """The calibrated α (powers of two, > 1 on the outlier channels), the codes and the scales are the host
+    model's bit for bit."""
+    import cupy
+
+    bias = (np.random.default_rng(5).standard_normal((2, 64)) * 20).astype(np.float32) if biased else None
+    cache, host, *_ = _balanced(fmt, lens=[45, 300, 130], head_dim=64, scale=scale, k_bias=bias, k_mean=k_mean)
+    got = cache.host()
+    np.testing.assert_array_equal(cupy.asnumpy(cache.k_balance), host.alpha)
+    assert (host.alpha[:, list(OUTLIERS)] >= 4).all()
+    np.testing.assert_array_equal(got.alpha, host.alpha)
+    np.testing.assert_array_equal(got.k, host.k)
+    np.testing.assert_array_equal(got.v, host.v)
+    for side in ("k_scale", "v_scale"):
+        if getattr(host, side) is not None:
+            np.testing.assert_array_equal(getattr(got, side), getattr(host, side))
+
+
+@pytest.mark.parametrize("fmt, path", [("i8-i8", "transform"), ("i8-i8", "int8"), ("e4m3-e4m3", "transform"),
+                                       ("e4m3-e4m3", "fp8"), ("i8-f16", "int8"), ("e4m3-bf16", "transform"),
+                                       ("i8-bf16", "transform")])
+@pytest.mark.parametrize("head_dim, group, lq, page_size", [(128, 4, 1, 16), (64, 8, 2, 32), (128, 1, 5, 64),
+                                                            (256, 4, 3, 128)])
+@pytest.mark.parametrize("terms", ["alone", "bias+mean"])
+def test_balanced_decode_matches_emulator(fmt, path, head_dim, group, lq, page_size, terms):
+    """Balanced decode over tails (a sequence of 1 + lq keys, lengths off the page and step grid), one, three
+    and automatic splits, into NaN-poisoned outputs, alone or with a K bias and page means: within rel_l2 1e-3
+    of the emulator, its LSE too, and within the format's rel_l2 of FP64 on the cache."""
+    import cupy
+
+    bias = (np.random.default_rng(6).standard_normal((2, head_dim)) * 20).astype(np.float32) if terms != "alone" else None
+    cache, host, table, lens, *_ = _balanced(fmt, lens=[1 + lq, 777, 2100], head_dim=head_dim, page_size=page_size,
+                                             k_bias=bias, k_mean="page" if terms != "alone" else "off")
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((3, 2 * group, lq, head_dim)).astype(_dtype(fmt))
+    qd, td, ld = cupy.asarray(q), cupy.asarray(table), cupy.asarray(lens)
+    ref = emu.reference(q, host, table, lens)
+    for splits in (1, 3, None):
+        out = cupy.full(q.shape, np.nan, dtype=qd.dtype)
+        got, lse = qattn.decode(qd, cache, td, ld, splits=splits, out=out, return_lse=True, qk=path)
+        got = cupy.asnumpy(got).astype(np.float32)
+        assert not np.isnan(got).any(), "an output element was left unwritten"
+        used = splits if splits is not None else qattn.formats.decode.host.splits_for(cache, 3, 2 * group, lq,
+                                                                                       table.shape[1], qk=path)
+        want, want_lse = emu.emulate(q, host, table, lens, splits=used, return_lse=True, qk=path)
+        assert metrics.compare(got, want).rel_l2 <= EMU_REL_L2, (splits, metrics.compare(got, want))
+        np.testing.assert_allclose(cupy.asnumpy(lse), want_lse, rtol=2e-3, atol=2e-3)
+        if path == "transform":  # the 8-bit paths' Q rounding grows with q·α's outlier channels
+            assert metrics.compare(got, ref).rel_l2 <= tolerance(fmt, path).rel_l2, (splits, metrics.compare(got, ref))
+
+
+@pytest.mark.parametrize("fmt, path", [("i8-i8", "transform"), ("i8-i8", "int8"), ("e4m3-f16", "fp8")])
+def test_a_given_alpha_need_not_be_a_power_of_two(fmt, path):
+    """α given (3 on the outlier channels, 1.5 elsewhere on one head): the writer stores K x fl(1/α), the kernel
+    rounds q·α as the emulator does."""
+    import cupy
+
+    alpha = np.ones((2, 128), np.float32)
+    alpha[:, list(OUTLIERS)] = 3.0
+    alpha[1, ::7] = 1.5
+    cache, host, table, lens, *_ = _balanced(fmt, lens=[300, 901], k_balance=alpha)
+    np.testing.assert_array_equal(cache.host().k, host.k)
+    q = np.random.default_rng(2).standard_normal((2, 8, 2, 128)).astype(np.float16)
+    got = cupy.asnumpy(qattn.decode(cupy.asarray(q), cache, cupy.asarray(table), cupy.asarray(lens), splits=2, qk=path))
+    want = emu.emulate(q, host, table, lens, splits=2, qk=path)
+    assert metrics.compare(got.astype(np.float32), want).rel_l2 <= EMU_REL_L2
+
+
+def test_balancing_cuts_the_int8_error_on_the_gpu():
+    """The kernel on the balanced i8-i8 cache is several times closer to the original K/V than the unbalanced
+    cache's emulator (measured 4-6x by the emulators on the outlier presets)."""
+    import cupy
+
+    cache, host, table, lens, ks, vs = _balanced("i8-i8", lens=[700, 1500])
+    q = np.random.default_rng(3).standard_normal((2, 8, 1, 128)).astype(np.float16)
+    got = cupy.asnumpy(qattn.decode(cupy.asarray(q), cache, cupy.asarray(table), cupy.asarray(lens), qk="transform"))
+    plain, _, table_p, lens_p, *_ = _balanced("i8-i8", lens=[700, 1500], k_balance=None)
+    dense = emu.reference_dense(q, ks, vs)
+    plain_err = metrics.compare(emu.emulate(q, plain, table_p, lens_p), dense).rel_l2
+    assert metrics.compare(got.astype(np.float32), dense).rel_l2 < plain_err / 2
+
+
+def test_cuda_graph_capture_of_a_balanced_decode_step():
+    """The calibrating first write is refused under capture; after it, write + decode on a balanced cache
+    (with page means) captured once and replayed as tokens arrive: every replay equals a fresh call and the
+    emulator."""
+    import cupy
+
+    fmt, b, hkv, d = "i8-i8", 2, 2, 128
+    fresh_cache = qattn.PagedKVCache(4, 16, hkv, d, k="i8", v="i8", k_balance="calibrate")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    k_new, v_new = cupy.zeros((b, hkv, d), cupy.float16), cupy.zeros((b, hkv, d), cupy.float16)
+    slots = cupy.zeros(b, cupy.int32)
+    with stream:
+        stream.begin_capture()
+        try:
+            with pytest.raises(ValueError, match="k_balance='calibrate' computes α"):
+                fresh_cache.write(k_new, v_new, slots, stream=stream)
+        finally:
+            stream.end_capture()
+    cache, host, table, lens, *_ = _balanced(fmt, lens=[60, 95], kv_heads=hkv, head_dim=d, k_mean="page")
+    table_d, lens_d = cupy.asarray(table), cupy.asarray(lens + 1)
+    q, out = cupy.zeros((b, 8, 1, d), cupy.float16), cupy.zeros((b, 8, 1, d), cupy.float16)
+    qattn.decode(q, cache, table_d, lens_d, out=out, splits=1, qk="int8")  # builds, plans
+    with stream:
+        stream.begin_capture()
+        cache.write(k_new, v_new, slots, stream=stream)
+        qattn.decode(q, cache, table_d, lens_d, out=out, stream=stream, splits=1, qk="int8")
+        graph = stream.end_capture()
+    rng = np.random.default_rng(9)
+    for step in range(3):  # lengths 61..63 and 96..98: the second sequence starts a page at 96
+        n = lens + step
+        slot = (table[np.arange(b), n // 16] * 16 + n % 16).astype(np.int32)
+        kk = (rng.standard_normal((b, hkv, d)) * np.where(np.isin(np.arange(d), OUTLIERS), 60, 1)).astype(np.float16)
+        vv = rng.standard_normal((b, hkv, d)).astype(np.float16)
+        qq = rng.standard_normal((b, 8, 1, d)).astype(np.float16)
+        slots[...], k_new[...], v_new[...], q[...] = cupy.asarray(slot), cupy.asarray(kk), cupy.asarray(vv), cupy.asarray(qq)
+        lens_d[...] = cupy.asarray(n + 1)
+        graph.launch(stream)
+        stream.synchronize()
+        host.write(kk, vv, slot)
+        fresh = cupy.asnumpy(qattn.decode(q, cache, table_d, lens_d, splits=1, qk="int8"))
+        np.testing.assert_array_equal(cupy.asnumpy(out), fresh)
+        want = emu.emulate(qq, host, table, n + 1, qk="int8")
+        assert metrics.compare(fresh.astype(np.float32), want).rel_l2 <= EMU_REL_L2
+    np.testing.assert_array_equal(cache.host().k, host.k)
