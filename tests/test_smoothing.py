@@ -148,3 +148,22 @@ def test_smooth_k_takes_a_bool(rng):
         int8.quantize(q, k, v, format="i8-f8", smooth_k=0)
     with pytest.raises(ValueError, match="^smooth_k: format 'f16'"):  # the default format
         qattn.attention(q, k, v, smooth_k=True)
+
+
+def test_the_default_smoothing_balances_from_32k_keys_on_cuda():
+    assert i8quant.default_smoothing(i8quant.BALANCE_FROM_KEYS) == "mean+balance"
+    assert i8quant.default_smoothing(i8quant.BALANCE_FROM_KEYS - 1) == "mean"
+    assert i8quant.default_smoothing(1 << 20, backend="hip") == "mean"
+    assert i8quant.smoothing_option(default="mean+balance") == "mean+balance"
+    assert i8quant.smoothing_option(None, default="mean+balance") is None  # an explicit None stays
+
+
+@pytest.mark.parametrize("keys", [i8quant.BALANCE_FROM_KEYS - 64, i8quant.BALANCE_FROM_KEYS])
+def test_the_emulator_follows_the_default_rule(rng, keys):
+    x = data.preset("outliers_scale", ctx=keys, queries=16, heads=1, head_dim=64, seed=int(rng.integers(1 << 30)))
+    q, k, v = (x[n].astype(np.float16) for n in "qkv")
+    default = emulate.emulate("i8-f16", q, k, v)
+    want = "mean+balance" if keys >= i8quant.BALANCE_FROM_KEYS else "mean"
+    np.testing.assert_array_equal(default, emulate.emulate("i8-f16", q, k, v, smoothing=want))
+    other = "mean" if want == "mean+balance" else "mean+balance"
+    assert not np.array_equal(default, emulate.emulate("i8-f16", q, k, v, smoothing=other))  # the rule decides

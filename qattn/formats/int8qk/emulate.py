@@ -40,7 +40,7 @@ def _int8_qk(lay, q, k, scale, block_n, block_m, q_granularity, k_granularity, w
 def _int8_pv_tiles(pv_format):
     def build(lay, q, k, v, scale, block_n, *, block_m=128, q_granularity="block", k_granularity="block", warps=4,
               smoothing=quant.UNSET, alpha_rule=quant.DEFAULT_ALPHA_RULE, smooth_k=None):
-        smoothing = quant.smoothing_option(smoothing, smooth_k)
+        smoothing = quant.smoothing_option(smoothing, smooth_k, quant.default_smoothing(np.shape(k)[-2]))
         if alpha_rule not in quant.ALPHA_RULES:
             raise ValueError(f"alpha_rule: expected one of {quant.ALPHA_RULES}, got {alpha_rule!r}")
         scores, shift = _int8_qk(lay, q, k, scale, block_n, block_m, q_granularity, k_granularity, warps,

@@ -50,7 +50,7 @@ from .launch import tile_keys as _tile_keys
 from ...engine.packed import Pointer
 from ...check import quant
 from ...check.reference import check_shapes
-from .quant import UNSET, smoothing_option
+from .quant import UNSET, default_smoothing, smoothing_option
 
 # Rows per block of the HIP kernel that rounds bf16 V to fp16 rows (v_to_half_body).
 V_ROWS = 64
@@ -503,12 +503,13 @@ def _call_key(q, k, v, scale, return_lse, smoothing, out):
 def prefill_i8(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, lse=None,
                stream=None, smoothing=UNSET, smooth_k: bool | None = None, workspace=None):
     """The launcher of the int8-QK families (launch.LAUNCHERS["prefill_i8"]): quantize, then attend.
-    smoothing: "mean" (default), "mean+balance" or None, smooth_k its deprecated alias (see quantize).
+    smoothing: "mean", "mean+balance" or None, smooth_k its deprecated alias (see quantize); by default
+    "mean+balance" on CUDA from quant.BALANCE_FROM_KEYS keys on, "mean" below (quant.default_smoothing).
     On CUDA a call's launches are planned once per signature (shapes, strides, dtypes, options): a repeated call checks only
     its pointers' alignment and launches. The quantized operands are temporaries (memory.CallMemory:
     from workspace when given)."""
     return_lse = return_lse or lse is not None
-    smoothing = smoothing_option(smoothing, smooth_k)
+    smoothing = smoothing_option(smoothing, smooth_k, default_smoothing(_keys(k), kernel.spec.backend))
     if kernel.spec.backend != "cuda":
         example = q
         qkv = quantize(q, k, v, scale=scale, with_shift=return_lse, kernel=kernel, stream=stream, smoothing=smoothing)
@@ -518,6 +519,12 @@ def prefill_i8(kernel, q, k, v, *, scale: float | None = None, return_lse: bool 
                 (lse if lse is not None else like_input(result[1], example))
         return out if out is not None else like_input(result, example)
     return _whole_call(kernel, q, k, v, scale, return_lse, out, lse, stream, smoothing, workspace)
+
+
+def _keys(k) -> int:
+    """Lk of k [B, Hkv, Lk, D] (0 for a malformed k, which the call's checks then name)."""
+    shape = tuple(getattr(k, "shape", ()))
+    return int(shape[2]) if len(shape) == 4 else 0
 
 
 def _whole_call(kernel, q, k, v, scale, return_lse, out, lse, stream, smoothing, workspace):

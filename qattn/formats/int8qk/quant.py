@@ -31,6 +31,10 @@ GRANULARITIES = ("block", "warp", "thread")
 # also moves part of each K channel's range into Q (balance_factors), None quantizes K as given.
 SMOOTHINGS = ("mean", "mean+balance", None)
 DEFAULT_SMOOTHING = "mean"
+# An attention call's default from this many keys on (CUDA): balancing measured never worse on any
+# preset or the captured MiniLM tensors (ratio 1.00 where K has no outlier channel, 0.19-0.51 where it
+# has) and cost 0-3% of the call at 32K keys on the H200, 3-9% at 4K (BENCHMARKS.md).
+BALANCE_FROM_KEYS = 32768
 # How a channel's balancing factor α is taken: "sqrt" as computed; "pow2" rounded to a power of two
 # (then scaling by it is exact in floating point too); "outliers" as computed where it is at least 2 or
 # at most 1/2 and 1 elsewhere. The default: balancing every channel moves ordinary channels by
@@ -51,11 +55,17 @@ def smooth_k(k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return k.astype(dtype) - mean, mean
 
 
-def smoothing_option(smoothing=UNSET, smooth_k=None):
-    """The smoothing a call asks for (one of SMOOTHINGS). smooth_k is its deprecated alias: True
-    means "mean" and False None; giving both is an error."""
+def default_smoothing(keys: int, backend: str = "cuda") -> str:
+    """The smoothing of an attention call that names none: "mean+balance" on CUDA from
+    BALANCE_FROM_KEYS keys on, "mean" otherwise."""
+    return "mean+balance" if backend == "cuda" and keys >= BALANCE_FROM_KEYS else DEFAULT_SMOOTHING
+
+
+def smoothing_option(smoothing=UNSET, smooth_k=None, default: str = DEFAULT_SMOOTHING):
+    """The smoothing a call asks for (one of SMOOTHINGS), `default` where it gives none. smooth_k is
+    its deprecated alias: True means "mean" and False None; giving both is an error."""
     if smooth_k is None:
-        smoothing = DEFAULT_SMOOTHING if smoothing is UNSET else smoothing
+        smoothing = default if smoothing is UNSET else smoothing
         if smoothing not in SMOOTHINGS:
             raise ValueError(f"smoothing: expected 'mean', 'mean+balance' or None, got {smoothing!r}")
         return smoothing
