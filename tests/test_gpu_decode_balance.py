@@ -14,6 +14,16 @@ from qattn.formats.decode.recipes import tolerance
 
 pytestmark = pytest.mark.gpu
 EMU_REL_L2 = 1e-3
+# The fp8 path on sm_90a (e4m3 wgmma) on this K with 50-200x channels: 2.8-3.0e-3 from its emulator, balanced
+# or not (the transform path: 4e-6): Hopper's fp8 MMA accumulates the products of one instruction in
+# reduced precision, which the emulator's fp32 sums do not model (N(0,1) K stays within 1e-3).
+FP8_WGMMA_EMU_REL_L2 = 4e-3
+
+
+def _emu_rel_l2(path: str) -> float:
+    from qattn.engine.spec import device_arch
+
+    return FP8_WGMMA_EMU_REL_L2 if path == "fp8" and device_arch() == "sm_90a" else EMU_REL_L2
 OUTLIERS = (3, 17, 40)  # scale-type outlier channels of the test K (50-200x an ordinary channel)
 
 
@@ -110,7 +120,7 @@ def test_balanced_decode_matches_emulator(fmt, path, head_dim, group, lq, page_s
         used = splits if splits is not None else qattn.formats.decode.host.splits_for(cache, 3, 2 * group, lq,
                                                                                        table.shape[1], qk=path)
         want, want_lse = emu.emulate(q, host, table, lens, splits=used, return_lse=True, qk=path)
-        assert metrics.compare(got, want).rel_l2 <= EMU_REL_L2, (splits, metrics.compare(got, want))
+        assert metrics.compare(got, want).rel_l2 <= _emu_rel_l2(path), (splits, metrics.compare(got, want))
         np.testing.assert_allclose(cupy.asnumpy(lse), want_lse, rtol=2e-3, atol=2e-3)
         if path == "transform":  # the 8-bit paths' Q rounding grows with q·α's outlier channels
             assert metrics.compare(got, ref).rel_l2 <= tolerance(fmt, path).rel_l2, (splits, metrics.compare(got, ref))
@@ -130,7 +140,7 @@ def test_a_given_alpha_need_not_be_a_power_of_two(fmt, path):
     q = np.random.default_rng(2).standard_normal((2, 8, 2, 128)).astype(np.float16)
     got = cupy.asnumpy(qattn.decode(cupy.asarray(q), cache, cupy.asarray(table), cupy.asarray(lens), splits=2, qk=path))
     want = emu.emulate(q, host, table, lens, splits=2, qk=path)
-    assert metrics.compare(got.astype(np.float32), want).rel_l2 <= EMU_REL_L2
+    assert metrics.compare(got.astype(np.float32), want).rel_l2 <= _emu_rel_l2(path)
 
 
 def test_balancing_cuts_the_int8_error_on_the_gpu():
