@@ -9,12 +9,12 @@ from .engine.memory import Workspace
 from .engine.registry import RECIPES, recipe
 from .engine.spec import KernelSpec
 from .engine.tile import Tile
-from .formats.decode import PagedKVCache, decode
+from .formats.decode import PagedKVCache, RoPE, decode
 from .formats.kv8 import KVCacheInt8
 from .version import __version__
 
 __all__ = [
     "__version__", "attention", "build", "default_spec", "KernelSpec", "Tile", "RECIPES", "recipe",
-    "reference", "metrics", "CompileError", "KernelNotCached", "KVCacheInt8", "PagedKVCache", "decode",
-    "Workspace",
+    "reference", "metrics", "CompileError", "KernelNotCached", "KVCacheInt8", "PagedKVCache", "RoPE",
+    "decode", "Workspace",
 ]

@@ -49,17 +49,19 @@ DEFAULT_FORMAT = {"prefill": "f16", "decode": "f16-f16"}
 
 
 def decode_options(kind: str, page_size: int | None, scale: str | None, qk: str | None,
-                   k_mean: str | None = None, k_balance: bool | None = None) -> dict:
-    """The spec options of --page-size, --scale, --qk, --k-mean and --k-balance: decode kernels only."""
+                   k_mean: str | None = None, k_balance: bool | None = None, k_rope: str | None = None) -> dict:
+    """The spec options of --page-size, --scale, --qk, --k-mean, --k-balance and --k-rope: decode kernels only."""
     given = {name: value for name, value in (("--page-size", page_size), ("--scale", scale), ("--qk", qk),
-                                             ("--k-mean", k_mean), ("--k-balance", k_balance)) if value is not None}
+                                             ("--k-mean", k_mean), ("--k-balance", k_balance), ("--k-rope", k_rope))
+             if value is not None}
     if kind != "decode":
         if given:
             raise click.BadParameter(f"{kind} kernels take no {', '.join(given)}; they are decode options",
                                      param_hint=" / ".join(f"'{name}'" for name in given))
         return {}
     balance = None if k_balance is None else "on" if k_balance else "off"
-    options = {"page_size": page_size, "scale_mode": scale, "k_mean": k_mean, "k_balance": balance, "qk": qk or "auto"}
+    options = {"page_size": page_size, "scale_mode": scale, "k_mean": k_mean, "k_balance": balance, "k_rope": k_rope,
+               "qk": qk or "auto"}
     return {name: value for name, value in options.items() if value is not None}
 
 
@@ -132,6 +134,9 @@ def spec_options(repeatable: bool = False):
                      help="decode: an 8-bit K's page means (K - μ_page stored, q·μ_page added back) or off (default)"),
         click.option("--k-balance/--no-k-balance", "k_balance", default=None,
                      help="decode: Q/K channel balancing of an 8-bit K (K / α stored, q·α at the Q load) [default: off]"),
+        click.option("--k-rope", type=click.Choice(("off", "post")),
+                     help="decode: post-RoPE keys of an 8-bit K with a pre-RoPE bias (K - R_p b stored, q·R_p b added "
+                          "back per key) or off (default)"),
         click.option("--arch", "arch", multiple=repeatable, metavar="ARCH",
                      help=f"target, e.g. sm_90a or gfx942 (default: the current GPU's, else "
                           f"{FALLBACK_ARCH['cuda']} / {FALLBACK_ARCH['hip']}){many}"),
@@ -220,13 +225,13 @@ def list_():
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="write the source to FILE instead of printing it")
 @user_errors
-def gen(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, k_mean, k_balance, arch,
-        output):
+def gen(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, k_mean, k_balance, k_rope,
+        arch, output):
     """Print the rendered kernel source of one spec (KIND: prefill or decode)."""
     from .engine.render import render
 
     spec = make_spec(kind, fmt, head_dim, tile, warps, stages, bool(causal), backend, arch or _default_arch(backend), mma,
-                     decode_options(kind, page_size, scale, qk, k_mean, k_balance))
+                     decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope))
     source = render(spec)
     if output is None:
         click.echo(source, nl=False)
@@ -280,13 +285,14 @@ def _resource_rows(backend: str, res: dict) -> list[tuple[str, object]]:
 @spec_options()
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @user_errors
-def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, k_mean, k_balance, arch,
+def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, k_mean, k_balance, k_rope,
+            arch,
             as_json):
     """Compile one spec and show its resources (CUDA: registers, shared memory, stack, spills,
     blocks/SM; HIP: VGPRs, SGPRs, LDS, scratch, spills, waves/SIMD) and its matrix and conversion
     instructions."""
     spec = make_spec(kind, fmt, head_dim, tile, warps, stages, bool(causal), backend, arch or _default_arch(backend), mma,
-                     decode_options(kind, page_size, scale, qk, k_mean, k_balance))
+                     decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope))
     report = inspect_spec(spec)
     named_tile = tile is not None or warps is not None or stages is not None
     listed = None if named_tile or backend != "cuda" else registry.family_of(spec.recipe, kind).launch_tiles.get((spec.recipe, spec.head_dim, spec.arch))
@@ -378,13 +384,14 @@ def _first_error_line(exc: Exception) -> str:
 @click.option("--all", "every", is_flag=True,
               help="every supported combination of the formats with a kernel (options given narrow it)")
 @user_errors
-def compile_(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, k_mean, k_balance, arch,
+def compile_(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, k_mean, k_balance, k_rope,
+             arch,
              every):
     """Compile a matrix of specs x archs into the kernel cache (no GPU needed); exit 1 if any fails."""
     from .engine.kernel import build_kernel
 
     specs = compile_matrix(kind, list(fmt), list(head_dim), tile, warps, stages, causal, backend, list(arch), every, mma,
-                           decode_options(kind, page_size, scale, qk, k_mean, k_balance))
+                           decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope))
     regs, spills = ("regs", "spills (B)") if backend == "cuda" else ("VGPRs", "spilled regs")
     summary = _table(None, "spec", "status", "s", regs, "smem (B)", spills, right=("s", regs, "smem (B)", spills))
     failed, start = [], time.perf_counter()
@@ -487,9 +494,12 @@ def _verdict(record: dict) -> str:
 @click.option("--k-balance/--no-k-balance", "k_balance", default=None,
               help="decode: Q/K channel balancing of an 8-bit K, α calibrated from the first write (K / α stored, "
                    "q·α at the Q load) [default: off]")
+@click.option("--k-rope/--no-k-rope", "k_rope", default=None,
+              help="decode: post-RoPE keys with the data's pre-RoPE K bias (--preset bias_rope): K - R_p b stored, "
+                   "q·R_p b added back per key [default: off]")
 @user_errors
 def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, json_path, seed, time_it, kind, page_size,
-           scale, preset, qk_paths, k_bias, k_mean, k_balance):
+           scale, preset, qk_paths, k_bias, k_mean, k_balance, k_rope):
     """Check formats against FP64 on fresh random inputs and time their kernels; exit 1 if any
     check fails its format's tolerance. With --kind decode, each format's paged decode against FP64
     on the dequantized cache (its tolerance) and on the original K/V (format_rel_l2: the format's cost)."""
@@ -503,10 +513,11 @@ def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, j
             raise click.BadParameter("decode rows are always bottom-right causal among the new tokens",
                                      param_hint="'--causal'")
         options = {"page_size": int(page_size or 32), "scale": scale or "token", "preset": preset,
-                   "k_bias": bool(k_bias), "k_mean": k_mean or "off", "k_balance": bool(k_balance)}
-    elif page_size or scale or preset or qk_paths or k_bias is not None or k_mean is not None or k_balance is not None:
-        raise click.BadParameter("--page-size, --scale, --preset, --qk, --k-bias, --k-mean and --k-balance are decode "
-                                 "options",
+                   "k_bias": bool(k_bias), "k_mean": k_mean or "off", "k_balance": bool(k_balance),
+                   "k_rope": bool(k_rope)}
+    elif page_size or scale or preset or qk_paths or any(x is not None for x in (k_bias, k_mean, k_balance, k_rope)):
+        raise click.BadParameter("--page-size, --scale, --preset, --qk, --k-bias, --k-mean, --k-balance and --k-rope "
+                                 "are decode options",
                                  param_hint="'--kind'")
     runs = _qk_runs(formats, qk_paths) if kind == "decode" else [(formats, {})]
     gpu = device_arch() is not None
@@ -530,7 +541,8 @@ def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, j
         title = (f"decode parity vs FP64: batch {batch}, heads {heads}/{kv}, D {head_dim}, page {options['page_size']}, "
                  f"{options['scale']} scales, {preset or 'N(0,1)'} K/V{', pre-bias residual K' if k_bias else ''}"
                  f"{', page means of K' if options['k_mean'] == 'page' else ''}"
-                 f"{', balanced K channels' if options['k_balance'] else ''}")
+                 f"{', balanced K channels' if options['k_balance'] else ''}"
+                 f"{', post-RoPE residual K' if options['k_rope'] else ''}")
         speed = ("GB/s", "gbs", ".0f")
         extra = ("format rel_l2",)
     else:

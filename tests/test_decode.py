@@ -35,10 +35,11 @@ def test_formats_live_in_their_own_kind():
 def test_spec_options_name_and_validate():
     spec = KernelSpec(kind="decode", recipe="e4m3-e4m3", head_dim=128, arch="sm_90a", options={"page_size": 16})
     assert spec.options == (("page_size", 16), ("scale_mode", "token"), ("k_mean", "off"), ("k_balance", "off"),
-                            ("qk", "transform"))
+                            ("k_rope", "off"), ("qk", "transform"))
     assert spec.name == "decode_e4m3-e4m3_d128_m8n64w4s2_p16_token_transform_sm90a"  # "off" stays out of the name
     assert spec.family.values["page_size"] == 16 and spec.as_dict()["options"] == {
-        "page_size": 16, "scale_mode": "token", "k_mean": "off", "k_balance": "off", "qk": "transform"}
+        "page_size": 16, "scale_mode": "token", "k_mean": "off", "k_balance": "off", "k_rope": "off",
+        "qk": "transform"}
     paged = spec.with_(options={"page_size": 16, "k_mean": "page"})
     assert paged.name == "decode_e4m3-e4m3_d128_m8n64w4s2_p16_token_kmean-page_transform_sm90a"
     # a 16-bit K has no QK paths; an 8-bit K has its own 8-bit MMA path only

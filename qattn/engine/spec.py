@@ -130,14 +130,16 @@ class KernelSpec:
 
 
 def _option_tag(name: str, value) -> str:
-    """An option in a spec name: page_size 32 -> p32, k_mean page -> kmean-page, k_balance on -> kbal,
-    other values as they are (an option left "off" is left out, so that adding one renames no existing
+    """An option in a spec name: page_size 32 -> p32, k_mean page -> kmean-page, k_rope post -> krope-post,
+    k_balance on -> kbal, other values as they are (an option left "off" is left out, so that adding one renames no existing
     kernel)."""
     if name == "page_size":
         return f"p{value}"
     if name == "k_balance":
         return "kbal"
-    return f"kmean-{value}" if name == "k_mean" else str(value)
+    if name in ("k_mean", "k_rope"):
+        return f"{name.replace('_', '')}-{value}"
+    return str(value)
 
 
 def default_spec(format: str, head_dim: int, *, causal: bool = False, arch: str | None = None,

@@ -8,6 +8,7 @@ from .cache import PagedKVCache
 from .host import decode, launch, workspace_bytes
 from .parity import check
 from .recipes import LAUNCHER, RECIPES
+from .rope import RoPE
 
 FAMILY = registry.register(registry.FormatFamily(
     name="decode",
@@ -17,4 +18,4 @@ FAMILY = registry.register(registry.FormatFamily(
     parity=check,
 ))
 
-__all__ = ["FAMILY", "PagedKVCache", "decode", "workspace_bytes"]
+__all__ = ["FAMILY", "PagedKVCache", "RoPE", "decode", "workspace_bytes"]

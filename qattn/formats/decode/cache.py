@@ -40,6 +40,14 @@ Powers of two make q·α (fp16/bf16) and K / α exact: balancing adds no roundin
 (fp32 [kv_heads, head_dim], positive and finite) need not be a power of two; q·α is then rounded to the
 query's type. ``cache.k_balance`` is the α in use (a CuPy array; ones until a "calibrate" cache's first
 write).
+
+Post-RoPE keys with a pre-RoPE bias (``k_bias=b, rope=qattn.RoPE(...)``, an 8-bit K): models such as Qwen add a
+large K bias before RoPE, so the cached key k = R_p(k_pre) carries R_p b, which turns with the position p. The
+writer takes each token's position (``write(..., positions=)``: its index in its sequence) and stores
+k - R_p b; the decode kernel adds q·R_p b back per key, key j of a sequence at position j (its index in the
+sequence as the block table orders its pages): exact by construction, R_p being the map of decode.rope (fp32
+angles as HF computes them, fp16 cos/sin in a table of max_positions rows). The pre-RoPE layout (residual of
+k_pre stored, rotated on chip) is not built.
 """
 from __future__ import annotations
 
@@ -54,6 +62,7 @@ from ...engine.fragments import pv_key_slot
 from ...engine.packed import NULL, PackedLaunch, Pointer
 from .quant import QMAX, HostPagedCache, balance_factors, balance_inverse, checked_balance
 from .quant import PageMeans, mean_record, mean_terms, mean_values
+from .rope import RoPE, constant_bias
 from .recipes import EIGHT_BIT, FORMATS, HALF, HEAD_DIMS, K_MEANS, PAGE_SIZES, SCALE_MODES, resolve_qk
 
 WRITE_WARPS, WRITE_TOKENS = 8, 16  # the writer's block: 8 warps over 16 tokens of one kv head
@@ -85,7 +94,7 @@ class PagedKVCache:
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, *, k: str = "f16",
                  v: str = "f16", scale: str = "token", k_scale=None, v_scale=None, k_bias=None,
-                 k_mean: str = "off", k_balance=None, device: int | None = None):
+                 k_mean: str = "off", k_balance=None, rope: RoPE | None = None, device: int | None = None):
         import cupy
 
         self.num_pages = _positive(num_pages, "num_pages")
@@ -118,6 +127,15 @@ class PagedKVCache:
             raise ValueError(f"k_balance: channel balancing is for an 8-bit K ({' or '.join(EIGHT_BIT)}); the {k} K "
                              "is stored as given")
         balance = checked_balance(_on_host(k_balance), kv_heads, head_dim)
+        if rope is not None:
+            if not isinstance(rope, RoPE):
+                raise ValueError(f"rope: expected None or a qattn.RoPE, got {rope!r}")
+            if k_bias is None or k not in EIGHT_BIT:
+                raise ValueError(f"rope: the post-RoPE residual K is for an 8-bit K ({' or '.join(EIGHT_BIT)}) with a "
+                                 f"k_bias (the K bias added before RoPE); got k={k!r}, k_bias "
+                                 f"{'given' if k_bias is not None else 'None'}")
+            rope = rope.resolved(int(head_dim), self.num_pages * int(page_size))
+        self.rope = rope
         self.page_size, self.head_dim, self.scale, self.k_mean = int(page_size), int(head_dim), scale, k_mean
         self.k_dtype, self.v_dtype = k, v
         with cupy.cuda.Device(device if device is not None else cupy.cuda.Device().id) as dev:
@@ -129,6 +147,9 @@ class PagedKVCache:
             self.k_scale = self._scale_buffer(k, k_scale, "k_scale")
             self.v_scale = self._scale_buffer(v, v_scale, "v_scale")
             self.k_bias = self._bias_buffer(k_bias)
+            # what the kernel adds per row: b, or with RoPE b's non-rotary channels (R_p b comes per key)
+            self._row_bias = self.k_bias if rope is None else cupy.asarray(constant_bias(cupy.asnumpy(self.k_bias), rope))
+            self.rope_table = None if rope is None else cupy.asarray(rope.table())
             if balance is None:
                 self.k_balance = self._k_unbalance = None
             else:  # α and fl(1/α); ones until a "calibrate" cache's first write
@@ -190,6 +211,7 @@ class PagedKVCache:
         if self.k_dtype in EIGHT_BIT:
             options["qk"], options["k_mean"] = path, self.k_mean
             options["k_balance"] = "off" if self.k_balance is None else "on"
+            options["k_rope"] = "off" if self.rope is None else "post"
         return KernelSpec(kind="decode", recipe=self.format, head_dim=self.head_dim, arch=arch, options=options,
                           **({"tile": tile} if tile is not None else {}))
 
@@ -205,10 +227,11 @@ class PagedKVCache:
         return found
 
     # ---- writing ---------------------------------------------------------------------------------
-    def write(self, k, v, slots, *, stream=None) -> None:
+    def write(self, k, v, slots, *, positions=None, stream=None) -> None:
         """Quantize and scatter new tokens k, v [T, kv_heads, head_dim] (fp16 or bf16, any token and
         head strides, channels contiguous) into slots [T] (int32 or int64, on the same GPU), in one
-        launch on the caller's stream (torch's current stream for torch tensors). With head scales
+        launch on the caller's stream (torch's current stream for torch tensors); with rope, each token's
+        position [T] (its index in its sequence; the dtype of slots) as positions. With head scales
         not given (or k_balance="calibrate"), the first write also computes them from its k and v (a few
         more launches, once)."""
         example = k
@@ -232,6 +255,7 @@ class PagedKVCache:
             raise ValueError(f"slots: expected int32 or int64 [{k.shape[0]}], got {slots.dtype.name} {slots.shape}")
         if slots.data.device_id != self.device:
             raise ValueError(f"slots: on device {slots.data.device_id}, the cache on {self.device}")
+        positions = self._checked_positions(positions, slots)
         tokens = int(k.shape[0])
         if tokens == 0:
             return
@@ -251,8 +275,23 @@ class PagedKVCache:
         pointers = {"k": k.data.ptr, "v": v.data.ptr, "slots": slots.data.ptr, "kp": self.k_pool.data.ptr,
                     "vp": self.v_pool.data.ptr, "ks": 0 if self.k_scale is None else self.k_scale.data.ptr,
                     "vs": 0 if self.v_scale is None else self.v_scale.data.ptr,
-                    **self.k_term_pointers()}
+                    "pos": 0 if positions is None else positions.data.ptr, **self.k_term_pointers()}
         launch(pointers, stream_ptr)
+
+    def _checked_positions(self, positions, slots):
+        """positions as the writer reads them: given (with the slots' dtype and shape, on the cache's GPU) iff
+        the cache has RoPE."""
+        if self.rope is None:
+            if positions is not None:
+                raise ValueError("positions: only a cache with rope takes the tokens' positions")
+            return None
+        if positions is None:
+            raise ValueError("positions: a cache with rope needs each token's position (its index in its sequence)")
+        positions = as_device_array(positions, "positions")
+        if positions.shape != slots.shape or positions.dtype != slots.dtype or positions.data.device_id != self.device:
+            raise ValueError(f"positions: expected {slots.dtype.name} {slots.shape} on device {self.device} (as slots), "
+                             f"got {positions.dtype.name} {positions.shape} on device {positions.data.device_id}")
+        return positions
 
     def _write_launch(self, k, v, slots, tokens: int) -> PackedLaunch:
         kernel = self.kernel()
@@ -262,6 +301,7 @@ class PagedKVCache:
                 Pointer("ks") if not head else Pointer(None), Pointer("vs") if not head else Pointer(None),
                 Pointer("ks") if head else Pointer(None), Pointer("vs") if head else Pointer(None), Pointer("kb"),
                 *self._mean_args(), *((Pointer("kr"),) if self.k_balance is not None else ()),
+                *((Pointer("rt"), Pointer("pos"), *self._rope_ints()) if self.rope is not None else ()),
                 np.int64(k.strides[0] // 2), np.int64(k.strides[1] // 2), np.int64(v.strides[0] // 2),
                 np.int64(v.strides[1] // 2), np.int32(tokens), np.int32(self.kv_heads))
         return PackedLaunch(kernel.function(suffix), (-(-tokens // WRITE_TOKENS), self.kv_heads, 1), 32 * WRITE_WARPS, 0,
@@ -275,11 +315,21 @@ class PagedKVCache:
         return (Pointer("msum"), Pointer("mc"), Pointer("ms"), Pointer("mc", records * self.head_dim),
                 Pointer("ms", records * 4))
 
+    def _rope_ints(self) -> tuple:
+        return np.int32(self.rope.rotary_dim), np.int32(self.rope.gptj), np.int32(self.rope.max_positions)
+
+    def decode_term_args(self) -> tuple:
+        """The decode kernel's arguments after seq_lens for its options: α (k_balance), the RoPE table, b and
+        the RoPE ints (k_rope)."""
+        balance = (Pointer("ka"),) if self.k_balance is not None else ()
+        return balance + ((Pointer("rt"), Pointer("kb"), *self._rope_ints()) if self.rope is not None else ())
+
     def k_term_pointers(self) -> dict:
-        """The device pointers of K's exact terms by launch name (zeros where off): the bias, the page means
-        (sums, codes, scales), α and fl(1/α)."""
-        buffers = {"kb": self.k_bias, "msum": self.mean_sums, "mc": self.mean_codes, "ms": self.mean_scale,
-                   "ka": self.k_balance, "kr": self._k_unbalance}
+        """The device pointers of K's exact terms by launch name (zeros where off): the bias (kb, the writer's
+        and the RoPE term's; kbq, what the kernel adds per row), the page means (sums, codes, scales), α and
+        fl(1/α), the RoPE table."""
+        buffers = {"kb": self.k_bias, "kbq": self._row_bias, "msum": self.mean_sums, "mc": self.mean_codes,
+                   "ms": self.mean_scale, "ka": self.k_balance, "kr": self._k_unbalance, "rt": self.rope_table}
         return {name: 0 if x is None else x.data.ptr for name, x in buffers.items()}
 
     def _residual(self, k):
@@ -363,4 +413,5 @@ class PagedKVCache:
                               sums[:, -1].copy(), self._mean_seeded)
         return HostPagedCache(self.format, self.page_size, values(self.k_pool, self.k_dtype, False),
                               values(self.v_pool, self.v_dtype, True), scales(self.k_scale), scales(self.v_scale),
-                              scales(self.k_bias), means, scales(self.k_balance))
+                              scales(self.k_bias), means, scales(self.k_balance), self.rope,
+                              None if self.rope is None else cupy.asnumpy(self.rope_table))

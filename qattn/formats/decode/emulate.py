@@ -14,7 +14,9 @@ q·b (fp32, from the 16-bit query values) times τ·log2 e. With page means (k_m
 also gains q·(its page's mean codes) (fp32, from the 16-bit query values) times (the record's scale ·
 τ·log2 e), as the kernel adds it. With K balanced (the cache's α), the QK product takes q·α: fl(q x α)
 in fp32 rounded to the query's type (transform path) or quantized (8-bit paths); q·b and q·μ_page take
-q as given.
+q as given. With RoPE (post-RoPE keys: the cache holds K - R_p b), q·b of the non-rotary channels is the
+row's constant and each key gains its table row p dotted with rope.score_terms (fp16 hi + lo parts of
+the per-pair u_i, w_i), as the kernel's fp16 MMA sums it.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from ...check.quant import LOG2E
 from ...check.reference import attention as reference_attention
 from ...engine.arrays import numpy_dtype
 from .quant import HostPagedCache, quantize_tokens
+from .rope import constant_bias, score_terms
 from .recipes import QK_CODE
 
 F32 = np.float32
@@ -47,8 +50,8 @@ def _merge(states):
 def _warp_state(qv, row_scale, row_bias, key_bias, k, ks, v, vs, groups, limits, half):
     """One warp's online softmax over its key groups: qv [R, D] (the query values or codes the QK
     product takes), row_scale [R] (τ·log2 e, times s_q on the 8-bit paths), row_bias [R] (q·b·τ·log2 e,
-    or zeros), key_bias [R, L] (q·μ_page·τ·log2 e per key) or None, k, v [L, D] stored values, ks, vs
-    [L] per-key scales (token) or scalars; returns (m, l, acc)."""
+    or zeros), key_bias [R, L] (q·μ_page·τ·log2 e and q·R_p b·τ·log2 e per key, or zeros), k, v [L, D]
+    stored values, ks, vs [L] per-key scales (token) or scalars; returns (m, l, acc)."""
     rows, d = qv.shape
     m = np.full(rows, -np.inf, F32)
     l = np.zeros(rows, F32)
@@ -58,8 +61,7 @@ def _warp_state(qv, row_scale, row_bias, key_bias, k, ks, v, vs, groups, limits,
         raw = (qv.astype(np.float64) @ k[j0:j1].astype(np.float64).T).astype(F32)
         kscale = np.broadcast_to(np.asarray(ks, F32)[j0:j1] if np.ndim(ks) else F32(ks), (j1 - j0))
         x = ((raw * (kscale[None, :] * row_scale[:, None]).astype(F32)).astype(F32) + row_bias[:, None]).astype(F32)
-        if key_bias is not None:
-            x = (x + key_bias[:, j0:j1]).astype(F32)
+        x = (x + key_bias[:, j0:j1]).astype(F32)
         x = np.where(keys[None, :] > limits[:, None], F32(-np.inf), x)
         m_new = np.maximum(m, x.max(axis=1))
         shift = np.where(m_new == -np.inf, F32(0), m_new)
@@ -108,13 +110,18 @@ def emulate(q, cache: HostPagedCache, block_table, seq_lens, *, splits: int = 1,
                 qv, row_scale = codes.codes.astype(np.float64), (codes.scale * scale_log2).astype(F32)
             row_bias = np.zeros(group * lq, F32)
             if cache.k_bias is not None:
-                qb = (q16.astype(np.float64) @ cache.k_bias[h].astype(np.float64)).astype(F32)
+                row_b = cache.k_bias[h] if cache.rope is None else constant_bias(cache.k_bias[h], cache.rope)
+                qb = (q16.astype(np.float64) @ row_b.astype(np.float64)).astype(F32)
                 row_bias = (qb * scale_log2).astype(F32)
-            key_bias = None
+            key_bias = np.zeros((group * lq, length), F32)
             if cache.k_mean is not None:
                 codes, mean_scale = cache.k_mean.gather(table[b], length, cache.page_size)
                 qm = (q16.astype(np.float64) @ codes[h].astype(np.float64).T).astype(F32)
                 key_bias = (qm * (mean_scale[h] * scale_log2).astype(F32)[None, :]).astype(F32)
+            if cache.rope is not None:
+                rows = cache.rope_table[np.minimum(np.arange(length), cache.rope.max_positions - 1)].astype(np.float64)
+                terms = score_terms(q16.astype(F32), cache.k_bias[h], cache.rope, scale_log2)
+                key_bias = (key_bias + (terms @ rows.T).astype(F32)).astype(F32)
             limits = np.tile(length - lq + np.arange(lq), group)
             ks = 1.0 if k_scale is None else k_scale[h]  # [L] token scales, or the head's one
             vs = 1.0 if v_scale is None or v_scale.ndim == 1 else v_scale[h]

@@ -107,9 +107,8 @@ def _plan(kernel, cache: PagedKVCache, q, table, lens, out, scale, return_lse, s
     o_strides = (out.strides if out is not None else
                  tuple(int(np.prod(q.shape[i + 1:])) * 2 for i in range(4)))
     ws_rows = splits * b * hq * lq
-    balanced = (Pointer("ka"),) if cache.k_balance is not None else ()
-    args = (Pointer("q"), Pointer("kp"), Pointer("vp"), Pointer("ks"), Pointer("vs"), Pointer("table"), Pointer("kb"),
-            Pointer("mc"), Pointer("ms"), Pointer("lens"), *balanced, Pointer("out"), Pointer("lse") if return_lse and splits == 1 else NULL,
+    args = (Pointer("q"), Pointer("kp"), Pointer("vp"), Pointer("ks"), Pointer("vs"), Pointer("table"), Pointer("kbq"),
+            Pointer("mc"), Pointer("ms"), Pointer("lens"), *cache.decode_term_args(), Pointer("out"), Pointer("lse") if return_lse and splits == 1 else NULL,
             Pointer("ws") if splits > 1 else NULL, Pointer("ws", ws_rows * d * 4) if splits > 1 else NULL,
             *(np.int64(s // 2) for s in q.strides[:3]), *(np.int64(s // 2) for s in o_strides[:3]),
             np.int32(b), np.int32(hq), np.int32(cache.kv_heads), np.int32(lq), np.int32(table.strides[0] // 4),

@@ -13,6 +13,9 @@ An 8-bit K may be balanced per channel (k_balance): one α per (kv head, channel
 times fl(1/α) stored, so that a scale-type outlier channel no longer sets every token's scale; the
 decode kernel multiplies q by α (exact in real arithmetic: q·k = Σ (q_c α_c)(k_c / α_c)). Calibrated α
 (balance_factors) are powers of two, so both products are exact.
+
+With RoPE (a post-RoPE pre-bias residual K, rope.py) the bias part of a key at position p is R_p b:
+K - R_p b is stored, R_p b as the writer computes it in fp32 (rope.rotated_bias).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import numpy as np
 
 from ...check.quant import E4M3, E4M3_MAX, INT8_MAX, to_e4m3
 from ...engine.arrays import numpy_dtype
+from .rope import RoPE, rotated_bias, rotated_bias_exact
 
 QMAX = {"e4m3": E4M3_MAX, "i8": float(INT8_MAX)}
 CODE_DTYPES = {"e4m3": E4M3, "i8": np.int8}
@@ -209,8 +213,9 @@ class HostPagedCache:
     k_scale, v_scale [pages, kv heads, page_size] (token scales), [kv heads] (head scales) or None (a
     16-bit side); k_bias [kv heads, D] fp32 or None (a pre-bias residual K stores K - b); k_mean, the
     page means of an 8-bit K or None (K - b - μ_page stored); k_balance, an 8-bit K's α [kv heads, D]
-    fp32, "calibrate" (set by the first write) or None ((K - b - μ_page) x fl(1/α) stored). A token's
-    value is stored value x scale (x α + k_bias + μ_page for K)."""
+    fp32, "calibrate" (set by the first write) or None ((K - b - μ_page) x fl(1/α) stored); rope, the
+    resolved RoPE of post-RoPE keys with its fp16 table, or None (K - R_p b stored, p the token's position).
+    A token's value is stored value x scale (x α + k_bias (R_p k_bias with rope) + μ_page for K)."""
 
     fmt: str
     page_size: int
@@ -221,6 +226,8 @@ class HostPagedCache:
     k_bias: np.ndarray | None = None
     k_mean: PageMeans | None = None
     k_balance: np.ndarray | str | None = None
+    rope: RoPE | None = None
+    rope_table: np.ndarray | None = None
 
     @property
     def alpha(self) -> np.ndarray | None:
@@ -230,7 +237,7 @@ class HostPagedCache:
     @classmethod
     def empty(cls, fmt: str, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
               scale: str = "token", k_scale=None, v_scale=None, k_bias=None, k_mean: str = "off",
-              k_balance=None) -> "HostPagedCache":
+              k_balance=None, rope: RoPE | None = None) -> "HostPagedCache":
         sides = fmt.split("-")
         shape = (num_pages, kv_heads, page_size, head_dim)
 
@@ -241,22 +248,33 @@ class HostPagedCache:
                 return None if given is None else np.asarray(given, np.float32).reshape(kv_heads)
             return np.zeros(shape[:3], np.float32)
 
+        if rope is not None:
+            if k_bias is None or sides[0] not in QMAX:
+                raise ValueError(f"rope: the post-RoPE residual K is for an 8-bit K with a k_bias (the K bias added "
+                                 f"before RoPE); got {fmt} with k_bias {'given' if k_bias is not None else 'None'}")
+            rope = rope.resolved(head_dim, num_pages * page_size)
         return cls(fmt, page_size, np.zeros(shape, np.float32), np.zeros(shape, np.float32),
                    side_scale(sides[0], k_scale), side_scale(sides[1], v_scale),
                    None if k_bias is None else np.asarray(k_bias, np.float32).reshape(kv_heads, head_dim),
                    PageMeans.empty(num_pages, kv_heads, head_dim) if k_mean == "page" else None,
-                   checked_balance(k_balance, kv_heads, head_dim))
+                   checked_balance(k_balance, kv_heads, head_dim), rope, None if rope is None else rope.table())
 
-    def write(self, k: np.ndarray, v: np.ndarray, slots: np.ndarray, *, scale: str = "token") -> None:
+    def write(self, k: np.ndarray, v: np.ndarray, slots: np.ndarray, *, scale: str = "token",
+              positions: np.ndarray | None = None) -> None:
         """Store new tokens k, v [T, kv heads, D] at slots [T] (page * page_size + offset; negative:
-        skipped), quantized as the GPU writer does. Head scales not yet set are calibrated from k, v."""
+        skipped), quantized as the GPU writer does; with rope, at positions [T] (each token's index in its
+        sequence). Head scales not yet set are calibrated from k, v."""
+        if (positions is None) != (self.rope is None):
+            raise ValueError("positions: expected the tokens' positions [T] with rope, and none without")
         slots = np.asarray(slots).astype(np.int64)
         keep = slots >= 0
         pages, offsets = slots[keep] // self.page_size, slots[keep] % self.page_size
         for name, x, code in (("k", k, self.fmt.split("-")[0]), ("v", v, self.fmt.split("-")[1])):
             x = np.asarray(x, np.float32)
             if name == "k" and self.k_bias is not None:
-                x = (x - self.k_bias[None]).astype(np.float32)
+                bias = self.k_bias[None] if self.rope is None else rotated_bias(self.k_bias, self.rope, self.rope_table,
+                                                                                 positions)
+                x = (x - bias).astype(np.float32)
             calibration = x[keep]  # what head scales not given are calibrated on
             if name == "k" and self.k_mean is not None:
                 if not self.k_mean.seeded:
@@ -306,7 +324,8 @@ class HostPagedCache:
         if name == "k" and self.alpha is not None:
             values = values * self.alpha[:, None, :].astype(np.float64)
         if name == "k" and self.k_bias is not None:
-            values = values + self.k_bias[:, None, :].astype(np.float64)
+            values = values + (self.k_bias[:, None, :].astype(np.float64) if self.rope is None else
+                               rotated_bias_exact(self.k_bias, self.rope, self.rope_table, length))
         if name == "k" and self.k_mean is not None:
             codes, scale = self.k_mean.gather(table_row, length, self.page_size)
             values = values + mean_values(codes, scale).astype(np.float64)

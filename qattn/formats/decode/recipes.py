@@ -24,6 +24,9 @@ K_MEANS = ("off", "page")
 # Q/K channel balancing of an 8-bit K (DESIGN §2): "on": the cache stores K's residual divided by one
 # α per (kv head, channel) and the kernel multiplies q by α at its load (q·k = Σ (q_c α_c)(k_c / α_c)).
 K_BALANCES = ("off", "on")
+# A post-RoPE pre-bias residual K (DESIGN §2, decode.rope): "post": the cache stores K - R_p b (b the K bias
+# added before RoPE, p the key's position) and the kernel adds q·R_p b back per key.
+K_ROPES = ("off", "post")
 HALF = ("f16", "bf16")
 EIGHT_BIT = ("e4m3", "i8")
 QMAX = {"e4m3": 448.0, "i8": 127.0}
@@ -110,10 +113,10 @@ def _problem(fmt: str):
 
 def _options(fmt: str) -> dict:
     """A spec's choices: page size and scale granularity; where K is 8-bit, its channel mean, its channel
-    balancing and the QK path (a 16-bit K has only its own MMA and stores K as given)."""
+    balancing, its post-RoPE bias term and the QK path (a 16-bit K has only its own MMA and stores K as given)."""
     eight = sides(fmt)[0] in EIGHT_BIT
     return {"page_size": PAGE_SIZES, "scale_mode": SCALE_MODES,
-            **({"k_mean": K_MEANS, "k_balance": K_BALANCES, "qk": qk_paths(fmt)} if eight else {})}
+            **({"k_mean": K_MEANS, "k_balance": K_BALANCES, "k_rope": K_ROPES, "qk": qk_paths(fmt)} if eight else {})}
 
 
 def family(fmt: str) -> Family:
@@ -135,7 +138,7 @@ def family(fmt: str) -> Family:
         launcher=LAUNCHER,
         main_entry="_f16" if "bf16" not in (k, v) else "_bf16",
         values={"k_code": "16" if k in HALF else k, "v_code": "16" if v in HALF else v, "table_slots": TABLE_SLOTS,
-                "qk": "transform", "k_mean": "off", "k_balance": "off"},
+                "qk": "transform", "k_mean": "off", "k_balance": "off", "k_rope": "off"},
         options=_options(fmt),
     )
 
@@ -169,6 +172,9 @@ def _hip_qk_problem(fmt: str):
         if options.get("k_balance", "off") != "off":
             return (f"k_balance: the HIP decode kernel and writer keep no channel balancing (no q·α at the Q load, no "
                     f"K / α in the writer); k_balance 'on' builds for CUDA, and {fmt} on {arch} takes k_balance 'off'")
+        if options.get("k_rope", "off") != "off":
+            return (f"k_rope: the HIP decode kernel and writer keep no post-RoPE bias term (no R_p b); k_rope "
+                    f"{options['k_rope']!r} builds for CUDA, and {fmt} on {arch} takes k_rope 'off'")
         qk = options.get("qk", "transform")
         if qk == "transform" or arch in HIP_QK_ARCHS[qk]:
             return None
@@ -196,7 +202,7 @@ def hip_family(fmt: str) -> Family | None:
         launcher=LAUNCHER,
         main_entry="_f16",
         values={"k_code": "16" if k in HALF else k, "v_code": "16" if v in HALF else v, "qk": "transform",
-                "k_mean": "off", "k_balance": "off"},
+                "k_mean": "off", "k_balance": "off", "k_rope": "off"},
         options=_options(fmt),
         option_problem=_hip_qk_problem(fmt),
     )

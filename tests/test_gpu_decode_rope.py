@@ -1,0 +1,196 @@
+"""The post-RoPE pre-bias residual K (rope=qattn.RoPE(...)) on the GPU: the writer's bytes against the host
+model, every QK path against its emulator (rel_l2 1e-3) over formats, GQA, Lq, tails, page sizes, styles and
+partial rotary, with and without page means and balancing, the bias_rope preset against FP64 on the original
+K/V, and a decode step in a CUDA graph."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import qattn
+import qattn.data
+from qattn.check import metrics
+from qattn.formats.decode import emulate as emu
+from qattn.formats.decode.quant import HostPagedCache
+
+pytestmark = pytest.mark.gpu
+EMU_REL_L2 = 1e-3
+
+
+def _dtype(fmt: str):
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16 if "bf16" in fmt else np.float16
+
+
+def _rope_filled(fmt, *, lens, rope, kv_heads=2, head_dim=128, page_size=16, scale="token", k_mean="off",
+                 k_balance=None, seed=0, slot_dtype=np.int32):
+    """A post-RoPE GPU cache and its host model written alike: K = RoPE(N(0,1) + b) with a large b (its norm
+    30x the token-varying part's), rotated by data._rotate at the positions 0..L-1, every sequence's prompt
+    (its first quarter) in one write and then 64 tokens of each sequence a write (pages shuffled); plus the
+    table, the lengths and the original K/V per sequence."""
+    import cupy
+
+    from qattn.data import _rotate
+
+    rng = np.random.default_rng(seed)
+    k_side, v_side = fmt.split("-")
+    max_pages = max(-(-int(n) // page_size) for n in lens) + 1
+    num_pages = len(lens) * max_pages + 3
+    bias = rng.standard_normal((kv_heads, head_dim)).astype(np.float32)
+    bias *= 30 * np.sqrt(head_dim) / np.linalg.norm(bias, axis=-1, keepdims=True)
+    options = dict(k_bias=bias, k_mean=k_mean, k_balance=k_balance, rope=rope)
+    cache = qattn.PagedKVCache(num_pages, page_size, kv_heads, head_dim, k=k_side, v=v_side, scale=scale, **options)
+    host = HostPagedCache.empty(fmt, num_pages, page_size, kv_heads, head_dim, scale, **options)
+    table = rng.permutation(num_pages)[:len(lens) * max_pages].reshape(len(lens), max_pages).astype(np.int32)
+    dtype = _dtype(fmt)
+    ks, vs, slots = [], [], []
+    for b, n in enumerate(lens):
+        pre = rng.standard_normal((kv_heads, n, head_dim)).astype(np.float32) + bias[:, None]
+        rotated = pre.copy()
+        dim = rope.rotary_dim or head_dim  # the data's own RoPE (neox, fp32 cos/sin), on the rotary channels
+        if rope.style == "neox":
+            rotated[..., :dim] = _rotate(pre[..., :dim], np.arange(n), rope.theta)
+        else:  # gptj pairs (2i, 2i + 1) as neox pairs of the de-interleaved channels
+            order = np.concatenate([np.arange(0, dim, 2), np.arange(1, dim, 2)])
+            rotated[..., order] = _rotate(pre[..., order], np.arange(n), rope.theta)
+        ks.append(rotated.transpose(1, 0, 2).astype(dtype))
+        vs.append(rng.standard_normal((n, kv_heads, head_dim)).astype(dtype))
+        slots.append((table[b, np.arange(n) // page_size] * page_size + np.arange(n) % page_size).astype(slot_dtype))
+    bounds = [[0, n // 4] + list(range(n // 4 + 64, n, 64)) + [n] for n in lens]
+    for w in range(max(len(b) for b in bounds) - 1):
+        live = [i for i, b in enumerate(bounds) if w + 1 < len(b)]
+        parts = [slice(bounds[i][w], bounds[i][w + 1]) for i in live]
+        k = np.concatenate([ks[i][p] for i, p in zip(live, parts)])
+        v = np.concatenate([vs[i][p] for i, p in zip(live, parts)])
+        s = np.concatenate([slots[i][p] for i, p in zip(live, parts)])
+        pos = np.concatenate([np.arange(p.start, p.stop) for p in parts]).astype(slot_dtype)
+        if len(s) == 0:
+            continue
+        cache.write(cupy.asarray(k), cupy.asarray(v), cupy.asarray(s), positions=cupy.asarray(pos))
+        host.write(k, v, s, scale=scale, positions=pos)
+    return (cache, host, table, np.asarray(lens, np.int32), [k.astype(np.float64).transpose(1, 0, 2) for k in ks],
+            [v.astype(np.float64).transpose(1, 0, 2) for v in vs])
+
+
+@pytest.mark.parametrize("fmt, scale, rope, k_mean, balance, slot_dtype", [
+    ("i8-i8", "token", qattn.RoPE(), "off", None, np.int32),
+    ("e4m3-e4m3", "token", qattn.RoPE(rotary_dim=32, style="gptj"), "off", None, np.int64),
+    ("i8-f16", "head", qattn.RoPE(theta=1e6), "page", None, np.int32),
+    ("e4m3-bf16", "token", qattn.RoPE(rotary_dim=48), "page", "calibrate", np.int64)])
+def test_rope_writer_stores_what_the_host_model_stores(fmt, scale, rope, k_mean, balance, slot_dtype):
+    """K - R_p b (fp32 from the table's fp16 cos/sin), its codes and scales are the host model's bit for bit."""
+    cache, host, *_ = _rope_filled(fmt, lens=[45, 300, 130], rope=rope, head_dim=64, scale=scale, k_mean=k_mean,
+                                   k_balance=balance, slot_dtype=slot_dtype)
+    got = cache.host()
+    np.testing.assert_array_equal(got.rope_table, host.rope_table)
+    np.testing.assert_array_equal(got.k, host.k)
+    np.testing.assert_array_equal(got.v, host.v)
+    for side in ("k_scale", "v_scale"):
+        if getattr(host, side) is not None:
+            np.testing.assert_array_equal(getattr(got, side), getattr(host, side))
+
+
+@pytest.mark.parametrize("fmt, path", [("i8-i8", "transform"), ("i8-i8", "int8"), ("e4m3-e4m3", "transform"),
+                                       ("e4m3-e4m3", "fp8"), ("i8-f16", "int8"), ("e4m3-bf16", "transform"),
+                                       ("i8-bf16", "transform")])
+@pytest.mark.parametrize("head_dim, group, lq, page_size, rope", [
+    (128, 4, 1, 16, qattn.RoPE()), (64, 8, 2, 32, qattn.RoPE(rotary_dim=32, style="gptj")),
+    (128, 1, 5, 64, qattn.RoPE(theta=1e6, rotary_dim=64)), (256, 4, 3, 128, qattn.RoPE(style="gptj"))])
+@pytest.mark.parametrize("terms", ["alone", "mean+balance"])
+def test_rope_decode_matches_emulator(fmt, path, head_dim, group, lq, page_size, rope, terms):
+    """Post-RoPE decode over tails (a sequence of 1 + lq keys, lengths off the page and step grid), one, three
+    and automatic splits, into NaN-poisoned outputs, alone or with page means and balancing: within rel_l2 1e-3
+    of the emulator, its LSE too, and (int8 K, transform path) within rel_l2 2e-2 of FP64 on the original K/V
+    (a plain int8 K: ~6e-2)."""
+    import cupy
+
+    extra = {} if terms == "alone" else {"k_mean": "page", "k_balance": "calibrate"}
+    cache, host, table, lens, ks, vs = _rope_filled(fmt, lens=[1 + lq, 777, 2100], rope=rope, head_dim=head_dim,
+                                                    page_size=page_size, **extra)
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((3, 2 * group, lq, head_dim)).astype(_dtype(fmt))
+    qd, td, ld = cupy.asarray(q), cupy.asarray(table), cupy.asarray(lens)
+    dense = emu.reference_dense(q, ks, vs)
+    for splits in (1, 3, None):
+        out = cupy.full(q.shape, np.nan, dtype=qd.dtype)
+        got, lse = qattn.decode(qd, cache, td, ld, splits=splits, out=out, return_lse=True, qk=path)
+        got = cupy.asnumpy(got).astype(np.float32)
+        assert not np.isnan(got).any(), "an output element was left unwritten"
+        used = splits if splits is not None else qattn.formats.decode.host.splits_for(cache, 3, 2 * group, lq,
+                                                                                       table.shape[1], qk=path)
+        want, want_lse = emu.emulate(q, host, table, lens, splits=used, return_lse=True, qk=path)
+        assert metrics.compare(got, want).rel_l2 <= EMU_REL_L2, (splits, metrics.compare(got, want))
+        np.testing.assert_allclose(cupy.asnumpy(lse), want_lse, rtol=2e-3, atol=2e-3)
+        if path == "transform" and "i8" in fmt.split("-")[0]:
+            assert metrics.compare(got, dense).rel_l2 < 2e-2, (splits, metrics.compare(got, dense))
+
+
+@pytest.mark.parametrize("fmt, control", [("i8-i8", "f16-i8"), ("e4m3-e4m3", "f16-e4m3")])
+def test_bias_rope_preset_on_the_gpu(fmt, control):
+    """The bias_rope preset through tools/parity's check: plain K8 several times worse than K16/V8 against the
+    original K/V, the post-RoPE residual K within 2x of the format's N(0,1) error, the kernel within the
+    format's tolerance of FP64 on the cache."""
+    from qattn.formats.decode.parity import check
+
+    def run(f, **options):
+        record = check(f, 2048, 1, backend="cuda", batch=2, heads=8, kv_heads=2, head_dim=128, time_it=False,
+                       qk="transform", **options)
+        assert record["passed"], record
+        return record["format_rel_l2"]
+
+    plain, k16 = run(fmt, preset="bias_rope"), run(control, preset="bias_rope")
+    residual, normal = run(fmt, preset="bias_rope", k_rope=True), run(fmt)
+    assert plain > 4 * k16 and residual < 2 * normal, (plain, k16, residual, normal)
+
+
+def test_cuda_graph_capture_of_a_rope_decode_step():
+    """write (with positions) + decode on a post-RoPE cache captured once and replayed as tokens arrive: every
+    replay equals a fresh call and the emulator; the stored codes are the host model's."""
+    import cupy
+
+    fmt, b, hkv, d = "i8-i8", 2, 2, 128
+    rope = qattn.RoPE(theta=1e6)
+    cache, host, table, lens, *_ = _rope_filled(fmt, lens=[60, 95], rope=rope, kv_heads=hkv, head_dim=d)
+    table_d, lens_d = cupy.asarray(table), cupy.asarray(lens + 1)
+    slots, positions = cupy.zeros(b, cupy.int32), cupy.zeros(b, cupy.int32)
+    k_new, v_new = cupy.zeros((b, hkv, d), cupy.float16), cupy.zeros((b, hkv, d), cupy.float16)
+    q, out = cupy.zeros((b, 8, 1, d), cupy.float16), cupy.zeros((b, 8, 1, d), cupy.float16)
+    qattn.decode(q, cache, table_d, lens_d, out=out, splits=1, qk="transform")  # builds, plans
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        cache.write(k_new, v_new, slots, positions=positions, stream=stream)
+        qattn.decode(q, cache, table_d, lens_d, out=out, stream=stream, splits=1, qk="transform")
+        graph = stream.end_capture()
+    rng = np.random.default_rng(9)
+    for step in range(3):
+        n = lens + step
+        slot = (table[np.arange(b), n // 16] * 16 + n % 16).astype(np.int32)
+        kk = (rng.standard_normal((b, hkv, d)) + 20).astype(np.float16)
+        vv = rng.standard_normal((b, hkv, d)).astype(np.float16)
+        qq = rng.standard_normal((b, 8, 1, d)).astype(np.float16)
+        slots[...], positions[...] = cupy.asarray(slot), cupy.asarray(n.astype(np.int32))
+        k_new[...], v_new[...], q[...] = cupy.asarray(kk), cupy.asarray(vv), cupy.asarray(qq)
+        lens_d[...] = cupy.asarray(n + 1)
+        graph.launch(stream)
+        stream.synchronize()
+        host.write(kk, vv, slot, positions=n)
+        fresh = cupy.asnumpy(qattn.decode(q, cache, table_d, lens_d, splits=1, qk="transform"))
+        np.testing.assert_array_equal(cupy.asnumpy(out), fresh)
+        want = emu.emulate(qq, host, table, n + 1)
+        assert metrics.compare(fresh.astype(np.float32), want).rel_l2 <= EMU_REL_L2
+    np.testing.assert_array_equal(cache.host().k, host.k)
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda c, k, s: c.write(k, k, s), "positions: a cache with rope needs each token's position"),
+    (lambda c, k, s: c.write(k, k, s, positions=s.astype("int64")), "positions: expected int32"),
+])
+def test_rope_writes_check_positions(call, words):
+    import cupy
+
+    cache = qattn.PagedKVCache(4, 16, 2, 64, k="i8", v="i8", k_bias=np.ones((2, 64)), rope=qattn.RoPE())
+    k = cupy.zeros((3, 2, 64), cupy.float16)
+    with pytest.raises(ValueError, match=f"^{words}"):
+        call(cache, k, cupy.arange(3, dtype=cupy.int32))
