@@ -62,7 +62,7 @@ from ...engine.fragments import pv_key_slot
 from ...engine.packed import NULL, PackedLaunch, Pointer
 from .quant import QMAX, HostPagedCache, balance_factors, balance_inverse, checked_balance
 from .quant import PageMeans, mean_record, mean_terms, mean_values
-from .rope import RoPE, constant_bias
+from .rope import RoPE, constant_bias, rotated_bias
 from .recipes import EIGHT_BIT, FORMATS, HALF, HEAD_DIMS, K_MEANS, PAGE_SIZES, SCALE_MODES, resolve_qk
 
 WRITE_WARPS, WRITE_TOKENS = 8, 16  # the writer's block: 8 warps over 16 tokens of one kv head
@@ -260,13 +260,16 @@ class PagedKVCache:
         if tokens == 0:
             return
         stream_ptr = launch_stream(stream, example)
-        if not (all(self._calibrated.values()) and self._mean_seeded and self._balanced) and capturing(stream_ptr):
+        calibrating = not (all(self._calibrated.values()) and self._mean_seeded and self._balanced)
+        if calibrating and capturing(stream_ptr):
             raise ValueError("k: the first write of a cache without given head scales calibrates them (with page "
                              "means seeds the mean, with k_balance='calibrate' computes α), which a CUDA graph capture "
                              "cannot hold; write once before the capture (or give k_scale=, v_scale=, k_balance=α)")
-        self._seed_mean(k, slots)
-        self._calibrate_balance(k, slots)
-        self._calibrate(k, v)
+        if calibrating:  # from the K residual the writer codes
+            residual = self._residual(k, positions)
+            self._seed_mean(residual, slots)
+            self._calibrate_balance(residual, slots)
+            self._calibrate(residual, v)
         key = (k.dtype.name, slots.dtype.name, k.strides, v.strides, tokens)
         launch = self._launches.get(key)
         if launch is None:
@@ -332,32 +335,36 @@ class PagedKVCache:
                    "ms": self.mean_scale, "ka": self.k_balance, "kr": self._k_unbalance, "rt": self.rope_table}
         return {name: 0 if x is None else x.data.ptr for name, x in buffers.items()}
 
-    def _residual(self, k):
-        """K - b in fp32 (K with no bias), as the writer computes it."""
-        x = k.astype("float32")
-        return x if self.k_bias is None else x - self.k_bias[None]
+    def _residual(self, k, positions):
+        """K - b in fp32 (K with no bias; K - R_p b with RoPE), as the writer computes it."""
+        import cupy
 
-    def _seed_mean(self, k, slots) -> None:
-        """A fresh cache's first write: the snapshot its pages start with is its own mean (the rows the
-        writer counts: stored and finite), from the same fixed-point sums (PageMeans.seed)."""
+        x = k.astype("float32")
+        if self.k_bias is None:
+            return x
+        if self.rope is None:
+            return x - self.k_bias[None]
+        return x - rotated_bias(self.k_bias, self.rope, self.rope_table, positions, cupy)
+
+    def _seed_mean(self, x, slots) -> None:
+        """A fresh cache's first write (x: its K residual): the snapshot its pages start with is its own mean
+        (the rows the writer counts: stored and finite), from the same fixed-point sums (PageMeans.seed)."""
         import cupy
 
         if self._mean_seeded:
             return
-        x = self._residual(k)
         keep = (slots >= 0)[:, None] & cupy.isfinite(x).all(axis=2)
         sums = (mean_terms(x, cupy) * keep[..., None]).sum(axis=0)
         self.mean_codes[-1], self.mean_scale[-1] = mean_record(sums, keep.sum(axis=0), cupy)
         self._mean_seeded = True
 
-    def _calibrate_balance(self, k, slots) -> None:
-        """k_balance="calibrate": α from the first write's stored rows of K - b (less the seeded mean with
-        page means), as quant.balance_factors computes it."""
+    def _calibrate_balance(self, x, slots) -> None:
+        """k_balance="calibrate": α from the first write's stored rows of its K residual x (less the seeded
+        mean with page means), as quant.balance_factors computes it."""
         import cupy
 
         if self._balanced:
             return
-        x = self._residual(k)
         if self.k_mean != "off":
             x = x - mean_values(self.mean_codes[-1], self.mean_scale[-1], cupy)[None]
         alpha = balance_factors(cupy.where((slots >= 0)[:, None, None], x, cupy.float32(0)), cupy)
@@ -365,15 +372,15 @@ class PagedKVCache:
         self._k_unbalance[...] = balance_inverse(alpha, cupy)
         self._balanced = True
 
-    def _calibrate(self, k, v) -> None:
+    def _calibrate(self, residual, v) -> None:
         """Head scales not given: max|x| / QMAX over the first write's tokens and channels (of K - b
         with a bias, less the seeded mean with page means: about what is stored)."""
         import cupy
 
-        for name, x, side in (("k", k, self.k_dtype), ("v", v, self.v_dtype)):
+        for name, x, side in (("k", residual, self.k_dtype), ("v", v, self.v_dtype)):
             if self._calibrated[name]:
                 continue
-            x = self._residual(x) if name == "k" else x.astype(cupy.float32)
+            x = x.astype(cupy.float32)
             if name == "k" and self.k_mean != "off":
                 x = x - mean_values(self.mean_codes[-1], self.mean_scale[-1], cupy)[None]
             if name == "k" and self.k_balance is not None:

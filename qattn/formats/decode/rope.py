@@ -68,19 +68,20 @@ class RoPE:
         return table
 
 
-def rotated_bias(bias: np.ndarray, rope: RoPE, table: np.ndarray, positions: np.ndarray) -> np.ndarray:
+def rotated_bias(bias, rope: RoPE, table, positions, xp=np):
     """R_p b in fp32 as the cache writer computes it, for bias [H, D] at positions [T] (clamped to the table):
     [T, H, D]; pair (a, b) with the table's c = cos, s = sin: fl(fl(b_a c) - fl(b_b s)) at a and
-    fl(fl(b_a s) + fl(b_b c)) at b; the other channels b."""
-    bias = np.asarray(bias, np.float32)
-    rows = table[np.clip(np.asarray(positions, np.int64), 0, rope.max_positions - 1)].astype(np.float32)
+    fl(fl(b_a s) + fl(b_b c)) at b; the other channels b. xp: NumPy or CuPy (the same bits)."""
+    f32 = xp.float32
+    bias = xp.asarray(bias, f32)
+    rows = xp.asarray(table)[xp.clip(xp.asarray(positions).astype(xp.int64), 0, rope.max_positions - 1)].astype(f32)
     cos, sin = rows[:, None, 0::2], rows[:, None, 1::2]  # [T, 1, R/2]
-    first, second = rope.pairs()
-    out = np.broadcast_to(bias, (rows.shape[0],) + bias.shape).copy()
+    first, second = (xp.asarray(p) for p in rope.pairs())
+    out = xp.broadcast_to(bias, (rows.shape[0],) + bias.shape).copy()
     ba, bb = bias[None, :, first], bias[None, :, second]
-    out[..., first] = (ba * cos).astype(np.float32) - (bb * sin).astype(np.float32)
-    out[..., second] = (ba * sin).astype(np.float32) + (bb * cos).astype(np.float32)
-    return out.astype(np.float32)
+    out[..., first] = (ba * cos).astype(f32) - (bb * sin).astype(f32)
+    out[..., second] = (ba * sin).astype(f32) + (bb * cos).astype(f32)
+    return out.astype(f32)
 
 
 def rotated_bias_exact(bias: np.ndarray, rope: RoPE, table: np.ndarray, length: int) -> np.ndarray:
