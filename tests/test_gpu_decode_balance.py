@@ -121,7 +121,8 @@ def test_balanced_decode_matches_emulator(fmt, path, head_dim, group, lq, page_s
                                                                                        table.shape[1], qk=path)
         want, want_lse = emu.emulate(q, host, table, lens, splits=used, return_lse=True, qk=path)
         assert metrics.compare(got, want).rel_l2 <= _emu_rel_l2(path), (splits, metrics.compare(got, want))
-        np.testing.assert_allclose(cupy.asnumpy(lse), want_lse, rtol=2e-3, atol=2e-3)
+        lse_tol = 2e-3 * _emu_rel_l2(path) / EMU_REL_L2  # the LSE takes the scores' error too
+        np.testing.assert_allclose(cupy.asnumpy(lse), want_lse, rtol=lse_tol, atol=lse_tol)
         if path == "transform":  # the 8-bit paths' Q rounding grows with q·α's outlier channels
             assert metrics.compare(got, ref).rel_l2 <= tolerance(fmt, path).rel_l2, (splits, metrics.compare(got, ref))
 
