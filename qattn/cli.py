@@ -134,9 +134,10 @@ def spec_options(repeatable: bool = False):
                      help="decode: an 8-bit K's page means (K - μ_page stored, q·μ_page added back) or off (default)"),
         click.option("--k-balance/--no-k-balance", "k_balance", default=None,
                      help="decode: Q/K channel balancing of an 8-bit K (K / α stored, q·α at the Q load) [default: off]"),
-        click.option("--k-rope", type=click.Choice(("off", "post")),
-                     help="decode: post-RoPE keys of an 8-bit K with a pre-RoPE bias (K - R_p b stored, q·R_p b added "
-                          "back per key) or off (default)"),
+        click.option("--k-rope", type=click.Choice(("off", "post", "pre")),
+                     help="decode: the residual K of an 8-bit K with a pre-RoPE bias: post-RoPE keys (K - R_p b stored, "
+                          "q·R_p b added back per key), pre-RoPE keys (k_pre - b stored, turned on chip; transform "
+                          "path) or off (default)"),
         click.option("--arch", "arch", multiple=repeatable, metavar="ARCH",
                      help=f"target, e.g. sm_90a or gfx942 (default: the current GPU's, else "
                           f"{FALLBACK_ARCH['cuda']} / {FALLBACK_ARCH['hip']}){many}"),
@@ -494,9 +495,10 @@ def _verdict(record: dict) -> str:
 @click.option("--k-balance/--no-k-balance", "k_balance", default=None,
               help="decode: Q/K channel balancing of an 8-bit K, α calibrated from the first write (K / α stored, "
                    "q·α at the Q load) [default: off]")
-@click.option("--k-rope/--no-k-rope", "k_rope", default=None,
-              help="decode: post-RoPE keys with the data's pre-RoPE K bias (--preset bias_rope): K - R_p b stored, "
-                   "q·R_p b added back per key [default: off]")
+@click.option("--k-rope", type=click.Choice(("off", "post", "pre")),
+              help="decode: the residual K under RoPE with the data's pre-RoPE K bias (--preset bias_rope): post "
+                   "(post-RoPE keys, K - R_p b stored, q·R_p b added back per key) or pre (pre-RoPE keys, k_pre - b "
+                   "stored, turned on chip; transform path) [default: off]")
 @user_errors
 def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, json_path, seed, time_it, kind, page_size,
            scale, preset, qk_paths, k_bias, k_mean, k_balance, k_rope):
@@ -514,7 +516,7 @@ def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, j
                                      param_hint="'--causal'")
         options = {"page_size": int(page_size or 32), "scale": scale or "token", "preset": preset,
                    "k_bias": bool(k_bias), "k_mean": k_mean or "off", "k_balance": bool(k_balance),
-                   "k_rope": bool(k_rope)}
+                   "k_rope": k_rope or "off"}
     elif page_size or scale or preset or qk_paths or any(x is not None for x in (k_bias, k_mean, k_balance, k_rope)):
         raise click.BadParameter("--page-size, --scale, --preset, --qk, --k-bias, --k-mean, --k-balance and --k-rope "
                                  "are decode options",
@@ -542,7 +544,7 @@ def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, j
                  f"{options['scale']} scales, {preset or 'N(0,1)'} K/V{', pre-bias residual K' if k_bias else ''}"
                  f"{', page means of K' if options['k_mean'] == 'page' else ''}"
                  f"{', balanced K channels' if options['k_balance'] else ''}"
-                 f"{', post-RoPE residual K' if options['k_rope'] else ''}")
+                 f"{'' if options['k_rope'] == 'off' else ', ' + options['k_rope'] + '-RoPE residual K'}")
         speed = ("GB/s", "gbs", ".0f")
         extra = ("format rel_l2",)
     else:

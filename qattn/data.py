@@ -193,15 +193,15 @@ def bias_rope(*, batch=1, heads=1, kv_heads=None, queries=128, ctx=1024, head_di
     token-varying part's) added before RoPE, then K rotated at its positions 0..ctx-1 and Q (N(0, 1))
     at the last ``queries`` positions, in the rotate-half layout with base ``base``. After RoPE the bias
     turns with the position, so it no longer moves every score of a row alike: it sets each token's 8-bit
-    scale and varies from key to key. Also returns k_bias [kv_heads, head_dim] (the bias before RoPE) and
-    rope_theta (the base)."""
+    scale and varies from key to key. Also returns k_bias [kv_heads, head_dim] (the bias before RoPE),
+    rope_theta (the base) and k_pre (K before RoPE, what a pre-RoPE cache is written with)."""
     if head_dim % 2:
         raise ValueError(f"head_dim: RoPE needs an even head_dim, got {head_dim}")
     x = bias(batch=batch, heads=heads, kv_heads=kv_heads, queries=queries, ctx=ctx, head_dim=head_dim, seed=seed,
              ratio=ratio)
     return dict(q=_rotate(x["q"], np.arange(ctx - queries, ctx), base).astype(np.float32),
                 k=_rotate(x["k"], np.arange(ctx), base).astype(np.float32), v=x["v"], k_bias=x["k_bias"],
-                rope_theta=np.float32(base))
+                rope_theta=np.float32(base), k_pre=x["k"])
 
 
 def _heavy_positions(rng, ctx: int, count: int) -> np.ndarray:
@@ -253,7 +253,7 @@ PRESETS: dict[str, Callable[..., dict]] = {
 def preset(name: str, *, ctx: int, queries: int = 128, batch: int = 1, heads: int = 1, kv_heads: int | None = None,
            head_dim: int = 128, seed: int = 0) -> dict:
     """Generate the named preset: dict(q, k, v) of float32 BHSD arrays (see each generator; bias
-    also gives its k_bias, bias_rope its k_bias and rope_theta)."""
+    also gives its k_bias, bias_rope its k_bias, rope_theta and k_pre)."""
     if name not in PRESETS:
         raise ValueError(f"preset: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
     return PRESETS[name](batch=batch, heads=heads, kv_heads=kv_heads, queries=queries, ctx=ctx, head_dim=head_dim,

@@ -1,7 +1,7 @@
-"""The post-RoPE pre-bias residual K of an 8-bit decode cache (rope=qattn.RoPE(...)) on the CPU: the RoPE
-map and its table, the host model's stored values, the emulator against FP64 on the cache, the accuracy gate
-on the bias_rope preset, bad arguments refused by name, the specs and their kernels compiling, and the
-command line."""
+"""The pre-bias residual K under RoPE of an 8-bit decode cache (rope=qattn.RoPE(...), post- and pre-RoPE keys)
+on the CPU: the RoPE map and its table, the host model's stored values, the emulator against FP64 on the
+cache, the accuracy gate on the bias_rope preset, bad arguments refused by name, the specs and their kernels
+compiling, and the command line."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,7 +16,7 @@ from qattn.engine.render import render
 from qattn.engine.spec import KernelSpec
 from qattn.formats.decode import emulate as emu
 from qattn.formats.decode.quant import HostPagedCache
-from qattn.formats.decode.rope import RoPE, constant_bias, rotated_bias, rotated_bias_exact
+from qattn.formats.decode.rope import RoPE, constant_bias, rotate_exact, rotated_bias, rotated_bias_exact
 
 KV_HEADS, HEAD_DIM, PAGE = 2, 64, 16
 
@@ -68,18 +68,18 @@ def _rotated_keys(rng, rope, table, tokens, bias, spread=1.0):
     return k.astype(np.float16), rng.standard_normal((tokens, KV_HEADS, HEAD_DIM)).astype(np.float16)
 
 
-def _write(fmt, k, v, *, rope=None, bias=None, k_mean="off", k_balance=None, scale="token"):
+def _write(fmt, k, v, *, rope=None, bias=None, k_mean="off", k_balance=None, scale="token", layout="post-rope"):
     """A host cache of one sequence (pages shuffled) written as a prompt and then 64-token pieces, at the
-    tokens' positions (their indices)."""
+    tokens' positions (their indices) for post-RoPE keys."""
     tokens = k.shape[0]
     pages = -(-tokens // PAGE)
     table = np.random.default_rng(tokens).permutation(pages + 1)[:pages][None].astype(np.int32)
     slots = table[0, np.arange(tokens) // PAGE] * PAGE + np.arange(tokens) % PAGE
     cache = HostPagedCache.empty(fmt, pages + 1, PAGE, KV_HEADS, HEAD_DIM, scale, k_bias=bias, k_mean=k_mean,
-                                 k_balance=k_balance, rope=rope)
+                                 k_balance=k_balance, rope=rope, k_bias_layout=layout)
     bounds = [0, tokens // 4] + list(range(tokens // 4 + 64, tokens, 64)) + [tokens]
     for lo, hi in zip(bounds, bounds[1:]):
-        positions = np.arange(lo, hi) if rope is not None else None
+        positions = np.arange(lo, hi) if rope is not None and layout == "post-rope" else None
         cache.write(k[lo:hi], v[lo:hi], slots[lo:hi], scale=scale, positions=positions)
     return cache, table, np.array([tokens], np.int32)
 
@@ -107,47 +107,92 @@ def test_post_rope_residual_is_stored_and_added_back(style, rotary_dim, k_mean, 
         assert metrics.compare(emu.emulate(q, cache, table, lens, qk=qk, splits=3), ref).rel_l2 < bound
 
 
-def _bias_rope_errors(fmt, qk, seed, layouts=("normal", "plain", "post-rope")):
+def _bias_rope_errors(fmt, qk, seed, layouts=("normal", "plain", "post-rope", "pre-rope")):
     """rel_l2 against FP64 on the original K/V of the emulator: N(0,1) data, and the bias_rope preset stored
-    plainly and as the post-RoPE residual (8-bit K only)."""
+    plainly and as the residual of post-RoPE keys and of pre-RoPE keys (8-bit K only; pre-RoPE on the transform
+    path)."""
     errors = {}
     for layout in layouts:
+        if layout == "pre-rope" and qk != "transform":
+            continue
         x = qattn.data.preset("normal" if layout == "normal" else "bias_rope", ctx=640, queries=2, heads=8,
                               kv_heads=KV_HEADS, head_dim=HEAD_DIM, seed=seed)
         q = x["q"].astype(np.float16)
-        k, v = (x[name][0].transpose(1, 0, 2).astype(np.float16) for name in ("k", "v"))
-        rope = RoPE(theta=float(x["rope_theta"])) if layout == "post-rope" else None
-        cache, table, lens = _write(fmt, k, v, rope=rope, bias=x["k_bias"] if rope else None)
+        k, v, k_pre = (x[name][0].transpose(1, 0, 2).astype(np.float16) if name in x else None
+                       for name in ("k", "v", "k_pre"))
+        rope = RoPE(theta=float(x["rope_theta"])) if layout.endswith("-rope") else None
+        cache, table, lens = _write(fmt, k_pre if layout == "pre-rope" else k, v, rope=rope,
+                                    bias=x["k_bias"] if rope else None, layout=layout if rope else "post-rope")
         dense = emu.reference_dense(q, [k.astype(np.float64).transpose(1, 0, 2)], [v.astype(np.float64).transpose(1, 0, 2)])
         errors[layout] = metrics.compare(emu.emulate(q, cache, table, lens, qk=qk), dense).rel_l2
     return errors
 
 
-# Measured (D64, 8/2 heads, 1024 keys, Lq 2): N(0,1) / bias_rope plain / post-RoPE residual
-#   e4m3-e4m3 3.8e-2 / 3.5e-1 / 2.7e-2, i8-i8 8.4e-3 / 6.4e-2 / 6.6e-3 (transform; fp8 and int8 QK alike),
-#   e4m3-f16 2.8e-2 / 3.5e-1 / 9.1e-3, i8-f16 6.0e-3 / 6.4e-2 / 2.8e-3; K16/V8 on bias_rope: f16-e4m3 2.5e-2,
-#   f16-i8 6.0e-3 (as on N(0,1)).
+# Measured (D64, 8/2 heads, 1024 keys, Lq 2): N(0,1) / bias_rope plain / post-RoPE residual / pre-RoPE residual
+#   e4m3-e4m3 3.8e-2 / 3.5e-1 / 2.7e-2 / 2.6e-2, i8-i8 8.4e-3 / 6.4e-2 / 6.6e-3 / 8.0e-3 (transform; fp8 and
+#   int8 QK alike, post-RoPE), e4m3-f16 2.8e-2 / 3.5e-1 / 9.1e-3, i8-f16 6.0e-3 / 6.4e-2 / 2.8e-3; K16/V8 on
+#   bias_rope: f16-e4m3 2.5e-2, f16-i8 6.0e-3 (as on N(0,1)).
 @pytest.mark.parametrize("fmt, qk, control", [("e4m3-e4m3", "transform", "f16-e4m3"), ("e4m3-e4m3", "fp8", "f16-e4m3"),
                                               ("i8-i8", "transform", "f16-i8"), ("i8-i8", "int8", "f16-i8"),
                                               ("e4m3-f16", "transform", "f16-e4m3"), ("i8-f16", "transform", "f16-i8")])
 def test_bias_rope_gate(fmt, qk, control):
-    """On the bias_rope preset plain K8 is several times worse than K16/V8, and the post-RoPE residual is within
+    """On the bias_rope preset plain K8 is several times worse than K16/V8, and both residual layouts are within
     2x of the format's own N(0,1) error."""
     errors = _bias_rope_errors(fmt, qk, 31)
     k16 = _bias_rope_errors(control, "transform", 31, layouts=("plain",))["plain"]
     assert errors["plain"] > 4 * k16, (errors, k16)
     assert errors["post-rope"] < 2 * errors["normal"], errors
+    assert errors.get("pre-rope", 0) < 2 * errors["normal"], errors
+
+
+@pytest.mark.parametrize("style, rotary_dim", [("neox", 64), ("gptj", 32), ("neox", 32)])
+def test_pre_rope_keys_are_stored_unrotated_and_turned_on_chip(style, rotary_dim):
+    """Pre-RoPE keys: the cache stores k_pre - b (no positions), dequantizes to R_p (stored + b) = the rotated key
+    to the residual's rounding; the emulator turns the codes per key (rounded to fp16) within its arithmetic of
+    FP64 on the cache; the 8-bit QK paths are refused."""
+    rng = np.random.default_rng(22)
+    rope = RoPE(rotary_dim=rotary_dim, style=style, max_positions=1024)
+    table = rope.resolved(HEAD_DIM, 1024).table()
+    bias = (rng.standard_normal((KV_HEADS, HEAD_DIM)) * 30).astype(np.float32)
+    k_pre = (rng.standard_normal((500, KV_HEADS, HEAD_DIM)) + bias).astype(np.float16)
+    v = rng.standard_normal((500, KV_HEADS, HEAD_DIM)).astype(np.float16)
+    cache, table_ids, lens = _write("i8-f16", k_pre, v, rope=rope, bias=bias, layout="pre-rope")
+    plain, *_ = _write("i8-f16", k_pre, v, bias=bias)
+    np.testing.assert_array_equal(cache.k, plain.k)  # k_pre - b coded as the pre-bias residual without RoPE
+    rotated = rotate_exact(k_pre.astype(np.float64).transpose(1, 0, 2), rope.resolved(HEAD_DIM, 1024), table)
+    assert np.abs(cache.dequantize("k", table_ids[0], 500) - rotated).max() < 0.05
+    q = rng.standard_normal((1, 4, 2, HEAD_DIM)).astype(np.float16)
+    out = emu.emulate(q, cache, table_ids, lens, splits=2)
+    assert metrics.compare(out, emu.reference(q, cache, table_ids, lens)).rel_l2 < 1e-3
+    with pytest.raises(ValueError, match="^qk: a pre-RoPE cache turns its codes on chip"):
+        emu.emulate(q, cache, table_ids, lens, qk="int8")
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    ({"k": "i8", "rope": RoPE()}, "^rope: the post-RoPE residual K is for an 8-bit K .* with a k_bias"),
-    ({"k": "f16", "rope": RoPE(), "k_bias": np.ones((2, 64))}, "^rope: the post-RoPE residual K is for an 8-bit K"),
+    ({"k": "i8", "rope": RoPE()}, "^rope: the residual K under RoPE is for an 8-bit K .* with a k_bias"),
+    ({"k": "f16", "rope": RoPE(), "k_bias": np.ones((2, 64))}, "^rope: the residual K under RoPE is for an 8-bit K"),
     ({"k": "i8", "rope": "neox", "k_bias": np.ones((2, 64))}, "^rope: expected None or a qattn.RoPE"),
     ({"k": "i8", "rope": RoPE(rotary_dim=8), "k_bias": np.ones((2, 64))}, "^rope: rotary_dim must be"),
 ])
 def test_cache_rope_arguments_are_checked(kwargs, words):
     with pytest.raises(ValueError, match=words):
         qattn.PagedKVCache(4, PAGE, KV_HEADS, HEAD_DIM, v="i8", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"k_bias_layout": "pre"}, "^k_bias_layout: expected one of 'post-rope', 'pre-rope', got 'pre'"),
+    ({"k_bias_layout": "pre-rope", "rope": None}, "^k_bias_layout: 'pre-rope' keys are turned by the cache's RoPE"),
+    ({"k_bias_layout": "pre-rope", "k_mean": "page"}, "^k_bias_layout: 'pre-rope' keys take neither k_mean nor"),
+    ({"k_bias_layout": "pre-rope", "k_balance": "calibrate"}, "^k_bias_layout: 'pre-rope' keys take neither"),
+])
+def test_bias_layouts_are_checked(kwargs, words):
+    options = {"k": "i8", "v": "i8", "k_bias": np.ones((2, 64)), "rope": RoPE(), **kwargs}
+    with pytest.raises(ValueError, match=words):
+        qattn.PagedKVCache(4, PAGE, KV_HEADS, HEAD_DIM, **options)
+    host = {name: options[name] for name in ("k_bias", "rope", "k_bias_layout")}
+    with pytest.raises(ValueError, match=words):
+        HostPagedCache.empty("i8-i8", 4, PAGE, KV_HEADS, HEAD_DIM, k_mean=options.get("k_mean", "off"),
+                             k_balance=options.get("k_balance"), **host)
 
 
 def test_host_writes_need_positions_with_rope_only():
@@ -157,7 +202,10 @@ def test_host_writes_need_positions_with_rope_only():
         HostPagedCache.empty("i8-i8", 2, PAGE, KV_HEADS, HEAD_DIM, k_bias=bias, rope=RoPE()).write(k, k, np.arange(3))
     with pytest.raises(ValueError, match="^positions: expected the tokens' positions"):
         HostPagedCache.empty("i8-i8", 2, PAGE, KV_HEADS, HEAD_DIM).write(k, k, np.arange(3), positions=np.arange(3))
-    with pytest.raises(ValueError, match="^rope: the post-RoPE residual K is for an 8-bit K"):
+    pre = HostPagedCache.empty("i8-i8", 2, PAGE, KV_HEADS, HEAD_DIM, k_bias=bias, rope=RoPE(), k_bias_layout="pre-rope")
+    with pytest.raises(ValueError, match="^positions: expected the tokens' positions"):
+        pre.write(k, k, np.arange(3), positions=np.arange(3))
+    with pytest.raises(ValueError, match="^rope: the residual K under RoPE is for an 8-bit K"):
         HostPagedCache.empty("f16-i8", 2, PAGE, KV_HEADS, HEAD_DIM, k_bias=bias, rope=RoPE())
 
 
@@ -168,6 +216,13 @@ def test_rope_specs_name_and_refuse():
     assert "krope" not in off.name and "rope" not in render(off)
     with pytest.raises(ValueError, match="^k_rope: the HIP decode kernel and writer keep no post-RoPE bias term"):
         KernelSpec(kind="decode", recipe="i8-i8", backend="hip", arch="gfx942", options={"k_rope": "post"})
+    assert "_krope-pre_transform_" in KernelSpec(kind="decode", recipe="i8-i8", arch="sm_90a",
+                                                 options={"k_rope": "pre", "qk": "transform"}).name
+    for options, words in (({"qk": "int8"}, "^qk: the pre-RoPE residual K turns each key's codes on chip"),
+                           ({"k_mean": "page"}, "^k_mean: the pre-RoPE residual K takes k_mean 'off'"),
+                           ({"k_balance": "on"}, "^k_balance: the pre-RoPE residual K takes k_balance 'off'")):
+        with pytest.raises(ValueError, match=words):
+            KernelSpec(kind="decode", recipe="i8-i8", arch="sm_90a", options={"k_rope": "pre", **options})
 
 
 @pytest.mark.parametrize("fmt, arch, paths, spills", [("i8-i8", "sm_90a", ("transform", "int8"), 0),
@@ -190,6 +245,18 @@ def test_rope_kernels_compile(fmt, arch, paths, spills):
         assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in binary.ptx
 
 
+@pytest.mark.parametrize("fmt, arch", [("i8-i8", "sm_90a"), ("e4m3-bf16", "sm_89"), ("i8-f16", "sm_80")])
+def test_pre_rope_kernels_compile_without_spills(fmt, arch):
+    """The pre-RoPE kernel (codes turned on chip on the transform path; three blocks per SM at d128, so up to
+    168 registers) and its writer (the plain pre-bias residual writer) stay out of local memory."""
+    spec = KernelSpec(kind="decode", recipe=fmt, head_dim=128, arch=arch, options={"k_rope": "pre"})
+    source = render(spec)
+    assert "rotated_run" in source and "const int* __restrict__ positions" not in source
+    for entry in ("_f16", "_bf16", "_write_f16_i32"):
+        binary = compile_cuda(source, arch, spec.name, entry=f"qattn_{spec.name.replace('-', '_')}{entry}")
+        assert binary.resources["spill_stores"] == 0 and binary.resources["spill_loads"] == 0, (entry, binary.resources)
+
+
 def test_cli_rope(tmp_path):
     import json
 
@@ -203,11 +270,17 @@ def test_cli_rope(tmp_path):
     out = tmp_path / "r.json"
     result = runner.invoke(main, ["parity", "--kind", "decode", "-f", "i8-i8", "--shape", "300/2", "--heads", "4",
                                   "--kv-heads", "2", "-d", "64", "--backend", "numpy", "--preset", "bias_rope",
-                                  "--k-rope", "--qk", "transform", "--json", str(out)])
+                                  "--k-rope", "post", "--qk", "transform", "--json", str(out)])
     assert result.exit_code == 0, result.output
     record = json.loads(out.read_text())[0]
-    assert record["k_rope"] is True and record["passed"] and "post-RoPE residual K" in result.output
+    assert record["k_rope"] == "post" and record["passed"] and "post-RoPE residual K" in result.output
     assert record["format_rel_l2"] < 0.02
+    result = runner.invoke(main, ["parity", "--kind", "decode", "-f", "i8-i8", "--shape", "300/2", "--heads", "4",
+                                  "--kv-heads", "2", "-d", "64", "--backend", "numpy", "--preset", "bias_rope",
+                                  "--k-rope", "pre", "--qk", "transform", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    record = json.loads(out.read_text())[0]
+    assert record["k_rope"] == "pre" and record["passed"] and record["format_rel_l2"] < 0.02
     refused = runner.invoke(main, ["parity", "--kind", "decode", "-f", "i8-i8", "--shape", "300/2", "--backend", "numpy",
-                                   "--k-rope"])
+                                   "--k-rope", "post"])
     assert refused.exit_code != 0 and "k_rope: the data (N(0,1)) has no RoPE" in refused.output

@@ -1,7 +1,7 @@
-"""The post-RoPE pre-bias residual K (rope=qattn.RoPE(...)) on the GPU: the writer's bytes against the host
-model, every QK path against its emulator (rel_l2 1e-3) over formats, GQA, Lq, tails, page sizes, styles and
-partial rotary, with and without page means and balancing, the bias_rope preset against FP64 on the original
-K/V, and a decode step in a CUDA graph."""
+"""The pre-bias residual K under RoPE (rope=qattn.RoPE(...)) on the GPU, post-RoPE keys and pre-RoPE keys: the
+writer's bytes against the host model, every QK path against its emulator (rel_l2 1e-3) over formats, GQA, Lq,
+tails, page sizes, styles and partial rotary, with and without page means and balancing (post-RoPE), the
+bias_rope preset against FP64 on the original K/V, and a decode step in a CUDA graph."""
 from __future__ import annotations
 
 import numpy as np
@@ -24,11 +24,12 @@ def _dtype(fmt: str):
 
 
 def _rope_filled(fmt, *, lens, rope, kv_heads=2, head_dim=128, page_size=16, scale="token", k_mean="off",
-                 k_balance=None, seed=0, slot_dtype=np.int32):
-    """A post-RoPE GPU cache and its host model written alike: K = RoPE(N(0,1) + b) with a large b (its norm
-    30x the token-varying part's), rotated by data._rotate at the positions 0..L-1, every sequence's prompt
-    (its first quarter) in one write and then 64 tokens of each sequence a write (pages shuffled); plus the
-    table, the lengths and the original K/V per sequence."""
+                 k_balance=None, seed=0, slot_dtype=np.int32, layout="post-rope"):
+    """A GPU cache of the residual K under RoPE and its host model written alike: K = RoPE(N(0,1) + b) with a
+    large b (its norm 30x the token-varying part's), rotated by data._rotate at the positions 0..L-1 (the
+    post-RoPE keys written with their positions, or the keys before RoPE for layout "pre-rope"), every
+    sequence's prompt (its first quarter) in one write and then 64 tokens of each sequence a write (pages
+    shuffled); plus the table, the lengths and the original (rotated) K and V per sequence."""
     import cupy
 
     from qattn.data import _rotate
@@ -39,12 +40,13 @@ def _rope_filled(fmt, *, lens, rope, kv_heads=2, head_dim=128, page_size=16, sca
     num_pages = len(lens) * max_pages + 3
     bias = rng.standard_normal((kv_heads, head_dim)).astype(np.float32)
     bias *= 30 * np.sqrt(head_dim) / np.linalg.norm(bias, axis=-1, keepdims=True)
-    options = dict(k_bias=bias, k_mean=k_mean, k_balance=k_balance, rope=rope)
+    options = dict(k_bias=bias, k_mean=k_mean, k_balance=k_balance, rope=rope, k_bias_layout=layout)
+    post = layout == "post-rope"
     cache = qattn.PagedKVCache(num_pages, page_size, kv_heads, head_dim, k=k_side, v=v_side, scale=scale, **options)
     host = HostPagedCache.empty(fmt, num_pages, page_size, kv_heads, head_dim, scale, **options)
     table = rng.permutation(num_pages)[:len(lens) * max_pages].reshape(len(lens), max_pages).astype(np.int32)
     dtype = _dtype(fmt)
-    ks, vs, slots = [], [], []
+    ks, stored, vs, slots = [], [], [], []
     for b, n in enumerate(lens):
         pre = rng.standard_normal((kv_heads, n, head_dim)).astype(np.float32) + bias[:, None]
         rotated = pre.copy()
@@ -55,20 +57,21 @@ def _rope_filled(fmt, *, lens, rope, kv_heads=2, head_dim=128, page_size=16, sca
             order = np.concatenate([np.arange(0, dim, 2), np.arange(1, dim, 2)])
             rotated[..., order] = _rotate(pre[..., order], np.arange(n), rope.theta)
         ks.append(rotated.transpose(1, 0, 2).astype(dtype))
+        stored.append((rotated if post else pre).transpose(1, 0, 2).astype(dtype))
         vs.append(rng.standard_normal((n, kv_heads, head_dim)).astype(dtype))
         slots.append((table[b, np.arange(n) // page_size] * page_size + np.arange(n) % page_size).astype(slot_dtype))
     bounds = [[0, n // 4] + list(range(n // 4 + 64, n, 64)) + [n] for n in lens]
     for w in range(max(len(b) for b in bounds) - 1):
         live = [i for i, b in enumerate(bounds) if w + 1 < len(b)]
         parts = [slice(bounds[i][w], bounds[i][w + 1]) for i in live]
-        k = np.concatenate([ks[i][p] for i, p in zip(live, parts)])
+        k = np.concatenate([stored[i][p] for i, p in zip(live, parts)])
         v = np.concatenate([vs[i][p] for i, p in zip(live, parts)])
         s = np.concatenate([slots[i][p] for i, p in zip(live, parts)])
         pos = np.concatenate([np.arange(p.start, p.stop) for p in parts]).astype(slot_dtype)
         if len(s) == 0:
             continue
-        cache.write(cupy.asarray(k), cupy.asarray(v), cupy.asarray(s), positions=cupy.asarray(pos))
-        host.write(k, v, s, scale=scale, positions=pos)
+        cache.write(cupy.asarray(k), cupy.asarray(v), cupy.asarray(s), positions=cupy.asarray(pos) if post else None)
+        host.write(k, v, s, scale=scale, positions=pos if post else None)
     return (cache, host, table, np.asarray(lens, np.int32), [k.astype(np.float64).transpose(1, 0, 2) for k in ks],
             [v.astype(np.float64).transpose(1, 0, 2) for v in vs])
 
@@ -126,11 +129,41 @@ def test_rope_decode_matches_emulator(fmt, path, head_dim, group, lq, page_size,
             assert metrics.compare(got, dense).rel_l2 < 2e-2, (splits, metrics.compare(got, dense))
 
 
+@pytest.mark.parametrize("fmt, path", [("i8-i8", "transform"), ("e4m3-e4m3", "transform"), ("i8-f16", "transform"),
+                                       ("e4m3-bf16", "transform")])
+@pytest.mark.parametrize("head_dim, group, lq, page_size, rope", [
+    (128, 4, 1, 16, qattn.RoPE()), (64, 8, 2, 32, qattn.RoPE(rotary_dim=32, style="gptj")),
+    (128, 1, 5, 64, qattn.RoPE(theta=1e6, rotary_dim=64)), (256, 4, 3, 128, qattn.RoPE(style="gptj"))])
+def test_pre_rope_decode_matches_emulator(fmt, path, head_dim, group, lq, page_size, rope):
+    """Pre-RoPE keys (k_pre - b stored, codes turned on chip): the writer's bytes are the host model's, and decode
+    over tails, one, three and automatic splits is within rel_l2 1e-3 of the emulator (its LSE too)."""
+    import cupy
+
+    cache, host, table, lens, ks, vs = _rope_filled(fmt, lens=[1 + lq, 777, 2100], rope=rope, head_dim=head_dim,
+                                                    page_size=page_size, layout="pre-rope")
+    np.testing.assert_array_equal(cache.host().k, host.k)
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((3, 2 * group, lq, head_dim)).astype(_dtype(fmt))
+    qd, td, ld = cupy.asarray(q), cupy.asarray(table), cupy.asarray(lens)
+    for splits in (1, 3, None):
+        out = cupy.full(q.shape, np.nan, dtype=qd.dtype)
+        got, lse = qattn.decode(qd, cache, td, ld, splits=splits, out=out, return_lse=True)
+        got = cupy.asnumpy(got).astype(np.float32)
+        assert not np.isnan(got).any(), "an output element was left unwritten"
+        used = splits if splits is not None else qattn.formats.decode.host.splits_for(cache, 3, 2 * group, lq,
+                                                                                       table.shape[1])
+        want, want_lse = emu.emulate(q, host, table, lens, splits=used, return_lse=True, qk=path)
+        assert metrics.compare(got, want).rel_l2 <= EMU_REL_L2, (splits, metrics.compare(got, want))
+        np.testing.assert_allclose(cupy.asnumpy(lse), want_lse, rtol=2e-3, atol=2e-3)
+    with pytest.raises(ValueError, match="^qk: the pre-RoPE residual K"):
+        qattn.decode(qd, cache, td, ld, qk="int8" if fmt.startswith("i8") else "fp8")
+
+
 @pytest.mark.parametrize("fmt, control", [("i8-i8", "f16-i8"), ("e4m3-e4m3", "f16-e4m3")])
 def test_bias_rope_preset_on_the_gpu(fmt, control):
     """The bias_rope preset through tools/parity's check: plain K8 several times worse than K16/V8 against the
-    original K/V, the post-RoPE residual K within 2x of the format's N(0,1) error, the kernel within the
-    format's tolerance of FP64 on the cache."""
+    original K/V, both residual layouts within 2x of the format's N(0,1) error, the kernel within the format's
+    tolerance of FP64 on the cache."""
     from qattn.formats.decode.parity import check
 
     def run(f, **options):
@@ -140,8 +173,9 @@ def test_bias_rope_preset_on_the_gpu(fmt, control):
         return record["format_rel_l2"]
 
     plain, k16 = run(fmt, preset="bias_rope"), run(control, preset="bias_rope")
-    residual, normal = run(fmt, preset="bias_rope", k_rope=True), run(fmt)
-    assert plain > 4 * k16 and residual < 2 * normal, (plain, k16, residual, normal)
+    post, pre = (run(fmt, preset="bias_rope", k_rope=layout) for layout in ("post", "pre"))
+    normal = run(fmt)
+    assert plain > 4 * k16 and post < 2 * normal and pre < 2 * normal, (plain, k16, post, pre, normal)
 
 
 def test_cuda_graph_capture_of_a_rope_decode_step():
@@ -184,7 +218,7 @@ def test_cuda_graph_capture_of_a_rope_decode_step():
 
 
 @pytest.mark.parametrize("call, words", [
-    (lambda c, k, s: c.write(k, k, s), "positions: a cache with rope needs each token's position"),
+    (lambda c, k, s: c.write(k, k, s), "positions: a cache of post-RoPE keys needs each token's position"),
     (lambda c, k, s: c.write(k, k, s, positions=s.astype("int64")), "positions: expected int32"),
 ])
 def test_rope_writes_check_positions(call, words):

@@ -98,7 +98,13 @@ def test_path_must_match_the_k_code():
 
 
 def test_cuda_family_takes_no_arch_refusal():
-    assert qattn.recipe("e4m3-e4m3", "decode").family("cuda").option_problem is None
+    """The CUDA family refuses no arch; its one option rule is pre-RoPE keys' (the transform path only)."""
+    from qattn.engine.family import CUDA_ARCHS
+
+    problem = qattn.recipe("e4m3-e4m3", "decode").family("cuda").option_problem
+    assert all(problem({"qk": qk, "k_rope": rope}, arch) is None for arch in CUDA_ARCHS
+               for qk in ("transform", "fp8") for rope in ("off", "post"))
+    assert problem({"qk": "fp8", "k_rope": "pre"}, "sm_90a").startswith("qk: the pre-RoPE residual K")
 
 
 # ---- compiled code ------------------------------------------------------------------------------

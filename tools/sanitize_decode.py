@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A small decode workload for compute-sanitizer: every decode format's writer (prompt runs and
 scattered single tokens; with and without a pre-bias residual K, and with page means, Q/K channel
-balancing and post-RoPE keys where K is 8-bit) and decode kernel on each of its QK
+balancing and post- and pre-RoPE keys where K is 8-bit) and decode kernel on each of its QK
 paths (GQA, speculative rows, short and empty sequences, one and several splits), each output checked
 against the emulator (rel_l2 1e-3) so a silent corruption fails.
 
@@ -35,24 +35,25 @@ def main() -> int:
     d, page, kv_heads = args.head_dim, 16, 2
     k_bias = rng.standard_normal((kv_heads, d)) * 4
     rope = qattn.RoPE(rotary_dim=d // 2, style="gptj")  # partial rotary: the constant part too
-    # (name, k_bias, k_mean, k_balance, rope): all but plain and bias for an 8-bit K only
-    options = (("plain", None, "off", None, None), ("bias", k_bias, "off", None, None),
-               ("mean", None, "page", None, None), ("bal", None, "off", "calibrate", None),
-               ("rope", k_bias, "off", None, rope), ("all", k_bias, "page", "calibrate", rope))
+    # (name, k_bias, k_mean, k_balance, rope, k_bias_layout): all but plain and bias for an 8-bit K only
+    options = (("plain", None, "off", None, None, "post-rope"), ("bias", k_bias, "off", None, None, "post-rope"),
+               ("mean", None, "page", None, None, "post-rope"), ("bal", None, "off", "calibrate", None, "post-rope"),
+               ("rope", k_bias, "off", None, rope, "post-rope"),
+               ("all", k_bias, "page", "calibrate", rope, "post-rope"), ("pre", k_bias, "off", None, rope, "pre-rope"))
     variants = ((f, *o) for f in args.format or FORMATS for o in options
                 if o[0] in ("plain", "bias") or f.split("-")[0] in EIGHT_BIT)
-    for fmt, variant, bias, k_mean, balance, key_rope in variants:
+    for fmt, variant, bias, k_mean, balance, key_rope, layout in variants:
         dtype = ml_dtypes.bfloat16 if "bf16" in fmt else np.float16
         lens = np.array([0, 5, 70, 300], np.int32)
         max_pages = -(-int(lens.max()) // page) + 1
         cache = qattn.PagedKVCache(4 * max_pages, page, kv_heads, d, k=fmt.split("-")[0], v=fmt.split("-")[1],
-                                   k_bias=bias, k_mean=k_mean, k_balance=balance, rope=key_rope)
+                                   k_bias=bias, k_mean=k_mean, k_balance=balance, rope=key_rope, k_bias_layout=layout)
         table = rng.permutation(4 * max_pages).reshape(4, max_pages).astype(np.int32)
         for b, n in enumerate(lens):
             k, v = (rng.standard_normal((n, kv_heads, d)).astype(dtype) for _ in range(2))
             k[:, :, :3] *= 40  # outlier channels: balancing gets α > 1
             slots = (table[b, np.arange(n) // page] * page + np.arange(n) % page).astype(np.int32)
-            positions = cupy.arange(n, dtype=cupy.int32) if key_rope is not None else None
+            positions = cupy.arange(n, dtype=cupy.int32) if key_rope is not None and layout == "post-rope" else None
             if n > 1:  # a prompt, then the last token on its own
                 cache.write(cupy.asarray(k[:-1]), cupy.asarray(v[:-1]), cupy.asarray(slots[:-1]),
                             positions=None if positions is None else positions[:-1])
@@ -60,7 +61,8 @@ def main() -> int:
                 cache.write(cupy.asarray(k[-1:]), cupy.asarray(v[-1:]), cupy.asarray(slots[-1:]),
                             positions=None if positions is None else positions[-1:])
         host = cache.host()
-        for (lq, splits), path in ((shape, path) for shape in ((1, 1), (3, 3), (2, None)) for path in qk_paths(fmt)):
+        paths = ("transform",) if layout == "pre-rope" else qk_paths(fmt)  # pre-RoPE keys: the transform path only
+        for (lq, splits), path in ((shape, path) for shape in ((1, 1), (3, 3), (2, None)) for path in paths):
             q = rng.standard_normal((4, 4 * kv_heads, lq, d)).astype(dtype)
             lens_q = np.maximum(lens, 0)
             out = qattn.decode(cupy.asarray(q), cache, cupy.asarray(table), cupy.asarray(lens_q), splits=splits,

@@ -46,8 +46,11 @@ large K bias before RoPE, so the cached key k = R_p(k_pre) carries R_p b, which 
 writer takes each token's position (``write(..., positions=)``: its index in its sequence) and stores
 k - R_p b; the decode kernel adds q·R_p b back per key, key j of a sequence at position j (its index in the
 sequence as the block table orders its pages): exact by construction, R_p being the map of decode.rope (fp32
-angles as HF computes them, fp16 cos/sin in a table of max_positions rows). The pre-RoPE layout (residual of
-k_pre stored, rotated on chip) is not built.
+angles as HF computes them, fp16 cos/sin in a table of max_positions rows). Pre-RoPE keys
+(``k_bias_layout="pre-rope"``: ``write`` takes k_pre, no positions): the writer stores k_pre - b and the
+kernel turns each key's codes by R_p on chip before QK (fp32, rounded to the query's type) and adds q·R_p b:
+the transform path only, without page means or balancing, and slower than post-RoPE keys (the rotation
+runs for every key of every query block).
 """
 from __future__ import annotations
 
@@ -60,7 +63,7 @@ from ...engine.arrays import as_device_array, launch_stream
 from ...engine.memory import capturing
 from ...engine.fragments import pv_key_slot
 from ...engine.packed import NULL, PackedLaunch, Pointer
-from .quant import QMAX, HostPagedCache, balance_factors, balance_inverse, checked_balance
+from .quant import QMAX, HostPagedCache, balance_factors, balance_inverse, checked_balance, checked_layout
 from .quant import PageMeans, mean_record, mean_terms, mean_values
 from .rope import RoPE, constant_bias, rotated_bias
 from .recipes import EIGHT_BIT, FORMATS, HALF, HEAD_DIMS, K_MEANS, PAGE_SIZES, SCALE_MODES, resolve_qk
@@ -94,7 +97,8 @@ class PagedKVCache:
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, *, k: str = "f16",
                  v: str = "f16", scale: str = "token", k_scale=None, v_scale=None, k_bias=None,
-                 k_mean: str = "off", k_balance=None, rope: RoPE | None = None, device: int | None = None):
+                 k_mean: str = "off", k_balance=None, rope: RoPE | None = None, k_bias_layout: str = "post-rope",
+                 device: int | None = None):
         import cupy
 
         self.num_pages = _positive(num_pages, "num_pages")
@@ -131,11 +135,12 @@ class PagedKVCache:
             if not isinstance(rope, RoPE):
                 raise ValueError(f"rope: expected None or a qattn.RoPE, got {rope!r}")
             if k_bias is None or k not in EIGHT_BIT:
-                raise ValueError(f"rope: the post-RoPE residual K is for an 8-bit K ({' or '.join(EIGHT_BIT)}) with a "
+                raise ValueError(f"rope: the residual K under RoPE is for an 8-bit K ({' or '.join(EIGHT_BIT)}) with a "
                                  f"k_bias (the K bias added before RoPE); got k={k!r}, k_bias "
                                  f"{'given' if k_bias is not None else 'None'}")
             rope = rope.resolved(int(head_dim), self.num_pages * int(page_size))
-        self.rope = rope
+        checked_layout(k_bias_layout, rope, k_mean, k_balance)
+        self.rope, self.k_bias_layout = rope, k_bias_layout
         self.page_size, self.head_dim, self.scale, self.k_mean = int(page_size), int(head_dim), scale, k_mean
         self.k_dtype, self.v_dtype = k, v
         with cupy.cuda.Device(device if device is not None else cupy.cuda.Device().id) as dev:
@@ -207,11 +212,11 @@ class PagedKVCache:
             with cupy.cuda.Device(self.device):
                 arch = device_arch()
         options = {"page_size": self.page_size, "scale_mode": self.scale}
-        path = resolve_qk(self.format, arch, qk)
+        path = "transform" if self.pre_rope and qk == "auto" else resolve_qk(self.format, arch, qk)
         if self.k_dtype in EIGHT_BIT:
             options["qk"], options["k_mean"] = path, self.k_mean
             options["k_balance"] = "off" if self.k_balance is None else "on"
-            options["k_rope"] = "off" if self.rope is None else "post"
+            options["k_rope"] = "off" if self.rope is None else "pre" if self.pre_rope else "post"
         return KernelSpec(kind="decode", recipe=self.format, head_dim=self.head_dim, arch=arch, options=options,
                           **({"tile": tile} if tile is not None else {}))
 
@@ -230,8 +235,8 @@ class PagedKVCache:
     def write(self, k, v, slots, *, positions=None, stream=None) -> None:
         """Quantize and scatter new tokens k, v [T, kv_heads, head_dim] (fp16 or bf16, any token and
         head strides, channels contiguous) into slots [T] (int32 or int64, on the same GPU), in one
-        launch on the caller's stream (torch's current stream for torch tensors); with rope, each token's
-        position [T] (its index in its sequence; the dtype of slots) as positions. With head scales
+        launch on the caller's stream (torch's current stream for torch tensors); with post-RoPE keys, each
+        token's position [T] (its index in its sequence; the dtype of slots) as positions. With head scales
         not given (or k_balance="calibrate"), the first write also computes them from its k and v (a few
         more launches, once)."""
         example = k
@@ -281,15 +286,21 @@ class PagedKVCache:
                     "pos": 0 if positions is None else positions.data.ptr, **self.k_term_pointers()}
         launch(pointers, stream_ptr)
 
+    @property
+    def pre_rope(self) -> bool:
+        return self.rope is not None and self.k_bias_layout == "pre-rope"
+
     def _checked_positions(self, positions, slots):
         """positions as the writer reads them: given (with the slots' dtype and shape, on the cache's GPU) iff
-        the cache has RoPE."""
-        if self.rope is None:
+        the cache holds post-RoPE keys."""
+        if self.rope is None or self.pre_rope:
             if positions is not None:
-                raise ValueError("positions: only a cache with rope takes the tokens' positions")
+                raise ValueError("positions: only a cache of post-RoPE keys (rope=, k_bias_layout='post-rope') takes "
+                                 "the tokens' positions")
             return None
         if positions is None:
-            raise ValueError("positions: a cache with rope needs each token's position (its index in its sequence)")
+            raise ValueError("positions: a cache of post-RoPE keys needs each token's position (its index in its "
+                             "sequence)")
         positions = as_device_array(positions, "positions")
         if positions.shape != slots.shape or positions.dtype != slots.dtype or positions.data.device_id != self.device:
             raise ValueError(f"positions: expected {slots.dtype.name} {slots.shape} on device {self.device} (as slots), "
@@ -304,7 +315,8 @@ class PagedKVCache:
                 Pointer("ks") if not head else Pointer(None), Pointer("vs") if not head else Pointer(None),
                 Pointer("ks") if head else Pointer(None), Pointer("vs") if head else Pointer(None), Pointer("kb"),
                 *self._mean_args(), *((Pointer("kr"),) if self.k_balance is not None else ()),
-                *((Pointer("rt"), Pointer("pos"), *self._rope_ints()) if self.rope is not None else ()),
+                *((Pointer("rt"), Pointer("pos"), *self._rope_ints()) if self.rope is not None and not self.pre_rope
+                  else ()),
                 np.int64(k.strides[0] // 2), np.int64(k.strides[1] // 2), np.int64(v.strides[0] // 2),
                 np.int64(v.strides[1] // 2), np.int32(tokens), np.int32(self.kv_heads))
         return PackedLaunch(kernel.function(suffix), (-(-tokens // WRITE_TOKENS), self.kv_heads, 1), 32 * WRITE_WARPS, 0,
@@ -336,13 +348,13 @@ class PagedKVCache:
         return {name: 0 if x is None else x.data.ptr for name, x in buffers.items()}
 
     def _residual(self, k, positions):
-        """K - b in fp32 (K with no bias; K - R_p b with RoPE), as the writer computes it."""
+        """K - b in fp32 (K with no bias; K - R_p b with post-RoPE keys), as the writer computes it."""
         import cupy
 
         x = k.astype("float32")
         if self.k_bias is None:
             return x
-        if self.rope is None:
+        if self.rope is None or self.pre_rope:
             return x - self.k_bias[None]
         return x - rotated_bias(self.k_bias, self.rope, self.rope_table, positions, cupy)
 
@@ -421,4 +433,4 @@ class PagedKVCache:
         return HostPagedCache(self.format, self.page_size, values(self.k_pool, self.k_dtype, False),
                               values(self.v_pool, self.v_dtype, True), scales(self.k_scale), scales(self.v_scale),
                               scales(self.k_bias), means, scales(self.k_balance), self.rope,
-                              None if self.rope is None else cupy.asnumpy(self.rope_table))
+                              None if self.rope is None else cupy.asnumpy(self.rope_table), self.k_bias_layout)

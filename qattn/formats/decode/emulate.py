@@ -16,7 +16,8 @@ also gains q·(its page's mean codes) (fp32, from the 16-bit query values) times
 in fp32 rounded to the query's type (transform path) or quantized (8-bit paths); q·b and q·μ_page take
 q as given. With RoPE (post-RoPE keys: the cache holds K - R_p b), q·b of the non-rotary channels is the
 row's constant and each key gains its table row p dotted with rope.score_terms (fp16 hi + lo parts of
-the per-pair u_i, w_i), as the kernel's fp16 MMA sums it.
+the per-pair u_i, w_i), as the kernel's fp16 MMA sums it; with pre-RoPE keys (transform path only) the
+K codes of key j are also turned by its table row (rope.rotated_codes) before the QK product.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from ...check.quant import LOG2E
 from ...check.reference import attention as reference_attention
 from ...engine.arrays import numpy_dtype
 from .quant import HostPagedCache, quantize_tokens
-from .rope import constant_bias, score_terms
+from .rope import constant_bias, rotated_codes, score_terms
 from .recipes import QK_CODE
 
 F32 = np.float32
@@ -82,6 +83,8 @@ def emulate(q, cache: HostPagedCache, block_table, seq_lens, *, splits: int = 1,
     rounded to q.dtype's 16-bit type: float16 unless q is bfloat16)."""
     if qk != "transform" and QK_CODE.get(qk) != cache.fmt.split("-")[0]:
         raise ValueError(f"qk: {cache.fmt} has no {qk!r} path")
+    if qk != "transform" and cache.pre_rope:
+        raise ValueError(f"qk: a pre-RoPE cache turns its codes on chip: the transform path only, got {qk!r}")
     q = np.asarray(q)
     half = q.dtype if q.dtype in (np.float16, numpy_dtype("bfloat16")) else np.dtype(np.float16)
     b_count, hq, lq, d = q.shape
@@ -98,6 +101,8 @@ def emulate(q, cache: HostPagedCache, block_table, seq_lens, *, splits: int = 1,
     for b in range(b_count):
         length = int(lens[b])
         k_vals, k_scale = cache.gather("k", table[b], length)
+        if cache.pre_rope:
+            k_vals = rotated_codes(k_vals, cache.rope, cache.rope_table, half)
         v_vals, v_scale = cache.gather("v", table[b], length)
         for h in range(hkv):
             heads = q[b, h * group:(h + 1) * group].astype(half)  # [g, Lq, D]

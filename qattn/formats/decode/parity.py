@@ -5,8 +5,10 @@ dequantized cache (the kernel's arithmetic, judged by the format's tolerance) an
 fp16 K/V (the format's own cost, reported as format_rel_l2). An 8-bit K is read on one QK path (qk:
 "auto" resolves to the path a call runs on the GPU, or on the CPU to the arch given). With page means
 (k_mean "page") the cache is written as an engine fills it, a prompt and then pieces (WRITE_PIECE
-tokens of every sequence a write), so that later pages start from a running mean. With k_rope the keys are
-post-RoPE (the bias_rope preset): the cache stores K - R_p b and adds q·R_p b back per key."""
+tokens of every sequence a write), so that later pages start from a running mean. With k_rope (the bias_rope
+preset) the cache holds the residual K under RoPE: "post" writes the post-RoPE keys (K - R_p b stored, q·R_p b
+added back per key), "pre" the keys before RoPE (k_pre - b stored, turned on chip); both are compared with the
+post-RoPE K."""
 from __future__ import annotations
 
 import math
@@ -27,7 +29,7 @@ WRITE_PIECE = 256  # tokens per sequence of each write after the first, with pag
 def _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, preset, seed):
     """q [B, Hq, Lq, D] and the tokens k, v [B, L, Hkv, D] in the format's query type, the K
     bias of the data ([Hkv, D] fp32: the preset's own, else K's channel mean over every token) and the
-    data's RoPE base (None without RoPE)."""
+    data's RoPE base and its K before RoPE ([B, L, Hkv, D]; None without RoPE)."""
     dtype = numpy_dtype(recipe(fmt, "decode").input_dtypes[0])
     if preset is None:
         rng = np.random.default_rng(seed)
@@ -41,19 +43,20 @@ def _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, preset, seed):
         q, k, v = x["q"], x["k"].transpose(0, 2, 1, 3), x["v"].transpose(0, 2, 1, 3)
         if "k_bias" in x:
             theta = float(x["rope_theta"]) if "rope_theta" in x else None
-            return q.astype(dtype), k.astype(dtype), v.astype(dtype), x["k_bias"].astype(np.float32), theta
-    return q.astype(dtype), k.astype(dtype), v.astype(dtype), k.astype(np.float32).mean(axis=(0, 1)), None
+            k_pre = x["k_pre"].transpose(0, 2, 1, 3).astype(dtype) if "k_pre" in x else None
+            return q.astype(dtype), k.astype(dtype), v.astype(dtype), x["k_bias"].astype(np.float32), theta, k_pre
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), k.astype(np.float32).mean(axis=(0, 1)), None, None
 
 
 def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, heads: int = 8, kv_heads: int = 8,
           head_dim: int = 128, page_size: int = 32, scale: str = "token", preset: str | None = None, seed: int = 0,
           time_it: bool = True, qk: str = "auto", arch: str | None = None, k_bias: bool = False,
-          k_mean: str = "off", k_balance: bool = False, k_rope: bool = False) -> dict:
+          k_mean: str = "off", k_balance: bool = False, k_rope: str = "off") -> dict:
     """One record (JSON-ready apart from non-finite floats) for fmt at ctx cached tokens per sequence,
     the last `queries` of them new (bottom-right causal among them). k_bias: a pre-bias residual K
     cache, given the data's K bias (see _inputs); k_mean: "page" for page means (an 8-bit K); k_balance:
-    Q/K channel balancing of an 8-bit K, α calibrated from the first write; k_rope: the post-RoPE residual K
-    (an 8-bit K; data with RoPE and a K bias: the bias_rope preset)."""
+    Q/K channel balancing of an 8-bit K, α calibrated from the first write; k_rope: "post" or "pre", the
+    residual K under RoPE of post- or pre-RoPE keys (an 8-bit K; data with RoPE and a K bias: bias_rope)."""
     if queries > ctx:
         raise ValueError(f"shape: {queries} new tokens need at least as many cached ones, got ctx {ctx}")
     if backend == "cuda" and arch is None:
@@ -61,12 +64,16 @@ def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, hea
 
         arch = device_arch()
     qk = resolve_qk(fmt, arch or "sm_90a", qk)
-    q, k, v, bias, theta = _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, preset, seed)
-    if k_rope and theta is None:
+    q, k, v, bias, theta, k_pre = _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, preset, seed)
+    if k_rope not in ("off", "post", "pre"):
+        raise ValueError(f"k_rope: expected 'off', 'post' or 'pre', got {k_rope!r}")
+    if k_rope != "off" and theta is None:
         raise ValueError(f"k_rope: the data ({preset or 'N(0,1)'}) has no RoPE; the bias_rope preset has")
-    bias = bias if k_bias or k_rope else None
+    bias = bias if k_bias or k_rope != "off" else None
     balance = "calibrate" if k_balance else None
-    rope = RoPE(theta=theta) if k_rope else None
+    rope = RoPE(theta=theta) if k_rope != "off" else None
+    layout = "pre-rope" if k_rope == "pre" else "post-rope"
+    stored = k_pre if k_rope == "pre" else k  # what the cache is written with
     pages_per_seq = -(-ctx // page_size)
     rng = np.random.default_rng([seed, 1])
     table = rng.permutation(batch * pages_per_seq).reshape(batch, pages_per_seq).astype(np.int32)
@@ -74,16 +81,17 @@ def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, hea
     slots = (table[:, tokens // page_size] * page_size + tokens % page_size).astype(np.int64)
     lens = np.full(batch, ctx, np.int32)
     positions = np.broadcast_to(tokens, (batch, ctx))
-    writes = [_write_tokens(x, ctx if k_mean == "off" else max(1, ctx // 4)) for x in (k, v, slots, positions)]
+    writes = [_write_tokens(x, ctx if k_mean == "off" else max(1, ctx // 4)) for x in (stored, v, slots, positions)]
+    post = k_rope == "post"
     ms, kernel = None, None
     if backend == "cuda":
         out, ms, kernel, host = _run_cuda(fmt, q, writes, table, lens, page_size, scale, time_it, qk, bias, k_mean,
-                                          balance, rope)
+                                          balance, rope, layout)
     else:
         host = HostPagedCache.empty(fmt, batch * pages_per_seq, page_size, kv_heads, head_dim, scale, k_bias=bias,
-                                    k_mean=k_mean, k_balance=balance, rope=rope)
+                                    k_mean=k_mean, k_balance=balance, rope=rope, k_bias_layout=layout)
         for wk, wv, ws, wp in zip(*writes):
-            host.write(wk, wv, ws, scale=scale, positions=wp if rope is not None else None)
+            host.write(wk, wv, ws, scale=scale, positions=wp if post else None)
         out = emulate.emulate(q, host, table, lens, qk=qk)
     ref = emulate.reference(q, host, table, lens)
     dense = emulate.reference_dense(q, [x.transpose(1, 0, 2) for x in k.astype(np.float64)],
@@ -97,7 +105,7 @@ def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, hea
         "kind": "decode", "format": fmt, "ctx": ctx, "queries": queries, "batch": batch, "heads": heads,
         "kv_heads": kv_heads, "head_dim": head_dim, "page_size": page_size, "scale": scale,
         "data": preset or "normal", "backend": backend, "kernel": kernel, "qk": qk, "k_bias": bias is not None,
-        "k_mean": k_mean, "k_balance": balance is not None, "k_rope": rope is not None,
+        "k_mean": k_mean, "k_balance": balance is not None, "k_rope": k_rope,
         "input_dtype": recipe(fmt, "decode").input_dtypes[0], "seed": seed,
         "max_rel": err.max_rel, "rel_l2": err.rel_l2, "cos": err.cos, "nonfinite": err.nonfinite,
         "worst_index": list(err.worst_index), "failures": metrics.failures(out32, ref, tol.max_rel),
@@ -115,7 +123,7 @@ def _write_tokens(x, first: int) -> list:
     return [x[:, lo:hi].reshape(-1, *x.shape[2:]) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
 
 
-def _run_cuda(fmt, q, writes, table, lens, page_size, scale, time_it, qk, bias, k_mean, balance, rope):
+def _run_cuda(fmt, q, writes, table, lens, page_size, scale, time_it, qk, bias, k_mean, balance, rope, layout):
     import cupy
 
     from ...bench.timing import time_cuda
@@ -125,10 +133,10 @@ def _run_cuda(fmt, q, writes, table, lens, page_size, scale, time_it, qk, bias, 
     k_side, v_side = sides(fmt)
     kv_heads, head_dim = writes[0][0].shape[1:]
     cache = PagedKVCache(int(table.size), page_size, kv_heads, head_dim, k=k_side, v=v_side, scale=scale,
-                         k_bias=bias, k_mean=k_mean, k_balance=balance, rope=rope)
+                         k_bias=bias, k_mean=k_mean, k_balance=balance, rope=rope, k_bias_layout=layout)
+    post = rope is not None and layout == "post-rope"
     for wk, wv, ws, wp in zip(*writes):
-        cache.write(cupy.asarray(wk), cupy.asarray(wv), cupy.asarray(ws),
-                    positions=cupy.asarray(wp) if rope is not None else None)
+        cache.write(cupy.asarray(wk), cupy.asarray(wv), cupy.asarray(ws), positions=cupy.asarray(wp) if post else None)
     qd, td, ld = cupy.asarray(q), cupy.asarray(table), cupy.asarray(lens)
     out = cupy.full(q.shape, math.nan, dtype=qd.dtype)  # any element left unwritten stays NaN
     decode(qd, cache, td, ld, out=out, qk=qk)

@@ -26,7 +26,9 @@ import numpy as np
 
 from ...check.quant import E4M3, E4M3_MAX, INT8_MAX, to_e4m3
 from ...engine.arrays import numpy_dtype
-from .rope import RoPE, rotated_bias, rotated_bias_exact
+from .rope import RoPE, rotate_exact, rotated_bias, rotated_bias_exact
+
+BIAS_LAYOUTS = ("post-rope", "pre-rope")  # the pre-bias residual K under RoPE: post-RoPE or pre-RoPE keys
 
 QMAX = {"e4m3": E4M3_MAX, "i8": float(INT8_MAX)}
 CODE_DTYPES = {"e4m3": E4M3, "i8": np.int8}
@@ -105,6 +107,19 @@ def checked_balance(given, kv_heads: int, head_dim: int) -> np.ndarray:
         raise ValueError(f"k_balance: expected None, 'calibrate' or positive finite values [kv_heads, head_dim] = "
                          f"[{kv_heads}, {head_dim}], got {got}")
     return alpha
+
+
+def checked_layout(layout: str, rope, k_mean: str, k_balance) -> None:
+    """k_bias_layout: one of BIAS_LAYOUTS; pre-RoPE keys need a rope and take neither page means nor balancing
+    (they act on channels that R_p mixes); else a ValueError naming the argument."""
+    if layout not in BIAS_LAYOUTS:
+        raise ValueError(f"k_bias_layout: expected one of {', '.join(map(repr, BIAS_LAYOUTS))}, got {layout!r}")
+    if layout == "pre-rope":
+        if rope is None:
+            raise ValueError("k_bias_layout: 'pre-rope' keys are turned by the cache's RoPE: give rope=qattn.RoPE(...)")
+        if k_mean != "off" or k_balance is not None:
+            raise ValueError("k_bias_layout: 'pre-rope' keys take neither k_mean nor k_balance (R_p mixes the channels "
+                             "they act on); the post-RoPE layout takes both")
 
 
 def balance_inverse(alpha, xp=np):
@@ -214,8 +229,9 @@ class HostPagedCache:
     16-bit side); k_bias [kv heads, D] fp32 or None (a pre-bias residual K stores K - b); k_mean, the
     page means of an 8-bit K or None (K - b - μ_page stored); k_balance, an 8-bit K's α [kv heads, D]
     fp32, "calibrate" (set by the first write) or None ((K - b - μ_page) x fl(1/α) stored); rope, the
-    resolved RoPE of post-RoPE keys with its fp16 table, or None (K - R_p b stored, p the token's position).
-    A token's value is stored value x scale (x α + k_bias (R_p k_bias with rope) + μ_page for K)."""
+    resolved RoPE with its fp16 table, or None, and k_bias_layout: "post-rope" (post-RoPE keys: K - R_p b
+    stored, p the token's position) or "pre-rope" (pre-RoPE keys: k_pre - b stored). A token's value is stored
+    value x scale (x α + k_bias (R_p k_bias post-RoPE) + μ_page for K; pre-RoPE: R_p (stored x scale + b))."""
 
     fmt: str
     page_size: int
@@ -228,6 +244,11 @@ class HostPagedCache:
     k_balance: np.ndarray | str | None = None
     rope: RoPE | None = None
     rope_table: np.ndarray | None = None
+    k_bias_layout: str = "post-rope"
+
+    @property
+    def pre_rope(self) -> bool:
+        return self.rope is not None and self.k_bias_layout == "pre-rope"
 
     @property
     def alpha(self) -> np.ndarray | None:
@@ -237,7 +258,7 @@ class HostPagedCache:
     @classmethod
     def empty(cls, fmt: str, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
               scale: str = "token", k_scale=None, v_scale=None, k_bias=None, k_mean: str = "off",
-              k_balance=None, rope: RoPE | None = None) -> "HostPagedCache":
+              k_balance=None, rope: RoPE | None = None, k_bias_layout: str = "post-rope") -> "HostPagedCache":
         sides = fmt.split("-")
         shape = (num_pages, kv_heads, page_size, head_dim)
 
@@ -250,30 +271,32 @@ class HostPagedCache:
 
         if rope is not None:
             if k_bias is None or sides[0] not in QMAX:
-                raise ValueError(f"rope: the post-RoPE residual K is for an 8-bit K with a k_bias (the K bias added "
+                raise ValueError(f"rope: the residual K under RoPE is for an 8-bit K with a k_bias (the K bias added "
                                  f"before RoPE); got {fmt} with k_bias {'given' if k_bias is not None else 'None'}")
             rope = rope.resolved(head_dim, num_pages * page_size)
+        checked_layout(k_bias_layout, rope, k_mean, k_balance)
         return cls(fmt, page_size, np.zeros(shape, np.float32), np.zeros(shape, np.float32),
                    side_scale(sides[0], k_scale), side_scale(sides[1], v_scale),
                    None if k_bias is None else np.asarray(k_bias, np.float32).reshape(kv_heads, head_dim),
                    PageMeans.empty(num_pages, kv_heads, head_dim) if k_mean == "page" else None,
-                   checked_balance(k_balance, kv_heads, head_dim), rope, None if rope is None else rope.table())
+                   checked_balance(k_balance, kv_heads, head_dim), rope, None if rope is None else rope.table(),
+                   k_bias_layout)
 
     def write(self, k: np.ndarray, v: np.ndarray, slots: np.ndarray, *, scale: str = "token",
               positions: np.ndarray | None = None) -> None:
         """Store new tokens k, v [T, kv heads, D] at slots [T] (page * page_size + offset; negative:
         skipped), quantized as the GPU writer does; with rope, at positions [T] (each token's index in its
         sequence). Head scales not yet set are calibrated from k, v."""
-        if (positions is None) != (self.rope is None):
-            raise ValueError("positions: expected the tokens' positions [T] with rope, and none without")
+        if (positions is None) != (self.rope is None or self.pre_rope):
+            raise ValueError("positions: expected the tokens' positions [T] with post-RoPE keys, and none otherwise")
         slots = np.asarray(slots).astype(np.int64)
         keep = slots >= 0
         pages, offsets = slots[keep] // self.page_size, slots[keep] % self.page_size
         for name, x, code in (("k", k, self.fmt.split("-")[0]), ("v", v, self.fmt.split("-")[1])):
             x = np.asarray(x, np.float32)
             if name == "k" and self.k_bias is not None:
-                bias = self.k_bias[None] if self.rope is None else rotated_bias(self.k_bias, self.rope, self.rope_table,
-                                                                                 positions)
+                bias = self.k_bias[None] if self.rope is None or self.pre_rope else rotated_bias(
+                    self.k_bias, self.rope, self.rope_table, positions)
                 x = (x - bias).astype(np.float32)
             calibration = x[keep]  # what head scales not given are calibrated on
             if name == "k" and self.k_mean is not None:
@@ -323,6 +346,8 @@ class HostPagedCache:
             values = values * (scale[:, :, None] if scale.ndim == 2 else scale[:, None, None])
         if name == "k" and self.alpha is not None:
             values = values * self.alpha[:, None, :].astype(np.float64)
+        if name == "k" and self.pre_rope:
+            return rotate_exact(values + self.k_bias[:, None, :].astype(np.float64), self.rope, self.rope_table)
         if name == "k" and self.k_bias is not None:
             values = values + (self.k_bias[:, None, :].astype(np.float64) if self.rope is None else
                                rotated_bias_exact(self.k_bias, self.rope, self.rope_table, length))

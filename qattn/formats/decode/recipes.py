@@ -24,9 +24,11 @@ K_MEANS = ("off", "page")
 # Q/K channel balancing of an 8-bit K (DESIGN §2): "on": the cache stores K's residual divided by one
 # α per (kv head, channel) and the kernel multiplies q by α at its load (q·k = Σ (q_c α_c)(k_c / α_c)).
 K_BALANCES = ("off", "on")
-# A post-RoPE pre-bias residual K (DESIGN §2, decode.rope): "post": the cache stores K - R_p b (b the K bias
-# added before RoPE, p the key's position) and the kernel adds q·R_p b back per key.
-K_ROPES = ("off", "post")
+# A pre-bias residual K under RoPE (DESIGN §2, decode.rope), b the K bias added before RoPE and p the key's
+# position: "post" (post-RoPE keys): the cache stores K - R_p b and the kernel adds q·R_p b back per key;
+# "pre" (pre-RoPE keys, transform path only): the cache stores k_pre - b and the kernel turns each key's codes
+# by R_p on chip before QK, and adds q·R_p b.
+K_ROPES = ("off", "post", "pre")
 HALF = ("f16", "bf16")
 EIGHT_BIT = ("e4m3", "i8")
 QMAX = {"e4m3": 448.0, "i8": 127.0}
@@ -119,6 +121,20 @@ def _options(fmt: str) -> dict:
             **({"k_mean": K_MEANS, "k_balance": K_BALANCES, "k_rope": K_ROPES, "qk": qk_paths(fmt)} if eight else {})}
 
 
+def _pre_rope_problem(options: dict, arch: str) -> str | None:
+    """Pre-RoPE keys turn the codes on chip before the 16-bit MMA: the transform path only, and neither
+    page means nor balancing (both act on channels that R_p mixes)."""
+    if options.get("k_rope") != "pre":
+        return None
+    if options.get("qk", "transform") != "transform":
+        return (f"qk: the pre-RoPE residual K turns each key's codes on chip before the 16-bit MMA: the transform "
+                f"path only, got {options['qk']!r} (post-RoPE keys take every path)")
+    for name in ("k_mean", "k_balance"):
+        if options.get(name, "off") != "off":
+            return f"{name}: the pre-RoPE residual K takes {name} 'off' (R_p mixes the channels it acts on)"
+    return None
+
+
 def family(fmt: str) -> Family:
     """The decode kernel family of a format; a spec picks its page size and scale granularity
     (KernelSpec.options: page_size, scale_mode)."""
@@ -140,6 +156,7 @@ def family(fmt: str) -> Family:
         values={"k_code": "16" if k in HALF else k, "v_code": "16" if v in HALF else v, "table_slots": TABLE_SLOTS,
                 "qk": "transform", "k_mean": "off", "k_balance": "off", "k_rope": "off"},
         options=_options(fmt),
+        option_problem=_pre_rope_problem,
     )
 
 

@@ -1,7 +1,9 @@
-"""Rotary position embedding (RoPE) as the post-RoPE pre-bias residual K uses it (DESIGN §2): a model whose K
-projection adds a large bias b before RoPE caches keys k = R_p (k_pre) whose bias part R_p b rotates with the
-position p. The cache stores k - R_p b (quantized) and the decode kernel adds q·R_p b back per key, both with
-the same map R_p, so the scores are exact by construction whatever rounding R_p carries.
+"""Rotary position embedding (RoPE) as the pre-bias residual K uses it under RoPE (DESIGN §2): a model whose K
+projection adds a large bias b before RoPE has keys k = R_p (k_pre) whose bias part R_p b rotates with the
+position p. Post-RoPE layout: the cache stores k - R_p b (quantized) and the decode kernel adds q·R_p b back
+per key. Pre-RoPE layout: the cache stores k_pre - b and the kernel turns each key's codes by R_p on chip
+(rotated_codes) and adds q·R_p b. Writer, kernel and references use the same map R_p, so the scores are exact
+by construction whatever rounding R_p carries.
 
 R_p here: the first rotary_dim channels form rotary_dim / 2 pairs (a_i, b_i), (i, i + rotary_dim / 2) in the
 "neox" (rotate-half) layout or (2i, 2i + 1) in "gptj"; pair i turns by the angle φ_i(p) = fl32(fl32(p) θ_i),
@@ -84,17 +86,40 @@ def rotated_bias(bias, rope: RoPE, table, positions, xp=np):
     return out.astype(f32)
 
 
-def rotated_bias_exact(bias: np.ndarray, rope: RoPE, table: np.ndarray, length: int) -> np.ndarray:
-    """R_p b in fp64 (the table's values, exactly) for the keys 0 .. length - 1 of a sequence: [H, length, D]."""
-    bias = np.asarray(bias, np.float64)
-    rows = table[np.minimum(np.arange(length), rope.max_positions - 1)].astype(np.float64)
+def rotate_exact(x: np.ndarray, rope: RoPE, table: np.ndarray) -> np.ndarray:
+    """R_p x in fp64 (the table's values, exactly) for x [H, L, D] at the positions 0 .. L - 1."""
+    x = np.asarray(x, np.float64)
+    rows = table[np.minimum(np.arange(x.shape[1]), rope.max_positions - 1)].astype(np.float64)
     cos, sin = rows[None, :, 0::2], rows[None, :, 1::2]
     first, second = rope.pairs()
-    out = np.broadcast_to(bias[:, None], (bias.shape[0], length, bias.shape[1])).copy()
-    ba, bb = bias[:, None, first], bias[:, None, second]
-    out[..., first] = ba * cos - bb * sin
-    out[..., second] = ba * sin + bb * cos
+    out = x.copy()
+    xa, xb = x[..., first], x[..., second]
+    out[..., first] = xa * cos - xb * sin
+    out[..., second] = xa * sin + xb * cos
     return out
+
+
+def rotated_bias_exact(bias: np.ndarray, rope: RoPE, table: np.ndarray, length: int) -> np.ndarray:
+    """R_p b in fp64 for the keys 0 .. length - 1 of a sequence: [H, length, D]."""
+    bias = np.asarray(bias, np.float64)
+    return rotate_exact(np.broadcast_to(bias[:, None], (bias.shape[0], length, bias.shape[1])), rope, table)
+
+
+def rotated_codes(codes: np.ndarray, rope: RoPE, table: np.ndarray, half) -> np.ndarray:
+    """A pre-RoPE cache's K codes [H, L, D] (their values) turned on chip as the decode kernel does, key j at
+    position j: each pair (a, z) -> fl(fl(c_a C) - fl(c_z S)), fl(fl(c_a S) + fl(c_z C)) in fp32 with the
+    table's fp16 cos C and sin S, rounded to the query's 16-bit type `half` (the non-rotary channels as they
+    are); returned as float32 values."""
+    f32 = np.float32
+    codes = np.asarray(codes, f32)
+    rows = table[np.minimum(np.arange(codes.shape[1]), rope.max_positions - 1)].astype(f32)
+    cos, sin = rows[None, :, 0::2], rows[None, :, 1::2]
+    first, second = rope.pairs()
+    out = codes.copy()
+    ca, cz = codes[..., first], codes[..., second]
+    out[..., first] = ((ca * cos).astype(f32) - (cz * sin).astype(f32)).astype(half)
+    out[..., second] = ((ca * sin).astype(f32) + (cz * cos).astype(f32)).astype(half)
+    return out.astype(f32)
 
 
 def constant_bias(bias: np.ndarray, rope: RoPE) -> np.ndarray:
