@@ -855,8 +855,9 @@ def plan():
               help="time the formats on the local GPU [default: when one is present; else the H200 table]")
 @user_errors
 def plan_decode(batch, ctx, heads, kv_heads, head_dim, npz, preset, max_rel_l2, page_size, scale, measure):
-    """For an operating point, each cache format on each QK path (and with the pre-bias residual K
-    where the data has a K bias: an npz's k_bias, the bias preset's) with its error against FP64 on
+    """For an operating point, each cache format on each QK path (an i8 K also with Q/K channel
+    balancing; with the pre-bias residual K where the data has a K bias: an npz's k_bias, the bias
+    preset's) with its error against FP64 on
     the original K/V (its CPU emulator, on --npz tensors or a preset, at up to 4096 keys) and its
     decode time (a quick run on the local GPU, else relative to f16-f16 as measured on the H200), and
     the one to use: the fastest within --max-rel-l2, K16/V8 when no 8-bit K passes."""

@@ -1,6 +1,7 @@
 """Dispatch by operating point (`qattn plan decode`): for a batch, context, head layout and the K/V
 a model produces (an .npz of captured tensors or a qattn.data preset), each cache format on each of
-its QK paths (and, where the data carries a K bias, with the pre-bias residual K) with its error
+its QK paths (an i8 K also with Q/K channel balancing; where the data carries a K bias, with the
+pre-bias residual K) with its error
 against FP64 on the original K/V (its emulator) and its speed (a quick run on the local GPU, else
 the times measured on the H200 and recorded in BENCHMARKS.md), and the choice: the fastest candidate
 within the error gate, K16/V8 (f16-e4m3) when no 8-bit K passes, f16-f16 when nothing 8-bit does.
@@ -36,22 +37,29 @@ class Candidate:
     fmt: str
     qk: str = "transform"
     k_bias: bool = False
+    k_balance: bool = False
 
     @property
     def name(self) -> str:
-        return self.fmt + ("" if self.qk == "transform" else f"/{self.qk}") + (" +k_bias" if self.k_bias else "")
+        return (self.fmt + ("" if self.qk == "transform" else f"/{self.qk}") + (" +k_bias" if self.k_bias else "")
+                + (" +k_balance" if self.k_balance else ""))
 
     @property
     def timed_as(self) -> str:
-        """The name its speed is looked up under (the residual K costs one dot product per block)."""
+        """The name its speed is looked up under (the residual K costs one dot product per block, balancing
+        one multiply per query value)."""
         return Candidate(self.fmt, self.qk).name
 
 
 def candidates(formats=PLAN_FORMATS, *, with_bias: bool = False) -> list[Candidate]:
-    """Each format on each QK path it has; with_bias adds the residual-K variants of the 8-bit K ones."""
+    """Each format on each QK path it has; then the Q/K-balanced variants of the i8 K ones (balancing
+    helps an int8 K against scale-type channel outliers; an e4m3 K measured no gain), and with_bias the
+    residual-K variants of the 8-bit K ones. A variant comes after its plain format, which a tie in time
+    therefore prefers."""
     out = [Candidate(fmt, qk) for fmt in formats for qk in qk_paths(fmt)]
+    out += [Candidate(c.fmt, c.qk, k_balance=True) for c in list(out) if sides(c.fmt)[0] == "i8"]
     if with_bias:
-        out += [Candidate(c.fmt, c.qk, True) for c in list(out) if sides(c.fmt)[0] in EIGHT_BIT]
+        out += [Candidate(c.fmt, c.qk, True) for c in out if sides(c.fmt)[0] in EIGHT_BIT and not c.k_balance]
     return out
 
 
@@ -90,7 +98,7 @@ def format_errors(formats=PLAN_FORMATS, *, npz=None, preset: str = "normal", ctx
     errors = {}
     for c in candidates(formats, with_bias=bias is not None):
         cache = HostPagedCache.empty(c.fmt, pages, page_size, kv_heads, head_dim, scale,
-                                     k_bias=bias if c.k_bias else None)
+                                     k_bias=bias if c.k_bias else None, k_balance="calibrate" if c.k_balance else None)
         cache.write(k[0], v[0], slots, scale=scale)
         out = emulate.emulate(q, cache, table, lens, qk=c.qk)
         errors[c.name] = metrics.compare(np.asarray(out, np.float32), dense).rel_l2
