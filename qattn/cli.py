@@ -758,6 +758,9 @@ def _command_line() -> str:
 @click.option("--qk", "qk_paths", multiple=True, type=click.Choice(["auto", "transform", "fp8", "int8"]),
               help="QK paths to time each format on (those it has; one path named for formats named must be theirs); "
                    "repeatable [default: auto; every path with --preset]")
+@click.option("--k-term", "k_terms", multiple=True, type=click.Choice(["plain", "balance", "bias", "rope-post", "rope-pre"]),
+              help="what an 8-bit K cache carries beside its codes: nothing, Q/K channel balancing, a pre-bias residual "
+                   "K, or one under RoPE (post- or pre-RoPE keys); repeatable [default: plain]")
 @click.option("--heads", type=click.IntRange(min=1), help="query heads [default: 32]")
 @click.option("--kv-heads", "kv_heads", multiple=True, type=click.IntRange(min=1),
               help="kv heads; repeatable [default: 8]")
@@ -784,8 +787,8 @@ def _command_line() -> str:
               callback=_json_path, help="also write the records as JSON to FILE")
 @click.option("--markdown", is_flag=True, help="also print the table as markdown for BENCHMARKS.md")
 @user_errors
-def bench_decode(shapes, batches, ctxs, preset, formats, qk_paths, heads, kv_heads, gqa, head_dims, page_sizes, queries,
-                 scale, cold, max_kv_gib, splits, stages, rounds, write_tokens, json_path, markdown):
+def bench_decode(shapes, batches, ctxs, preset, formats, qk_paths, k_terms, heads, kv_heads, gqa, head_dims, page_sizes,
+                 queries, scale, cold, max_kv_gib, splits, stages, rounds, write_tokens, json_path, markdown):
     """Time the paged decode in each cache format and QK path beside torch SDPA (flash, cuDNN) on the
     same queries over the same K/V in fp16, L2-warm or HBM-cold, and the one-launch cache write beside
     a copy of the same bytes; GB/s of the bytes a step must read, as a fraction of the copy bandwidth
@@ -793,7 +796,10 @@ def bench_decode(shapes, batches, ctxs, preset, formats, qk_paths, heads, kv_hea
     from .bench import decode as timing
 
     runs = _decode_runs(preset, shapes, batches, ctxs, heads, kv_heads, gqa, head_dims, page_sizes, cold)
-    variants = _decode_variants(preset, formats, qk_paths)
+    variants = timing.with_k_terms(_decode_variants(preset, formats, qk_paths), k_terms or ("plain",))
+    if not variants:
+        raise click.BadParameter("only an 8-bit K carries a K term: add a format with an e4m3 or i8 K, or 'plain'",
+                                 param_hint="'--k-term'")
     if device_arch() is None:
         raise click.ClickException("bench decode: no CUDA GPU found; timing needs one")
     runs, skipped = timing.within_cap(runs, int(max_kv_gib * (1 << 30)))

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -208,8 +209,8 @@ def fake_sweep(monkeypatch):
                         page_size=p.page_size, copy_gbs=4000.0)
             for mode in r.modes:
                 records.append(dict(base, impl="sdpa_flash", l2=mode, ms=0.5, gbs=3000.0, of_copy=0.75, vs_sdpa=None))
-                records += [dict(base, impl=bench.impl_name(f, qk), l2=mode, ms=0.25, gbs=2000.0, of_copy=0.5,
-                                 vs_sdpa=2.0, vs_sdpa_flash=2.0) for f, qk in variants]
+                records += [dict(base, impl=bench.impl_name(f, qk, term), l2=mode, ms=0.25, gbs=2000.0, of_copy=0.5,
+                                 vs_sdpa=2.0, vs_sdpa_flash=2.0) for f, qk, term in variants]
         return records
 
     monkeypatch.setattr(qattn.cli, "device_arch", lambda: "sm_90a")
@@ -230,7 +231,7 @@ def test_defaults_are_the_old_shapes_and_formats(fake_sweep):
     assert result.exit_code == 0, result.output
     assert [(r.point.batch, r.point.ctx) for r in fake_sweep["runs"]] == list(bench.DEFAULT_SHAPES)
     assert all(r.modes == ("warm",) and r.point.kv_heads == 8 and r.point.heads == 32 for r in fake_sweep["runs"])
-    assert fake_sweep["variants"] == [(f, "auto") for f in bench.DEFAULT_FORMATS]
+    assert fake_sweep["variants"] == [(f, "auto", "plain") for f in bench.DEFAULT_FORMATS]
     assert fake_sweep["tiles"] is None and fake_sweep["rounds"] == 3
 
 
@@ -255,7 +256,8 @@ def test_stages_override_the_default_tile_per_head_dim(fake_sweep):
 def test_qk_lists_skip_formats_without_the_path(fake_sweep):
     result = run("-f", "f16-f16", "-f", "e4m3-e4m3", "--qk", "transform", "--qk", "fp8", "--write-tokens", "0")
     assert result.exit_code == 0, result.output
-    assert fake_sweep["variants"] == [("f16-f16", "transform"), ("e4m3-e4m3", "transform"), ("e4m3-e4m3", "fp8")]
+    assert fake_sweep["variants"] == [("f16-f16", "transform", "plain"), ("e4m3-e4m3", "transform", "plain"),
+                                      ("e4m3-e4m3", "fp8", "plain")]
     assert "qattn:e4m3-e4m3/fp8" in result.output
 
 
@@ -264,7 +266,7 @@ def test_one_qk_path_a_named_format_lacks_is_an_error(fake_sweep):
     assert "i8-i8 has no fp8 path" in run("-f", "i8-i8", "--qk", "fp8").output
     result = run("--qk", "fp8", "--write-tokens", "0")  # the default formats: those with the path
     assert result.exit_code == 0, result.output
-    assert fake_sweep["variants"] == [("e4m3-e4m3", "fp8"), ("e4m3-f16", "fp8")]
+    assert fake_sweep["variants"] == [("e4m3-e4m3", "fp8", "plain"), ("e4m3-f16", "fp8", "plain")]
 
 
 def test_preset_contract(fake_sweep, tmp_path, monkeypatch):
@@ -273,7 +275,7 @@ def test_preset_contract(fake_sweep, tmp_path, monkeypatch):
     result = run("--preset", "contract", "--write-tokens", "0", "--json", str(out), "--markdown")
     assert result.exit_code == 0, result.output
     assert len(fake_sweep["runs"]) == 19 and "skipped over --max-kv-gib 8: 64x131072" in result.output
-    assert {f for f, _ in fake_sweep["variants"]} == set(bench.contract_formats())
+    assert {f for f, _, _ in fake_sweep["variants"]} == set(bench.contract_formats())
     assert len(fake_sweep["variants"]) == 11  # 7 transform, 2 fp8, 2 int8
     data = json.loads(out.read_text())
     assert data["meta"]["gpu"] == "NVIDIA H200" and data["meta"]["command"].endswith("--preset contract")
@@ -315,3 +317,31 @@ def test_tool_is_the_same_command():
     result = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_decode.py"), "--ctx", "0"],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "--ctx" in result.stderr and "tools/bench_decode.py" in result.stderr
+
+
+def test_k_terms_go_with_8bit_k_only():
+    pairs = [("f16-f16", "auto"), ("e4m3-e4m3", "transform"), ("i8-i8", "int8")]
+    triples = bench.with_k_terms(pairs, ("plain", "rope-post"))
+    assert triples == [("f16-f16", "auto", "plain"), ("e4m3-e4m3", "transform", "plain"),
+                       ("e4m3-e4m3", "transform", "rope-post"), ("i8-i8", "int8", "plain"), ("i8-i8", "int8", "rope-post")]
+    assert bench.impl_name("i8-i8", "int8", "balance") == "qattn:i8-i8/int8 +balance"
+    assert bench.impl_name("e4m3-e4m3", "auto") == "qattn:e4m3-e4m3"
+
+
+def test_k_term_options_build_the_cache_options():
+    assert bench.k_term_options("plain", 2, 64, 100) == {}
+    assert bench.k_term_options("balance", 2, 64, 100) == {"k_balance": "calibrate"}
+    post, pre = (bench.k_term_options(t, 2, 64, 100) for t in ("rope-post", "rope-pre"))
+    assert post["k_bias"].shape == (2, 64) and post["rope"].max_positions == 100
+    assert post["k_bias_layout"] == "post-rope" and pre["k_bias_layout"] == "pre-rope"
+    np.testing.assert_array_equal(post["k_bias"], bench.k_term_options("bias", 2, 64, 100)["k_bias"])
+    with pytest.raises(ValueError, match="^k_term: expected one of"):
+        bench.k_term_options("rope", 2, 64, 100)
+
+
+def test_cli_k_term_needs_an_8bit_k(fake_sweep):
+    assert_usage_error(run("-f", "f16-f16", "--k-term", "balance"), "only an 8-bit K carries a K term")
+    assert run("-f", "f16-f16", "-f", "i8-i8", "--k-term", "plain", "--k-term", "rope-post", "--write-tokens",
+               "0").exit_code == 0
+    assert fake_sweep["variants"] == [("f16-f16", "auto", "plain"), ("i8-i8", "auto", "plain"),
+                                      ("i8-i8", "auto", "rope-post")]

@@ -123,8 +123,17 @@ def qk_variants(formats, paths, *, strict: bool) -> list[tuple[str, str]]:
     return pairs
 
 
-def impl_name(fmt: str, qk: str) -> str:
-    return f"qattn:{fmt}" if qk == "auto" else f"qattn:{fmt}/{qk}"
+def impl_name(fmt: str, qk: str, term: str = "plain") -> str:
+    return (f"qattn:{fmt}" if qk == "auto" else f"qattn:{fmt}/{qk}") + ("" if term == "plain" else f" +{term}")
+
+
+def with_k_terms(pairs, terms) -> list[tuple[str, str, str]]:
+    """(format, QK path, K term) triples: each pair with each term its K takes (an 8-bit K every term,
+    a 16-bit K "plain" only)."""
+    from ..formats.decode.recipes import EIGHT_BIT
+
+    return [(fmt, qk, term) for fmt, qk in pairs for term in terms
+            if term == "plain" or fmt.split("-")[0] in EIGHT_BIT]
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
@@ -145,8 +154,31 @@ def kv_bytes(fmt: str, batch: int, kv_heads: int, ctx: int, head_dim: int, page_
     return batch * kv_heads * ctx * per_token + batch * -(-ctx // page_size) * 4
 
 
-def filled_cache(fmt, k, v, batch, ctx, kv_heads, head_dim, page_size, scale, rng):
-    """A cache holding k, v [batch * ctx, kv_heads, head_dim] in shuffled pages; returns it and its table."""
+# The K terms a decode can be timed with (`--k-term`; 8-bit K only beside "plain"): the cache options each
+# sets. The bias is a fixed random one (20x the unit keys) that the keys written do not carry, so the terms
+# with a bias are timed only (no rel_l2 against the SDPA peers).
+K_TERMS = ("plain", "balance", "bias", "rope-post", "rope-pre")
+
+
+def k_term_options(term: str, kv_heads: int, head_dim: int, ctx: int) -> dict:
+    """PagedKVCache options of a K term."""
+    from ..formats.decode import RoPE
+
+    if term not in K_TERMS:
+        raise ValueError(f"k_term: expected one of {', '.join(K_TERMS)}, got {term!r}")
+    if term == "plain":
+        return {}
+    if term == "balance":
+        return {"k_balance": "calibrate"}
+    bias = np.random.default_rng(4).standard_normal((kv_heads, head_dim)).astype(np.float32) * 20
+    if term == "bias":
+        return {"k_bias": bias}
+    return {"k_bias": bias, "rope": RoPE(max_positions=ctx), "k_bias_layout": term.replace("rope-", "") + "-rope"}
+
+
+def filled_cache(fmt, k, v, batch, ctx, kv_heads, head_dim, page_size, scale, rng, **options):
+    """A cache holding k, v [batch * ctx, kv_heads, head_dim] in shuffled pages (with the PagedKVCache
+    options given; post-RoPE keys written at their index in the sequence); returns it and its table."""
     import cupy
 
     from ..formats.decode import PagedKVCache
@@ -154,11 +186,13 @@ def filled_cache(fmt, k, v, batch, ctx, kv_heads, head_dim, page_size, scale, rn
     pages_per_seq = -(-ctx // page_size)
     num_pages = batch * pages_per_seq
     k_side, v_side = fmt.split("-")
-    cache = PagedKVCache(num_pages, page_size, kv_heads, head_dim, k=k_side, v=v_side, scale=scale)
+    cache = PagedKVCache(num_pages, page_size, kv_heads, head_dim, k=k_side, v=v_side, scale=scale, **options)
     table = rng.permutation(num_pages).reshape(batch, pages_per_seq).astype(np.int32)
     tokens = np.arange(ctx)
     slots = (table[:, tokens // page_size] * page_size + tokens % page_size).reshape(-1).astype(np.int64)
-    cache.write(k, v, cupy.asarray(slots))
+    post_rope = options.get("rope") is not None and options.get("k_bias_layout") == "post-rope"
+    positions = {"positions": cupy.asarray(np.tile(tokens, batch).astype(np.int64))} if post_rope else {}
+    cache.write(k, v, cupy.asarray(slots), **positions)
     return cache, cupy.asarray(table)
 
 
@@ -257,20 +291,22 @@ def _bench_point(run: Run, variants, *, queries, scale, peers, rounds, splits, t
     lens = cupy.full(p.batch, p.ctx, dtype=cupy.int32)
     timed, failed, reference = _peer_calls(p, q, k, v, peers, base) if queries == 1 else ([], [], None)
     caches = {}
-    for fmt, qk in variants:
-        if fmt not in caches:
-            caches[fmt] = filled_cache(fmt, k, v, p.batch, p.ctx, p.kv_heads, p.head_dim, p.page_size, scale, rng)
-        cache, table = caches[fmt]
-        out = cupy.empty_like(q)
-        call = functools.partial(decode, q, cache, table, lens, out=out, qk=qk, splits=splits, tile=tile)
-        rec = dict(base, impl=impl_name(fmt, qk), format=fmt, qk=qk,
+    for fmt, qk, *rest in variants:
+        term = rest[0] if rest else "plain"
+        rec = dict(base, impl=impl_name(fmt, qk, term), format=fmt, qk=qk, k_term=term,
                    bytes=kv_bytes(fmt, p.batch, p.kv_heads, p.ctx, p.head_dim, p.page_size, scale))
-        try:
+        try:  # a path, option or spec this build or GPU lacks is recorded, not raised
+            if (fmt, term) not in caches:
+                caches[fmt, term] = filled_cache(fmt, k, v, p.batch, p.ctx, p.kv_heads, p.head_dim, p.page_size,
+                                                 scale, rng, **k_term_options(term, p.kv_heads, p.head_dim, p.ctx))
+            cache, table = caches[fmt, term]
+            out = cupy.empty_like(q)
+            call = functools.partial(decode, q, cache, table, lens, out=out, qk=qk, splits=splits, tile=tile)
             call()
-        except (ValueError, TypeError, RuntimeError) as exc:  # a path or spec this build or GPU lacks
+        except (ValueError, TypeError, RuntimeError) as exc:
             failed.append(dict(rec, error=_first_line(exc)))
             continue
-        if reference is not None:
+        if reference is not None and term in ("plain", "balance"):  # the K terms with a bias time unit keys
             rec["rel_l2_vs_fp16"] = _rel_l2(out, reference)
         timed.append((rec, call))
     del k, v  # the caches and the peers' dense copies hold them now
@@ -285,7 +321,8 @@ def bench_sweep(runs, variants, *, queries: int = 1, scale: str = "token", peers
     """One record per (run, L2 mode, implementation): median ms, GB/s, its fraction of the copy
     bandwidth, the ratio to each peer (vs_PEER) and to the faster one (vs_sdpa), rel_l2 against the
     fp16 SDPA answer on the same queries; a record with "error" where a peer or variant cannot run.
-    runs: Run (point, modes); variants: (format, qk path) pairs; tiles: {head_dim: Tile} to override
+    runs: Run (point, modes); variants: (format, qk path) pairs or (format, qk path, K term) triples
+    (K_TERMS); tiles: {head_dim: Tile} to override
     the formats' default tiles; progress(run, records) after each run."""
     import cupy
 
