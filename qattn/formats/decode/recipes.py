@@ -182,13 +182,9 @@ def _hip_problem(tile: Tile, d: int) -> str | None:
 
 
 def _hip_qk_problem(fmt: str):
+    """The HIP family's option rule: an 8-bit QK path only where the target has its matrix op, and no RoPE
+    term (page means and balancing build as on CUDA)."""
     def problem(options: dict, arch: str) -> str | None:
-        if options.get("k_mean", "off") != "off":
-            return (f"k_mean: the HIP decode kernel and writer keep no page means (no running mean, no q·μ_page); "
-                    f"k_mean {options['k_mean']!r} builds for CUDA, and {fmt} on {arch} takes k_mean 'off'")
-        if options.get("k_balance", "off") != "off":
-            return (f"k_balance: the HIP decode kernel and writer keep no channel balancing (no q·α at the Q load, no "
-                    f"K / α in the writer); k_balance 'on' builds for CUDA, and {fmt} on {arch} takes k_balance 'off'")
         if options.get("k_rope", "off") != "off":
             return (f"k_rope: the HIP decode kernel and writer keep no post-RoPE bias term (no R_p b); k_rope "
                     f"{options['k_rope']!r} builds for CUDA, and {fmt} on {arch} takes k_rope 'off'")
@@ -205,7 +201,8 @@ def _hip_qk_problem(fmt: str):
 
 def hip_family(fmt: str) -> Family | None:
     """The HIP decode family of a format with fp16 queries (the HIP matrix ops take fp16), else None;
-    a spec picks its page size, scale granularity and, for an 8-bit K, the QK path its arch has."""
+    a spec picks its page size, scale granularity and, for an 8-bit K, the QK path its arch has, page
+    means and channel balancing."""
     if "bf16" in sides(fmt):
         return None
     k, v = sides(fmt)

@@ -1,0 +1,184 @@
+"""HIP decode with the 8-bit K options, compiled offline with clang-19 (no ROCm): page means (k_mean
+"page": the writer's running sums by integer atomics and its K - μ_page, the kernel's q·μ_page per page in
+SIMT code) and channel balancing (k_balance "on": K's residual times fl(1/α) in the writer, q·α at the
+kernel's Q load), on every target, every 8-bit K format and each QK path the target has. The products stay
+on the path's matrix ops (q·μ_page takes none), and no entry of the module touches scratch. The writer's
+fixed-point term and mean subtraction, cut from the rendered source and run on the host, match the host
+model (decode.quant) bit for bit."""
+import ctypes
+import functools
+import itertools
+import re
+import subprocess
+
+import numpy as np
+import pytest
+
+from qattn.engine.compile import compile_hip_offline, disassemble, find_tool, functions_by_symbol, resource_remarks
+from qattn.engine.family import HIP_ARCHS
+from qattn.engine.render import entry_name, render
+from qattn.engine.spec import KernelSpec
+from qattn.formats.decode.quant import mean_terms, mean_values
+from qattn.formats.decode.recipes import HEAD_DIMS, HIP_QK_ARCHS, PAGE_SIZES, SCALE_MODES, qk_paths
+
+CLANG = find_tool("clang++-19", "clang++-20", "clang++")
+pytestmark = pytest.mark.skipif(CLANG is None, reason="offline HIP compiles need clang-19 (.ci/run installs it)")
+
+OPS = {("transform", "gfx90a"): "v_mfma_f32_16x16x16f16", ("transform", "gfx942"): "v_mfma_f32_16x16x16_f16",
+       ("transform", "gfx1100"): "v_wmma_f32_16x16x16_f16", ("transform", "gfx1201"): "v_wmma_f32_16x16x16_f16",
+       ("fp8", "gfx942"): "v_mfma_f32_16x16x32_fp8_fp8", ("fp8", "gfx1201"): "v_wmma_f32_16x16x16_fp8_fp8",
+       ("int8", "gfx90a"): "v_mfma_i32_16x16x16i8", ("int8", "gfx942"): "v_mfma_i32_16x16x32_i8",
+       ("int8", "gfx1100"): "v_wmma_i32_16x16x16_iu8", ("int8", "gfx1201"): "v_wmma_i32_16x16x16_iu8"}
+WAVE = {"gfx90a": 64, "gfx942": 64, "gfx1100": 32, "gfx1201": 32}
+ENTRIES = ["_f16", "_merge_f16"] + [f"_write_{t}_{s}" for t in ("f16", "bf16") for s in ("i32", "i64")]
+FORMATS = ("e4m3-e4m3", "e4m3-f16", "i8-i8", "i8-f16")
+MEAN, BALANCE = {"k_mean": "page"}, {"k_balance": "on"}
+
+
+def _spec(fmt, arch, qk, options, d=128, page=16, scale="token") -> KernelSpec:
+    return KernelSpec(kind="decode", recipe=fmt, head_dim=d, backend="hip", arch=arch,
+                      options={"page_size": page, "scale_mode": scale, "qk": qk, **options})
+
+
+def _cases() -> list[KernelSpec]:
+    """Every (target, 8-bit format, QK path the target has) with both options; then each (target, path)
+    with one option alone, the option and the format alternating. Head dims, page sizes and scale modes
+    taken in turn."""
+    combos = [(arch, fmt, qk, {**MEAN, **BALANCE}) for arch in HIP_ARCHS for fmt in FORMATS for qk in qk_paths(fmt)
+              if qk == "transform" or arch in HIP_QK_ARCHS[qk]]
+    pairs = sorted({(arch, qk) for arch, _, qk, _ in combos})
+    combos += [(arch, FORMATS[i // 2 % 2 + (2 if qk == "int8" else 0)], qk, (MEAN, BALANCE)[i % 2])
+               for i, (arch, qk) in enumerate(pairs)]
+    shapes = itertools.cycle(itertools.product(HEAD_DIMS, PAGE_SIZES, SCALE_MODES))
+    return [_spec(fmt, arch, qk, options, d, page, scale)
+            for (arch, fmt, qk, options), (d, page, scale) in zip(combos, shapes)]
+
+
+CASES = _cases()
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(spec: KernelSpec):
+    binary = compile_hip_offline(render(spec), spec.arch, spec.name)
+    return binary, functions_by_symbol(disassemble(binary.data, "hip"))
+
+
+def _count(op: str, text: str) -> int:
+    return len(re.findall(rf"\b{op}\b", text))
+
+
+def test_cases_cover_every_target_format_and_path():
+    both = {(s.arch, s.recipe, dict(s.options)["qk"]) for s in CASES
+            if dict(s.options)["k_mean"] == "page" and dict(s.options)["k_balance"] == "on"}
+    assert both == {(arch, fmt, qk) for arch in HIP_ARCHS for fmt in FORMATS for qk in qk_paths(fmt)
+                    if qk == "transform" or arch in HIP_QK_ARCHS[qk]}
+    alone = [(s.arch, dict(s.options)["qk"], dict(s.options)["k_mean"]) for s in CASES
+             if (dict(s.options)["k_mean"] == "page") != (dict(s.options)["k_balance"] == "on")]
+    assert {(a, q) for a, q, _ in alone} == {(a, q) for a, _, q in both} and len(alone) == len({(a, q) for a, _, q in both})
+    assert {m for _, _, m in alone} == {"page", "off"}
+    assert {s.head_dim for s in CASES} == set(HEAD_DIMS) and {dict(s.options)["page_size"] for s in CASES} == set(PAGE_SIZES)
+
+
+def test_options_build_on_hip_and_rope_stays_refused():
+    spec = _spec("i8-i8", "gfx942", "int8", {**MEAN, **BALANCE})
+    assert "_kmean-page_kbal_int8_gfx942" in spec.name
+    with pytest.raises(ValueError, match="^k_rope: the HIP decode kernel and writer keep no post-RoPE bias term"):
+        _spec("i8-i8", "gfx942", "int8", {"k_rope": "post"})
+    off = render(_spec("e4m3-e4m3", "gfx1201", "fp8", {}))
+    assert not any(word in off for word in ("k_mean", "mean_log2", "mean_sums", "k_unbalance", "alpha", "k_balance"))
+
+
+@pytest.mark.parametrize("spec", CASES, ids=[s.name for s in CASES])
+def test_option_kernels_compile_to_their_matrix_ops(spec):
+    options = dict(spec.options)
+    qk, mean, balance = options["qk"], options["k_mean"] == "page", options["k_balance"] == "on"
+    source = render(spec)
+    assert "mma.sync" not in source and "asm(" not in source
+    assert ("k_unbalance[h * D" in source) == balance and ("alpha[c" in source) == balance
+    assert ("plus_mean(x, mean_log2" in source) == mean and ("less_mean(kf" in source) == mean
+    binary, funcs = _compiled(spec)
+    name = entry_name(spec)
+    main = funcs[name + "_f16"]
+    mt, nt, dt = WAVE[spec.arch] // 32, spec.tile.block_n // 16, spec.head_dim // 16
+    qk_ops, f16_ops = _count(OPS[qk, spec.arch], main), _count(OPS["transform", spec.arch], main)
+    # S^T on the path's op (its channel loop rolled), PV on the fp16 op; q·μ_page on no matrix op
+    assert qk_ops >= mt * nt and qk_ops % (mt * nt) == 0, (qk_ops, mt * nt)
+    if qk != "transform":
+        assert f16_ops == mt * nt * dt, (f16_ops, mt * nt * dt)
+    else:
+        assert f16_ops >= mt * nt * (dt + 1) and (f16_ops - mt * nt * dt) % (mt * nt) == 0, f16_ops
+    assert ("v_wmma" if spec.arch.startswith("gfx9") else "v_mfma") not in "".join(funcs.values())
+    assert not re.search(r"atomic|ds_add", main)
+    remarks = resource_remarks(binary.log)
+    for suffix in ENTRIES:
+        r = remarks[name + suffix]
+        # (SGPR spills go to VGPR lanes, not to scratch)
+        assert r["ScratchSize"] == 0 and r["VGPRs Spill"] == 0, (suffix, r)
+        assert 0 < r["VGPRs"] <= 256, (suffix, r)
+    for suffix in ENTRIES[2:]:
+        writer = funcs[name + suffix]
+        assert not re.search(r"v_(mfma|wmma)", writer)
+        # page means: the block's sums by LDS atomics, then into the running sums by global ones
+        assert bool(re.search(r"\bds_add_u64\b", writer)) == mean, suffix
+        assert bool(re.search(r"\bglobal_atomic_add_(x2|u64)\b", writer)) == mean, suffix
+
+
+# ---- the writer's page-mean arithmetic, cut from the source and run on the host ----------------------
+
+def _cut(source: str, signature: str) -> str:
+    m = re.search(re.escape(signature) + r"( \{[^\n]*\}\n|.*?\n\}\n)", source, re.S)
+    assert m, signature
+    return m.group(0)
+
+
+@pytest.fixture(scope="module")
+def host_mean(tmp_path_factory):
+    source = render(_spec("i8-i8", "gfx1100", "int8", MEAN, d=128))  # EPL = 4
+    parts = [_cut(source, "QATTN_DEVICE u64 mean_term(float x)"),
+             _cut(source, "QATTN_DEVICE void less_mean(float (&x)[EPL], const unsigned char* codes, float scale)")]
+    text = ("#define QATTN_DEVICE static inline\ntypedef long long i64;\ntypedef unsigned long long u64;\n"
+            "constexpr int EPL = 4;\nconstexpr float MEAN_UNIT = 65536.f, MEAN_CLAMP = 16777216.f;\n" + "".join(parts) + """
+extern "C" void terms(const float* x, u64* out, int n) { for (int i = 0; i < n; ++i) out[i] = mean_term(x[i]); }
+extern "C" void less(float* x, const unsigned char* codes, const float* scale, int rows) {
+    for (int r = 0; r < rows; ++r) less_mean(*reinterpret_cast<float(*)[EPL]>(x + EPL * r), codes + EPL * r, scale[r]);
+}
+""")
+    assert "MEAN_UNIT = 65536.f, MEAN_CLAMP = 16777216.f" in source
+    folder = tmp_path_factory.mktemp("mean")
+    src, obj, lib = folder / "mean.cpp", folder / "mean.o", folder / "mean.so"
+    src.write_text(text)
+    # contraction as HIP compiles (fast, honoring pragmas) on a host with FMA: less_mean's pragma must keep
+    # the product rounded on its own
+    run = subprocess.run([CLANG, "-x", "c++", "-std=c++17", "-O2", "-ffp-contract=fast-honor-pragmas", "-march=native",
+                          "-fPIC", "-c", str(src), "-o", str(obj)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    run = subprocess.run([CLANG, "-shared", str(obj), "-o", str(lib)], capture_output=True, text=True)
+    if run.returncode != 0:
+        pytest.skip(f"no host linker: {run.stderr[-500:]}")
+    return ctypes.CDLL(str(lib))
+
+
+def _ptr(a: np.ndarray):
+    return a.ctypes.data_as(ctypes.c_void_p)
+
+
+def test_mean_terms_match_the_host_model(host_mean):
+    rng = np.random.default_rng(7)
+    ties = (np.arange(-50, 50) + 0.5).astype(np.float32) * np.float32(2 ** -16)  # rint: to even
+    x = np.concatenate([rng.standard_normal(20000).astype(np.float32) * np.float32(30), ties,
+                        np.float32([0, -0.0, 2 ** 24, -2 ** 24, 2 ** 24 + 2, 1e30, -1e30, 3e-8, -3e-8])])
+    out = np.zeros(x.size, np.uint64)
+    host_mean.terms(_ptr(x), _ptr(out), ctypes.c_int(x.size))
+    np.testing.assert_array_equal(out.view(np.int64), mean_terms(x))
+
+
+def test_mean_subtraction_matches_the_host_model(host_mean):
+    rng = np.random.default_rng(8)
+    rows = 4096
+    x = (rng.standard_normal((rows, 4)) * 40).astype(np.float32)
+    codes = rng.integers(-127, 128, (rows, 4)).astype(np.int8)
+    scale = (rng.random(rows) * 0.7).astype(np.float32)
+    got = x.copy()
+    host_mean.less(_ptr(got), _ptr(codes), _ptr(scale), ctypes.c_int(rows))
+    want = (x - mean_values(codes, scale)).astype(np.float32)  # the product rounded, then subtracted
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
