@@ -3,7 +3,8 @@
 scattered single tokens; with and without a pre-bias residual K, and with page means, Q/K channel
 balancing and post- and pre-RoPE keys where K is 8-bit) and decode kernel on each of its QK
 paths (GQA, speculative rows, short and empty sequences, one and several splits), each output checked
-against the emulator (rel_l2 1e-3) so a silent corruption fails.
+against the emulator (rel_l2 1e-3; 4e-3 on sm_90a's fp8 path, recipes.emulator_rel_l2) so a silent
+corruption fails.
 
     compute-sanitizer --tool memcheck python tools/sanitize_decode.py
     compute-sanitizer --tool racecheck python tools/sanitize_decode.py --format e4m3-e4m3
@@ -19,7 +20,8 @@ import numpy as np  # noqa: E402
 import qattn  # noqa: E402
 from qattn.check import metrics  # noqa: E402
 from qattn.formats.decode import emulate  # noqa: E402
-from qattn.formats.decode.recipes import EIGHT_BIT, FORMATS, qk_paths  # noqa: E402
+from qattn.engine.spec import device_arch  # noqa: E402
+from qattn.formats.decode.recipes import EIGHT_BIT, FORMATS, emulator_rel_l2, qk_paths  # noqa: E402
 
 
 def main() -> int:
@@ -32,6 +34,7 @@ def main() -> int:
 
     rng = np.random.default_rng(0)
     failures = 0
+    arch = device_arch()
     d, page, kv_heads = args.head_dim, 16, 2
     k_bias = rng.standard_normal((kv_heads, d)) * 4
     rope = qattn.RoPE(rotary_dim=d // 2, style="gptj")  # partial rotary: the constant part too
@@ -70,7 +73,7 @@ def main() -> int:
             used = splits or qattn.formats.decode.host.splits_for(cache, 4, 4 * kv_heads, lq, max_pages, qk=path)
             want = emulate.emulate(q, host, table, lens_q, splits=used, qk=path)
             err = metrics.compare(cupy.asnumpy(out).astype(np.float32), want)
-            ok = err.nonfinite == 0 and err.rel_l2 <= 1e-3
+            ok = err.nonfinite == 0 and err.rel_l2 <= emulator_rel_l2(path, arch)
             failures += not ok
             print(f"{fmt:10} {path:9} {variant:5} lq={lq} splits={used}: "
                   f"rel_l2 vs emulator {err.rel_l2:.2e} {'ok' if ok else 'FAIL'}")

@@ -5,7 +5,7 @@ rounded against the same running maxima.
 Per split of keys_per_split keys and per warp (keys [16w, 16w + 16) of every step of 16 * warps keys):
 S = (q · K codes) in fp32, times (s_K · τ·log2 e); an online softmax in fp32 (exp2); P times the
 token's V scale in fp32, rounded to the query's type; O += that P · V codes in fp32. The warps' states
-merge in warp order, the splits' in split order; a head V scale multiplies O once. Causal masks are
+merge in warp order, the splits' in groups of every fourth split, the groups added in order; a head V scale multiplies O once. Causal masks are
 bottom-right aligned within each sequence's Lq new tokens; rows that see no key come out as zeros.
 The 8-bit QK paths ("fp8", "int8") quantize each query row as the cache writer quantizes a token
 (s_q = max|q| / QMAX, codes of q / s_q) and take S = (q codes · K codes) in fp32 times
@@ -36,15 +36,34 @@ F32 = np.float32
 GROUP = 16  # keys per warp per step
 
 
-def _merge(states):
-    """Combine (m, l, acc) states in order: m, l [R], acc [R, D]."""
-    big = np.max([m for m, _, _ in states], axis=0)
+MERGE_GROUPS = 4  # the split merge kernel's groups of splits (split s in group s % 4)
+
+
+def _weighted_sums(states, big):
+    """Σ l·w and Σ acc·w over (m, l, acc) states in order, w = 2^(m - big) (0 where m = -inf)."""
     total_l = np.zeros_like(states[0][1])
     total = np.zeros_like(states[0][2])
     for m, l, acc in states:
         weight = np.where(m == -np.inf, F32(0), np.exp2(m - np.where(np.isfinite(big), big, F32(0)))).astype(F32)
         total_l = (total_l + l * weight).astype(F32)
         total = (total + acc * weight[..., None]).astype(F32)
+    return total_l, total
+
+
+def _merge(states):
+    """Combine (m, l, acc) states in order (a block's warps): m, l [R], acc [R, D]."""
+    big = np.max([m for m, _, _ in states], axis=0)
+    return (big.astype(F32), *_weighted_sums(states, big))
+
+
+def _merge_splits(states):
+    """Combine the splits' states as the merge kernel does: every MERGE_GROUPS-th split summed in order
+    per group, then the groups' sums added in group order."""
+    big = np.max([m for m, _, _ in states], axis=0)
+    total_l, total = np.zeros_like(states[0][1]), np.zeros_like(states[0][2])
+    for g in range(min(MERGE_GROUPS, len(states))):
+        part_l, part = _weighted_sums(states[g::MERGE_GROUPS], big)
+        total_l, total = (total_l + part_l).astype(F32), (total + part).astype(F32)
     return big.astype(F32), total_l, total
 
 
@@ -142,7 +161,7 @@ def emulate(q, cache: HostPagedCache, block_table, seq_lens, *, splits: int = 1,
                 if v_scale is not None and v_scale.ndim == 1:
                     acc = (acc * F32(v_scale[h])).astype(F32)
                 split_states.append((m, l, acc))
-            m, l, acc = _merge(split_states) if splits > 1 else split_states[0]
+            m, l, acc = _merge_splits(split_states) if splits > 1 else split_states[0]
             live = (l > 0) | np.isnan(l)  # a NaN sum stays NaN, as in the kernel
             with np.errstate(invalid="ignore"):
                 value = np.where(live[:, None], acc / np.where(live, l, F32(1))[:, None], F32(0))

@@ -237,6 +237,18 @@ _TOLERANCE = {"float16": Tolerance(max_rel=2e-2, rel_l2=3e-3), "bfloat16": Toler
 _QK_TOLERANCE = {"fp8": Tolerance(max_rel=1e-1, rel_l2=4e-2), "int8": Tolerance(max_rel=3e-2, rel_l2=1e-2)}
 
 
+# A kernel's distance from its emulator (rel_l2). On sm_90a the fp8 path's e4m3 wgmma accumulates the
+# products of one instruction in reduced precision, which the emulator's fp32 sums do not model: on K
+# with channels 50-200x the rest it lands 2.8-3.0e-3 away (N(0,1) K stays within 1e-3).
+EMULATOR_REL_L2 = 1e-3
+FP8_WGMMA_EMULATOR_REL_L2 = 4e-3
+
+
+def emulator_rel_l2(qk: str, arch: str) -> float:
+    """How far (rel_l2) a decode kernel on this QK path and arch may land from its emulator."""
+    return FP8_WGMMA_EMULATOR_REL_L2 if qk == "fp8" and arch == "sm_90a" else EMULATOR_REL_L2
+
+
 def tolerance(fmt: str, qk: str = "transform") -> Tolerance:
     """The format's tolerance on a QK path: the looser of its own and the path's, field by field."""
     own = _TOLERANCE[query_dtypes(fmt)[0]]
