@@ -163,3 +163,98 @@ def test_agrees_with_mma_sync(fmt, head_dim, causal):
     assert err.nonfinite == 0 and err.rel_l2 <= tol, err
     default = qattn.attention(q, k, v, format=fmt, causal=causal)
     assert metrics.compare(_f32(default), _f32(a if faster == "wgmma" else b)).rel_l2 == 0
+
+
+# ---- the TMA producer of the f16 / bf16 kernel (engine/tensormap.py) ------------------------------
+
+@pytest.mark.parametrize("fmt", ["f16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tma_and_row_producers_give_the_same_bits(fmt, head_dim, causal):
+    """K and V by TMA boxes (chunk-major tiles, their own descriptors) and by cp.async rows (kv_rows
+    "on", the kernel before TMA): the same products in the same order, so the same bits; tails of
+    one key and of 129 past a tile, GQA, a BSHD view of V."""
+    import cupy
+
+    tma = _kernel(fmt, head_dim, causal)
+    assert dict(tma.spec.options) == {"kv_rows": "off"}
+    rows = qattn.build("prefill", format=fmt, head_dim=head_dim, causal=causal, mma="wgmma",
+                       options={"kv_rows": "on"})
+    rng = np.random.default_rng(head_dim + 2 * causal)
+    for lq, lk in ((77, 1), (300, 129), (1029, 2100)):
+        host, (q, k, v) = _host_inputs(rng, fmt, 2, 8, 2, lq, lk, head_dim)
+        v = cupy.ascontiguousarray(v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+        a, la = tma(q, k, v, return_lse=True)
+        b, lb = rows(q, k, v, return_lse=True)
+        assert cupy.array_equal(a.view(cupy.uint16), b.view(cupy.uint16)), (lq, lk)
+        assert cupy.array_equal(la, lb), (lq, lk)
+        _check(fmt, tma, a, host, causal=causal, lse=la)
+
+
+@pytest.mark.parametrize("fmt", ["f16", "bf16"])
+def test_strides_the_tma_cannot_read_fall_back_to_rows(fmt):
+    """K broadcast over the batch (stride 0) and V read backwards along the keys: the launch runs the
+    kv_rows kernel (its producer gathers rows with cp.async), with the right result."""
+    import cupy
+
+    kernel = _kernel(fmt, 128, True)
+    rng = np.random.default_rng(5)
+    host, (q, k, v) = _host_inputs(rng, fmt, 2, 8, 2, 300, 1029, 128)
+    k1 = k[:1]
+    k_b = cupy.lib.stride_tricks.as_strided(k1, shape=k.shape, strides=(0, *k1.strides[1:]))
+    v_rev = cupy.ascontiguousarray(v[:, :, ::-1])[:, :, ::-1]  # the same values, keys stride negative
+    assert k_b.strides[0] == 0 and v_rev.strides[2] < 0
+    out = kernel(q, k_b, v_rev)
+    host_k = np.broadcast_to(host[1][:1], host[1].shape)
+    _check(fmt, kernel, out, (host[0], host_k, host[2]), causal=True)
+
+
+def test_tma_maps_follow_the_pointers():
+    """Calls of one signature with other K and V arrays (a map per pointer, encoded on a miss and
+    kept): each result is its own inputs' result, and a repeated pointer reuses its map."""
+    kernel = _kernel("f16", 128, False)
+    rng = np.random.default_rng(17)
+    cases = [_host_inputs(rng, "f16", 1, 4, 4, 200, 700, 128) for _ in range(3)]
+    for host, (q, k, v) in cases + cases[:1]:
+        out = kernel(q, k, v)
+        _check("f16", kernel, out, host, causal=False)
+
+
+def test_tma_batch_offsets_past_2_to_32_bytes():
+    """A batch stride of more than 2^32 bytes: the map's strides are 64-bit."""
+    import cupy
+
+    d, l = 128, 192
+    big = cupy.empty((2**31 // (l * d) + 2) * l * d, dtype=cupy.float16)
+    batch_stride = big.size - l * d  # batch 1 starts past byte 2^32
+    rng = np.random.default_rng(11)
+    vals = rng.standard_normal((2, 1, l, d)).astype(np.float16)
+    big[:l * d] = cupy.asarray(vals[0, 0].ravel())
+    big[batch_stride:] = cupy.asarray(vals[1, 0].ravel())
+    view = cupy.lib.stride_tricks.as_strided(big, shape=(2, 1, l, d), strides=(batch_stride * 2, l * d * 2, d * 2, 2))
+    kernel = _kernel("f16", 128, False)
+    out = kernel(view, view, view)
+    _check("f16", kernel, out, (vals, vals, vals), causal=False)
+
+
+def test_tma_kernel_in_a_cuda_graph():
+    """The maps are parameters passed by value: a captured launch replays with them."""
+    import cupy
+
+    kernel = _kernel("bf16", 64, True)
+    rng = np.random.default_rng(29)
+    host, (q, k, v) = _host_inputs(rng, "bf16", 1, 4, 1, 129, 333, 64)
+    out = _poisoned(q.shape, q.dtype)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        kernel(q, k, v, out=out)
+        stream.synchronize()
+        want = out.copy()
+        out.fill(np.nan)
+        stream.begin_capture()
+        kernel(q, k, v, out=out)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+    assert cupy.array_equal(out.view(cupy.uint16), want.view(cupy.uint16))
+    _check("bf16", kernel, out, host, causal=True)

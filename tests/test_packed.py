@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from qattn.engine.packed import NULL, PackedLaunch, Pointer
+from qattn.engine.packed import NULL, Blob, PackedLaunch, Pointer
 
 cupy = pytest.importorskip("cupy")
 
@@ -49,6 +49,37 @@ def test_parameters_are_aligned_and_pointers_patched_per_call(launches):
         addresses = (ctypes.c_uint64 * len(kinds)).from_address(got["params"])
         offsets = [addresses[i] - addresses[0] for i in range(len(kinds))]
         assert offsets == [0, 8, 16, 24, 32, 40, 48, 56]  # 8-byte values on 8-byte boundaries
+
+
+def test_blobs_are_aligned_and_written_per_call(launches):
+    """128-byte by-value parameters (tensor maps) at 64-byte aligned offsets of a 64-byte aligned
+    buffer, their bytes copied in per call; the scalars and pointers around them as before."""
+    rng = np.random.default_rng()
+    n32, f32 = int(rng.integers(-2**31, 2**31)), float(rng.standard_normal())
+    launch = PackedLaunch(SimpleNamespace(ptr=0xB10B), (3, 2, 1), 384, 4096,
+                          (Pointer("q"), np.int32(n32), np.float32(f32), Blob("k_map"), np.int32(7),
+                           Blob("v_map", 128, 64)))
+    for call in range(3):
+        k_map, v_map = rng.bytes(128), rng.bytes(128)
+        launch({"q": 4096 * (call + 1), "k_map": k_map, "v_map": v_map}, stream_ptr=call)
+        params = launches[-1]["params"]
+        addresses = list((ctypes.c_uint64 * 6).from_address(params))
+        offsets = [a - addresses[0] for a in addresses]
+        assert offsets == [0, 8, 12, 64, 192, 256]  # k_map after the float, padded to 64; v_map likewise
+        assert all(a % 64 == 0 for a in (addresses[0], addresses[3], addresses[5]))
+        assert ctypes.string_at(addresses[3], 128) == k_map and ctypes.string_at(addresses[5], 128) == v_map
+        got = read_params(params, (ctypes.c_uint64, ctypes.c_int32, ctypes.c_float))
+        assert got[:2] == [4096 * (call + 1), n32] and got[2] == pytest.approx(np.float32(f32), rel=0, abs=0)
+        assert ctypes.c_int32.from_address(addresses[4]).value == 7
+
+
+def test_a_blob_of_the_wrong_size_fails_before_the_launch(launches):
+    launch = PackedLaunch(SimpleNamespace(ptr=1), (1, 1, 1), 32, 0, (Blob("m"),))
+    with pytest.raises(ValueError, match="m: expected 128 bytes, got 64"):
+        launch({"m": bytes(64)}, 0)
+    with pytest.raises(KeyError):
+        launch({}, 0)
+    assert launches == []
 
 
 def test_bad_launch_shapes_are_refused():

@@ -22,10 +22,15 @@ from qattn.formats.int8qk import host as int8
 FORMATS = ("f16", "bf16", "i8-f16")
 SPECS = [KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wgmma") for f in FORMATS
          for d in (64, 128) for c in (False, True)]
-# other valid tiles: one and three consumer warpgroups, 64-key blocks, a deeper ring
+# other valid tiles: one and three consumer warpgroups, 64-key blocks, a deeper ring (d128's m192n64
+# and m64n128 fit the consumers' registers since the TMA producer keeps 24)
 OTHER_TILES = [KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wgmma", tile=Tile(*t))
                for f, d, c, t in (("f16", 64, False, (192, 64, 12, 2)), ("bf16", 64, True, (64, 128, 4, 2)),
-                                  ("f16", 128, True, (128, 64, 8, 3)), ("i8-f16", 64, True, (128, 64, 8, 2)))]
+                                  ("f16", 128, True, (128, 64, 8, 3)), ("i8-f16", 64, True, (128, 64, 8, 2)),
+                                  ("bf16", 128, True, (192, 64, 12, 3)), ("f16", 128, False, (64, 128, 4, 2)))]
+# the f16 / bf16 kernels with K and V rows gathered by cp.async (the TMA launch's fallback)
+KV_ROWS = [KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wgmma", options={"kv_rows": "on"})
+           for f, d, c in (("f16", 128, False), ("bf16", 64, True))]
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,7 +111,7 @@ def test_i8_f16_scale_blocks_follow_the_kernel():
 
 # ---- NVRTC compile ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec", SPECS + OTHER_TILES, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", SPECS + OTHER_TILES + KV_ROWS, ids=lambda s: s.name)
 def test_compiles_on_warpgroup_mmas(spec):
     binary = _compiled(spec)
     entry = _attention_entry(spec)
@@ -122,6 +127,7 @@ def test_compiles_on_warpgroup_mmas(spec):
     ptx = binary.ptx
     attn = entry_ptx(ptx, entry)
     bn, d = spec.tile.block_n, spec.head_dim
+    tma = spec.family.values.get("kv_rows") == "off"
     if spec.recipe == "i8-f16":
         assert f"wgmma.mma_async.sync.aligned.m64n{bn}k32.s32.s8.s8" in attn
         assert f"wgmma.mma_async.sync.aligned.m64n{d}k16.f32.f16.f16" in attn
@@ -132,16 +138,21 @@ def test_compiles_on_warpgroup_mmas(spec):
         t = spec.recipe
         assert f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{t}.{t}" in attn  # S = Q Kᵀ
         assert f"wgmma.mma_async.sync.aligned.m64n{d}k16.f32.{t}.{t}" in attn  # O += P V
-        assert "cp.async.bulk" not in attn
+        if tma:  # K and V: one 5-d TMA box a tile by one thread, completing by bytes; maps prefetched
+            assert "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in attn
+            assert "mbarrier.arrive.expect_tx" in attn and attn.count("prefetch.tensormap") == 2
+            assert ".param .align 64 .b8" in attn  # the maps, by value
+        else:
+            assert "cp.async.bulk" not in attn and "tensormap" not in attn
     assert "mma.sync" not in attn and "ldmatrix" not in attn and "e4m3" not in attn
     # P V with V N-major: the register-A form with imm-trans-b 1
     assert "p, 1, 1, 1;" in attn
-    # Q by the consumers, K/V rows by the producer: cp.async, fenced for the async proxy before the
-    # barrier that publishes them; mbarrier waits; registers handed over
-    assert "cp.async.cg.shared.global" in attn and "cp.async.wait_group 1" in attn
+    # Q by the consumers (and K/V rows by the producer, but for the TMA): cp.async, fenced for the
+    # async proxy before the barrier that publishes them; mbarrier waits; registers handed over
+    assert "cp.async.cg.shared.global" in attn and ("cp.async.wait_group 1" in attn) == (not tma)
     assert "fence.proxy.async.shared::cta" in attn and "mbarrier.try_wait.parity" in attn
     assert "mbarrier.arrive.shared::cta.b64" in attn and "fence.mbarrier_init.release.cluster" in attn
-    assert "setmaxnreg.dec.sync.aligned.u32 56" in attn and "setmaxnreg.inc.sync.aligned.u32" in attn
+    assert f"setmaxnreg.dec.sync.aligned.u32 {24 if tma else 56}" in attn and "setmaxnreg.inc.sync.aligned.u32" in attn
     # S of the next tile runs ahead of PV (QK_AHEAD): waits with one group in flight and with none
     assert "wgmma.wait_group.sync.aligned 1;" in attn and "wgmma.wait_group.sync.aligned 0;" in attn
     check_grid_dependency(ptx, entry, packed.programmatic(spec))

@@ -15,6 +15,10 @@ common.cuh.j2); where the driver lacks cuLaunchKernelEx the launch is an ordinar
 Every launcher (launch.prefill, the int8-QK and kv8 calls) keeps its launches in plans cached on
 the kernel per call signature (cached_plan): the full argument checks run when a plan is built,
 and a repeated call only checks its pointers, allocates and launches.
+
+A parameter passed by value that is more than a scalar (a CUtensorMap, engine/tensormap.py) is a
+Blob: its bytes are given per call, like a Pointer's address, and copied into the buffer at an
+offset aligned as the kernel's parameter is.
 """
 from __future__ import annotations
 
@@ -35,6 +39,23 @@ class Pointer:
 
 
 NULL = Pointer(None)
+
+
+@dataclass(frozen=True)
+class Blob:
+    """A by-value parameter of `size` bytes (a struct, such as a 128-byte CUtensorMap) filled in per
+    call from pointers[name], a bytes object of exactly that size (the object of the call before,
+    the same by identity, is not copied again), at an offset of the parameter buffer aligned to
+    `align` bytes."""
+
+    name: str
+    size: int = 128
+    align: int = 64
+
+    def __post_init__(self):
+        if self.size < 1 or self.align < 1 or self.align & (self.align - 1):
+            raise ValueError(f"Blob {self.name!r}: size must be positive and align a power of two, "
+                             f"got size {self.size}, align {self.align}")
 
 # Plans kept per kernel (least recently used dropped first).
 PLANS_PER_KERNEL = 64
@@ -98,7 +119,8 @@ def _launch_kernel_ex():
 
 class PackedLaunch:
     """One kernel launch with its grid, block, shared memory and parameters fixed: args are numpy
-    scalars (np.int32, np.int64, np.float32, np.uintp: written once) or Pointers (written per call)."""
+    scalars (np.int32, np.int64, np.float32, np.uintp: written once), Pointers or Blobs (written per
+    call)."""
 
     def __init__(self, function, grid, block: int, shared_mem: int, args, programmatic: bool = False):
         if len(grid) != 3:
@@ -108,23 +130,35 @@ class PackedLaunch:
         self._dims = (*(int(g) for g in grid), int(block), 1, 1, int(shared_mem))
         if min(self._dims[:4]) < 1:
             raise ValueError(f"grid {tuple(grid)} x block {block}: every dimension must be >= 1")
-        offsets, end = [], 0
+        offsets, end, align = [], 0, 8
         for arg in args:
-            size = 8 if isinstance(arg, Pointer) else np.asarray(arg).itemsize
-            end = -(-end // size) * size
+            if isinstance(arg, Blob):
+                size, step = arg.size, arg.align
+            else:
+                size = step = 8 if isinstance(arg, Pointer) else np.asarray(arg).itemsize
+            end = -(-end // step) * step
             offsets.append(end)
             end += size
-        self._words = np.zeros(-(-end // 8), dtype=np.uint64)  # the parameters, patched in place per call
+            align = max(align, step)
+        # the parameters, patched in place per call, from an address aligned as the most aligned one
+        spare = align // 8 - 1
+        store = np.zeros(-(-end // 8) + spare, dtype=np.uint64)
+        first = (-store.__array_interface__["data"][0] % align) // 8
+        self._words = store[first:first + len(store) - spare]
         raw = self._words.view(np.uint8)
+        base = self._words.__array_interface__["data"][0]
         self._slots = []  # (word index, name, offset)
+        self._blobs = []  # (address, name, size)
+        self._blob_bytes = {}  # name -> the bytes object written last (held: an unchanged one is not copied again)
         for arg, at in zip(args, offsets):
             if isinstance(arg, Pointer):
                 if arg.name is not None:
                     self._slots.append((at // 8, arg.name, arg.offset))
+            elif isinstance(arg, Blob):
+                self._blobs.append((base + at, arg.name, arg.size))
             else:
                 value = np.asarray(arg)
                 raw[at:at + value.itemsize] = np.frombuffer(value.tobytes(), dtype=np.uint8)
-        base = self._words.__array_interface__["data"][0]
         self._params = np.array([base + at for at in offsets], dtype=np.uint64)  # void*[]: each parameter's address
         self._params_ptr = self._params.__array_interface__["data"][0]
         self._lock = threading.Lock()  # one caller at a time patches the words
@@ -144,11 +178,19 @@ class PackedLaunch:
         return self._ex is not None
 
     def __call__(self, pointers: dict, stream_ptr: int) -> None:
-        """Launch with each Pointer's pointers[name] + offset (the launch copies the parameters)."""
+        """Launch with each Pointer's pointers[name] + offset and each Blob's bytes pointers[name] (the
+        launch copies the parameters)."""
         with self._lock:
             words = self._words
             for index, name, offset in self._slots:
                 words[index] = pointers[name] + offset
+            for address, name, size in self._blobs:
+                value = pointers[name]
+                if value is not self._blob_bytes.get(name):
+                    if len(value) != size:
+                        raise ValueError(f"{name}: expected {size} bytes, got {len(value)}")
+                    ctypes.memmove(address, value, size)
+                    self._blob_bytes[name] = value
             if self._ex is None:
                 self._launch(self._function_ptr, *self._dims, stream_ptr, self._params_ptr, 0)
                 return

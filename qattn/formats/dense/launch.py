@@ -10,7 +10,8 @@ import numpy as np
 from ...engine.registry import recipe
 from ...engine.arrays import as_device_array, check_view, on_device, signature
 from ...engine.memory import CallMemory, lse_output
-from ...engine.packed import NULL, PackedLaunch, Pointer, cached_plan, element_strides, programmatic
+from ...engine.packed import NULL, Blob, PackedLaunch, Pointer, cached_plan, element_strides, programmatic
+from ...engine.tensormap import MAP_ALIGN, MAP_BYTES, MapEncoder, core_matrix_rows
 from ...check.reference import check_shapes
 
 
@@ -18,6 +19,7 @@ from ...check.reference import check_shapes
 class _PrefillPlan:
     launch: PackedLaunch
     lse_shape: tuple
+    maps: tuple | None = None  # the K and V tensor maps' encoders (TMA kernels), by data pointer
 
 
 def prefill(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, lse=None,
@@ -43,8 +45,11 @@ def prefill(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = F
         memory = CallMemory(example, stream, workspace)
         out_arr, out_result = memory.output(out, q.shape, q.dtype, "out", out_given)
         lse_arr, lse_result = memory.output(lse, plan.lse_shape, "float32", "lse") if return_lse else (None, None)
-        plan.launch({"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "out": out_arr.data.ptr,
-                     "lse": lse_arr.data.ptr if lse_arr is not None else 0}, memory.stream_ptr)
+        params = {"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "out": out_arr.data.ptr,
+                  "lse": lse_arr.data.ptr if lse_arr is not None else 0}
+        if plan.maps is not None:
+            params["k_map"], params["v_map"] = plan.maps[0](k.data.ptr), plan.maps[1](v.data.ptr)
+        plan.launch(params, memory.stream_ptr)
     return (out_result, lse_result) if return_lse else out_result
 
 
@@ -84,6 +89,28 @@ def _plan(kernel, q, k, v, out, scale, return_lse) -> _PrefillPlan:
             *element_strides(q.strides, q.itemsize), *element_strides(k.strides, q.itemsize),
             *element_strides(v.strides, q.itemsize), *element_strides(out_strides, q.itemsize), np.int64(lq),
             np.int32(hq), np.int32(hq // hkv), np.int32(lq), np.int32(lk), np.float32(scale * math.log2(math.e)))
+    kernel, maps = _kv_maps(kernel, k, v)
+    if maps is not None:
+        args += (Blob("k_map", MAP_BYTES, MAP_ALIGN), Blob("v_map", MAP_BYTES, MAP_ALIGN))
     grid = (math.ceil(lq / spec.tile.block_m), hq, b)
     launch = PackedLaunch(kernel.function(), grid, kernel.threads, kernel.shared_bytes, args, programmatic(spec))
-    return _PrefillPlan(launch, (b, hq, lq))
+    return _PrefillPlan(launch, (b, hq, lq), maps)
+
+
+def _kv_maps(kernel, k, v):
+    """The kernel a call runs and its K and V tensor maps' encoders (None for a kernel without TMA):
+    the wgmma kernel (option kv_rows "off") reads K and V tiles by TMA, which needs every stride a
+    positive multiple of 16 bytes; for other strides (an axis broadcast with stride 0, a negative
+    one) the same spec with kv_rows "on" runs instead, its producer warpgroup gathering rows with
+    cp.async."""
+    spec = kernel.spec
+    if spec.family.values.get("kv_rows") != "off":
+        return kernel, None
+    try:
+        maps = tuple(MapEncoder(core_matrix_rows(n, x.shape, x.strides, x.dtype.name, spec.tile.block_n))
+                     for x, n in ((k, "k"), (v, "v")))
+    except ValueError:
+        from ...engine.kernel import build_kernel
+
+        return build_kernel(spec.with_(options={"kv_rows": "on"})), None
+    return kernel, maps

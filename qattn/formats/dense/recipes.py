@@ -48,26 +48,32 @@ CUDA_MMA = Family(
 
 # ---- CUDA prefill on Hopper warpgroup MMAs (f16, bf16; sm_90a) ------------------------------------
 # The shared warp-specialized pipeline (templates/cuda/wgmma_attention.cuh.j2): consumer warpgroups
-# of 64 query rows each, a producer warpgroup gathering K and V rows with cp.async into a ring of
-# `stages` slots. Q, K and V rows of 2D bytes, unpadded (wgmma's core-matrix layout); the output
-# rows staged in their own region; four mbarriers per slot.
+# of 64 query rows each, a producer warpgroup filling a ring of `stages` K and V slots: one thread of
+# it issues one TMA copy per K or V tile (a box of a tensor map the launch encodes,
+# engine/tensormap.py), or, with the option kv_rows "on", the whole warpgroup gathers K and V rows with
+# cp.async (the launch's fallback for strides the TMA cannot read: broadcast or negative; and the
+# kernel the TMA producer is measured against). Q, K and V rows of 2D bytes, unpadded (wgmma's
+# core-matrix layout; K and V chunk-major as the TMA writes them); the output rows staged in their
+# own region; four mbarriers per slot.
 
 def _wgmma_smem(tile: Tile, d: int) -> int:
     loop = tile.block_m * 2 * d + tile.stages * 2 * tile.block_n * 2 * d
     return loop + tile.block_m * padded_row_bytes(d, 2) + 4 * 8 * tile.stages
 
 
-# Registers the producer warpgroup keeps: its cp.async row loads (16 a thread per tile at d128,
-# unrolled) spill at 24-40 under ptxas 13.0.
-_WGMMA_PRODUCER_REGS = 56
+# Registers the producer warpgroup keeps: setmaxnreg's least, 24, for TMA copies by one thread; 56
+# for cp.async row loads (kv_rows "on": 16 a thread per tile at d128, unrolled, spill at 24-40 under
+# ptxas 13.0).
+_WGMMA_PRODUCER_REGS = 24
+_WGMMA_ROWS_PRODUCER_REGS = 56
 
 
-def wgmma_consumer_registers(tile: Tile) -> int:
+def wgmma_consumer_registers(tile: Tile, producer_regs: int = _WGMMA_PRODUCER_REGS) -> int:
     """Registers a consumer thread gets (prefill_wgmma.cu.j2: one block per SM, two for a single
-    consumer warpgroup; the producer warpgroup keeps _WGMMA_PRODUCER_REGS)."""
+    consumer warpgroup; the producer warpgroup keeps producer_regs: the TMA producer's by default)."""
     threads = 32 * tile.warps + 128
     launch = 65536 // (threads * (2 if tile.warps == 4 else 1)) // 8 * 8
-    return (launch * threads - _WGMMA_PRODUCER_REGS * 128) // (32 * tile.warps) // 8 * 8
+    return (launch * threads - producer_regs * 128) // (32 * tile.warps) // 8 * 8
 
 
 def _wgmma_problem(tile: Tile, d: int) -> str | None:
@@ -99,7 +105,11 @@ CUDA_WGMMA = Family(
     smem_bytes=_wgmma_smem,
     archs=("sm_90a",),
     producer_warps=4,
-    values={"mma_unit": "wgmma", "producer_regs": _WGMMA_PRODUCER_REGS},
+    values={"mma_unit": "wgmma", "producer_regs": _WGMMA_PRODUCER_REGS,
+            "rows_producer_regs": _WGMMA_ROWS_PRODUCER_REGS},
+    # "on": K and V rows gathered by the producer warpgroup with cp.async instead of TMA boxes (the
+    # tile rules above count the TMA producer's registers)
+    options={"kv_rows": ("off", "on")},
 )
 
 
