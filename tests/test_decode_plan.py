@@ -13,9 +13,13 @@ def rng():
     return np.random.default_rng(seed)
 
 
+HEADS, KV_HEADS = 32, 8
+
+
 def _npz(tmp_path, rng, gains):
-    """q, k, v [1, H, L, D] with K's channels scaled by gains (scale-type: the sign varies by token)."""
-    heads, kv_heads, ctx, d = 8, 2, 2048, 64
+    """q, k, v [1, H, L, D] with K's channels scaled by gains (scale-type: the sign varies by token). The plan
+    scores one query per head, so 32 heads keep the error estimate from hanging on a few near one-hot rows."""
+    heads, kv_heads, ctx, d = HEADS, KV_HEADS, 2048, 64
     path = tmp_path / "qkv.npz"
     np.savez(path, q=rng.standard_normal((1, heads, 4, d)), k=rng.standard_normal((1, kv_heads, ctx, d)) * gains,
              v=rng.standard_normal((1, kv_heads, ctx, d)))
@@ -33,8 +37,8 @@ def test_balanced_i8_variants_follow_their_plain_formats():
 def test_plan_takes_balancing_where_the_plain_i8_cache_fails_the_gate(tmp_path, rng):
     gains = np.ones(64)
     gains[[5, 21, 40]] = [50.0, 120.0, 200.0]
-    errors = plan.format_errors(npz=_npz(tmp_path, rng, gains), heads=8, kv_heads=2, head_dim=64)
-    assert errors["i8-i8 +k_balance"] < errors["i8-i8"] / 3, errors
+    errors = plan.format_errors(npz=_npz(tmp_path, rng, gains), heads=HEADS, kv_heads=KV_HEADS, head_dim=64)
+    assert errors["i8-i8 +k_balance"] < errors["i8-i8"] / 2.5, errors  # 3.1x at the least over 100 seeds
     gate = 2 * errors["i8-i8 +k_balance"]
     assert errors["i8-i8"] > gate and errors["i8-i8/int8"] > gate
     # among the i8 K caches and the 16-bit K ones, the balanced i8-i8 is the fastest within the gate
@@ -44,6 +48,6 @@ def test_plan_takes_balancing_where_the_plain_i8_cache_fails_the_gate(tmp_path, 
 
 
 def test_without_outliers_balancing_changes_nothing_and_the_plain_format_is_chosen(tmp_path, rng):
-    errors = plan.format_errors(npz=_npz(tmp_path, rng, np.ones(64)), heads=8, kv_heads=2, head_dim=64)
+    errors = plan.format_errors(npz=_npz(tmp_path, rng, np.ones(64)), heads=HEADS, kv_heads=KV_HEADS, head_dim=64)
     assert errors["i8-i8 +k_balance"] == errors["i8-i8"]  # every alpha is 1
     assert "+k_balance" not in plan.choose(errors, plan.table_times(errors), 0.05)[0]
