@@ -6,7 +6,7 @@ from .engine import registry
 from .engine.arrays import as_device_array
 from .engine.kernel import Kernel, build_kernel
 from .engine.shape_class import ShapeClass
-from .engine.spec import KernelSpec, default_spec
+from .engine.spec import KernelSpec, call_spec, default_spec, device_arch
 from .engine.tile import Tile
 
 # The format a call without format= runs, by the queries' dtype.
@@ -21,8 +21,9 @@ def default_format(dtype_name: str) -> str:
 
 _UNSET = object()  # an option the caller did not give
 
-# attention()'s kernels by (format, head_dim, causal, tile, device): a repeated call looks its kernel
-# up instead of building and validating a KernelSpec (microseconds of host time before the GPU starts).
+# attention()'s kernels by (format, head_dim, causal, tile, device, shape class, launch band): a repeated
+# call looks its kernel up instead of building and validating a KernelSpec (microseconds of host time
+# before the GPU starts).
 _CALL_KERNELS: dict[tuple, Kernel] = {}
 
 
@@ -98,19 +99,32 @@ def _shape_class(q, k) -> ShapeClass | None:
     return ShapeClass.of(int(q.shape[2]), int(k_shape[2]), int(q.shape[1]), int(k_shape[1]))
 
 
+def _launch_band(format: str, q) -> int | None:
+    """Which of the format's query-count kernels (registry.launch_choice) a call's rows reach."""
+    try:
+        return registry.launch_band(format, int(q.shape[-1]), _queries(q))
+    except (KeyError, ValueError):  # an unknown format: the spec's checks name it
+        return None
+
+
+def _queries(q) -> int:
+    """Query rows per sequence of q [B, H, Lq, D] (0 for another rank, which the launcher's checks name)."""
+    return int(q.shape[2]) if len(q.shape) == 4 else 0
+
+
 def _call_kernel(format: str, q, k, causal, tile) -> Kernel:
     shape = _shape_class(q, k)
     try:
         # causal=1 is refused, not taken for True; a recipe re-registered under the name is looked up anew
         key = (format, id(registry.RECIPES.get(format)), q.shape[-1], causal, type(causal), tile, q.data.device_id,
-               shape)
+               shape, _launch_band(format, q))
         kernel = _CALL_KERNELS.get(key)
     except TypeError:  # an unhashable argument: the spec's validation names it
         kernel, key = None, None
     if kernel is None:
         with q.device:
-            spec = default_spec(format, int(q.shape[-1]), causal=causal, shape=shape)
-            kernel = build_kernel(spec if tile is None else spec.with_(tile=tile))
+            spec = call_spec(format, int(q.shape[-1]), causal, _queries(q), device_arch(), tile, shape=shape)
+            kernel = build_kernel(spec)
         if key is not None:
             _CALL_KERNELS[key] = kernel
     return kernel

@@ -165,6 +165,27 @@ def test_agrees_with_mma_sync(fmt, head_dim, causal):
     assert metrics.compare(_f32(default), _f32(a if faster == "wgmma" else b)).rel_l2 == 0
 
 
+@pytest.mark.parametrize("fmt", ["f16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_runs_wgmma_from_4096_query_rows(fmt, causal, monkeypatch):
+    """qattn.attention on sm_90a: f16 / bf16 calls of 4096 query rows and more run the wgmma kernel
+    (recipes.LAUNCH_TILES), shorter ones the mma.sync default; each within its format's tolerance of
+    FP64, with a tail past the last block."""
+    from qattn import api
+
+    _kernel(fmt, 64, causal)  # skips off sm_90a
+    monkeypatch.setenv("QATTN_TUNED", "0")
+    monkeypatch.setattr(api, "_CALL_KERNELS", {})
+    rng = np.random.default_rng()
+    for lq, unit in ((4096 + 77, "wgmma"), (1000, "mma.sync")):
+        host, (q, k, v) = _host_inputs(rng, fmt, 1, 4, 2, lq, lq + 33, 64)
+        before = set(api._CALL_KERNELS)
+        out = qattn.attention(q, k, v, format=fmt, causal=causal)
+        (kernel,) = [api._CALL_KERNELS[key] for key in set(api._CALL_KERNELS) - before]
+        assert kernel.spec.family.values["mma_unit"] == unit, kernel.spec.name
+        _check(fmt, kernel, out, host, causal=causal)
+
+
 # ---- the TMA producer of the f16 / bf16 kernel (engine/tensormap.py) ------------------------------
 
 @pytest.mark.parametrize("fmt", ["f16", "bf16"])

@@ -281,3 +281,36 @@ def test_the_default_format_of_a_call_follows_the_query_dtype():
     for name in ("f16", "bf16", "f32"):  # each default is a format whose queries have that dtype
         dtype = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}[name]
         assert qattn.recipe(name).input_dtypes == (dtype,)
+
+
+def test_attention_takes_the_listed_wgmma_kernel_from_4096_query_rows(monkeypatch):
+    """qattn.attention's kernel for f16 and bf16 on sm_90a (without a GPU: the build and the device
+    stood in): the mma.sync default below 4096 query rows a sequence, the wgmma kernel from there; a
+    named tile still decides; the per-call kernel cache tells the two apart by the rows' band."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from qattn import api
+
+    monkeypatch.setenv("QATTN_TUNED", "0")
+    monkeypatch.setattr(api, "device_arch", lambda: "sm_90a")
+    monkeypatch.setattr(api, "build_kernel", lambda spec: SimpleNamespace(spec=spec))
+    monkeypatch.setattr(api, "_CALL_KERNELS", {})
+
+    def q(rows, d=128):
+        return SimpleNamespace(shape=(2, 8, rows, d), data=SimpleNamespace(device_id=0),
+                               device=contextlib.nullcontext())
+
+    def unit(fmt, rows, d=128, tile=None, causal=False):
+        spec = api._call_kernel(fmt, q(rows, d), q(rows, d), causal, tile).spec
+        return spec.family.values.get("mma_unit"), spec.tile
+
+    for fmt in ("f16", "bf16"):
+        for d in (64, 128):
+            assert unit(fmt, 4095, d)[0] == "mma.sync"
+            assert unit(fmt, 4096, d) == ("wgmma", Tile(128, 128, 8, 2))
+            assert unit(fmt, 32768, d, causal=True)[0] == "wgmma"
+            assert unit(fmt, 300, d)[0] == "mma.sync"  # cached per band: the short call is not served wgmma
+    assert unit("f16", 8192, tile=Tile(64, 64, 4, 2)) == ("mma.sync", Tile(64, 64, 4, 2))
+    assert unit("f16", 8192, 96)[0] == "mma.sync"  # no wgmma kernel at d96
+    assert unit("f32", 8192)[0] is None  # the SIMT kernel: nothing listed

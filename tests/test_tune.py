@@ -21,7 +21,7 @@ from qattn.engine.shape_class import ShapeClass, length_bucket
 from qattn.engine.spec import KernelSpec, call_spec, default_spec
 from qattn.engine.tile import Tile
 from qattn.tune.build import prebuild
-from qattn.tune.candidates import candidate_specs, tunable_formats
+from qattn.tune.candidates import candidate_specs, tunable_formats, units
 from qattn.tune.case import Shape, output_problem
 from qattn.tune.run import plan, run, steps
 from qattn.tune.sweep import Rejected, sweep
@@ -52,7 +52,8 @@ def on_h200(monkeypatch):
 def entry(tile="m64n64w4s3", *, device=H200, fmt="f16", head_dim=128, causal=False, shape_class=MHA_4K,
           candidates=None, tuned_at="2026-12-03T10:00:00") -> tuned.TunedEntry:
     candidates = candidates or {tile: 0.70, BUILTIN.name: 0.80}
-    return tuned.TunedEntry(device, "sm_90a", fmt, head_dim, causal, shape_class, Tile.from_name(tile), candidates,
+    return tuned.TunedEntry(device, "sm_90a", fmt, head_dim, causal, shape_class, tuned.TunedKernel.from_name(tile),
+                            candidates,
                             shape={"batch": 4, "heads": 32, "kv_heads": 32, "queries": 4096, "keys": 4096},
                             rejected={"m256n128w16s4": "rel_l2 1.0e+00 over the format's 2e-03"},
                             default_tile=BUILTIN.name, tuned_at=tuned_at)
@@ -71,7 +72,7 @@ def test_round_trip(cache_dir):
 def test_save_replaces_the_entry_with_the_same_key_and_keeps_the_others():
     tuned.save([entry("m64n64w4s3"), entry(device=tuned.Device("NVIDIA A100", "550.1"))])
     tuned.save([entry("m128n32w4s2")])
-    tiles = {(e.device.gpu, e.tile.name) for e in tuned.load()}
+    tiles = {(e.device.gpu, e.kernel.name) for e in tuned.load()}
     assert tiles == {("NVIDIA H200", "m128n32w4s2"), ("NVIDIA A100", "m64n64w4s3")}
 
 
@@ -82,12 +83,12 @@ def test_an_entry_of_another_gpu_driver_or_version_is_ignored(on_h200, device):
     tuned.save([entry(device=device)])
     assert tuned.lookup("f16", 128, False, "sm_90a") is None
     tuned.save([entry()])
-    assert tuned.lookup("f16", 128, False, "sm_90a") == Tile(64, 64, 4, 3)
+    assert tuned.lookup("f16", 128, False, "sm_90a") == tuned.TunedKernel(Tile(64, 64, 4, 3))
 
 
 def test_the_rest_of_the_key_must_match(on_h200):
     tuned.save([entry()])
-    assert tuned.lookup("f16", 128, False, "sm_90a") == Tile(64, 64, 4, 3)
+    assert tuned.lookup("f16", 128, False, "sm_90a") == tuned.TunedKernel(Tile(64, 64, 4, 3))
     for fmt, d, causal, arch in (("bf16", 128, False, "sm_90a"), ("f16", 64, False, "sm_90a"),
                                  ("f16", 128, True, "sm_90a"), ("f16", 128, False, "sm_80")):
         assert tuned.lookup(fmt, d, causal, arch) is None
@@ -112,7 +113,7 @@ def test_a_damaged_file_warns_and_reads_as_empty(on_h200, cache_dir, text):
     with pytest.warns(UserWarning, match="ignoring the tuned-tile table"):
         assert tuned.lookup("f16", 128, False, "sm_90a") is None
     tuned.save([entry()])  # the next tune replaces it
-    assert tuned.lookup("f16", 128, False, "sm_90a") == Tile(64, 64, 4, 3)
+    assert tuned.lookup("f16", 128, False, "sm_90a") == tuned.TunedKernel(Tile(64, 64, 4, 3))
 
 
 def test_a_damaged_entry_is_skipped_with_a_warning(on_h200, cache_dir):
@@ -131,20 +132,20 @@ def test_best_overall_is_the_least_geometric_mean_slowdown():
     long = entry("m128n64w4s2", shape_class=LONG,
                  candidates={"m64n64w4s3": 1.20, "m128n64w4s2": 1.0, "m128n32w4s2": 1.05})
     # slowdowns: m64n64 1.0 x 1.2, m128n64 1.3 x 1.0, m128n32 1.05 x 1.05: the last wins neither class
-    assert tuned.best_overall([short, long]) == Tile(128, 32, 4, 2)
-    assert tuned.best_overall([short]) == Tile(64, 64, 4, 3)
+    assert tuned.best_overall([short, long]) == tuned.TunedKernel(Tile(128, 32, 4, 2))
+    assert tuned.best_overall([short]) == tuned.TunedKernel(Tile(64, 64, 4, 3))
     assert tuned.best_overall([]) is None
 
 
 def test_best_overall_without_a_common_candidate_takes_the_latest_sweep():
     old = entry("m64n64w4s3", candidates={"m64n64w4s3": 1.0}, tuned_at="2026-12-01T00:00:00")
     new = entry("m128n32w4s2", shape_class=LONG, candidates={"m128n32w4s2": 1.0}, tuned_at="2026-12-02T00:00:00")
-    assert tuned.best_overall([new, old]) == Tile(128, 32, 4, 2)
+    assert tuned.best_overall([new, old]) == tuned.TunedKernel(Tile(128, 32, 4, 2))
 
 
 def test_a_shape_class_looks_up_its_own_winner_only(on_h200):
     tuned.save([entry("m64n64w4s3"), entry("m128n32w4s2", shape_class=LONG)])
-    assert tuned.lookup("f16", 128, False, "sm_90a", LONG) == Tile(128, 32, 4, 2)
+    assert tuned.lookup("f16", 128, False, "sm_90a", LONG) == tuned.TunedKernel(Tile(128, 32, 4, 2))
     assert tuned.lookup("f16", 128, False, "sm_90a", ShapeClass("<=1K", "<=1K", True)) is None
 
 
@@ -188,7 +189,7 @@ def test_default_spec_falls_back_to_the_builtin_tables(on_h200, monkeypatch):
 
 def test_a_stored_tile_the_family_no_longer_takes_warns_and_the_default_stands(on_h200):
     tuned.save([entry("m32n32w4s2", fmt="i8-f8")])  # the wgmma kernel takes 64, 128 or 192 rows
-    with pytest.warns(UserWarning, match="ignoring the tuned tile m32n32w4s2"):
+    with pytest.warns(UserWarning, match="ignoring the tuned kernel m32n32w4s2"):
         spec = default_spec("i8-f8", 128)
     assert spec.tile == KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a").tile
 
@@ -199,27 +200,61 @@ def test_call_spec_runs_the_stored_winner_unless_a_tile_or_unit_is_named(on_h200
     assert call_spec("f16", 128, False, 4096, "sm_90a", tile=BUILTIN).tile == BUILTIN
 
 
+def test_call_spec_order_named_then_stored_then_listed_then_default(on_h200):
+    """Without a stored tile, f16 calls of 4096 rows and more run the listed wgmma kernel on sm_90a and
+    fewer rows the mma.sync default; a tile stored for the call's shape class (measured on this GPU)
+    comes before the list, a named unit or tile before both."""
+    wgmma = call_spec("f16", 128, False, 4096, "sm_90a")
+    assert wgmma.family.values["mma_unit"] == "wgmma" and wgmma.tile == Tile(128, 128, 8, 2)
+    short = call_spec("f16", 128, False, 4095, "sm_90a")
+    assert short.family.values["mma_unit"] == "mma.sync" and short.tile == BUILTIN
+    assert call_spec("f16", 128, False, 4096, "sm_80").family.values["mma_unit"] == "mma.sync"
+    tuned.save([entry("m64n64w4s3", shape_class=LONG)])
+    assert call_spec("f16", 128, False, 32768, "sm_90a", shape=LONG).tile == Tile(64, 64, 4, 3)
+    assert call_spec("f16", 128, False, 4096, "sm_90a", shape=MHA_4K) == wgmma  # that class was not tuned
+    named = call_spec("f16", 128, False, 32768, "sm_90a", mma="mma.sync", shape=LONG)
+    assert named.tile == BUILTIN and named.family.values["mma_unit"] == "mma.sync"
+    with pytest.raises(ValueError, match="format: unknown 'f17'"):
+        call_spec("f17", 128, False, 4096, "sm_90a")
+
+
 # ---- candidates ---------------------------------------------------------------------------------
 
-def test_candidates_are_the_valid_grid_tiles_default_first():
+def test_candidates_are_the_valid_grid_tiles_on_each_unit_default_first():
     specs = candidate_specs("f16", 128, False, "sm_90a")
-    assert specs[0].tile == BUILTIN
-    assert len({s.tile for s in specs}) == len(specs) > 10
+    assert specs[0] == KernelSpec(recipe="f16", head_dim=128, arch="sm_90a") and specs[0].tile == BUILTIN
+    assert len({tuned.TunedKernel.of(s) for s in specs}) == len(specs) > 10
     assert all(s.tile.warps >= 4 and s.tile.block_n >= 32 for s in specs)
     assert {s.recipe for s in specs} == {"f16"} and not any(s.causal for s in specs)
+    # on sm_90a the mma.sync kernel's grid, then the wgmma kernel's (its 64-row warpgroups, 64 or 128 keys)
+    wgmma = [s for s in specs if s.mma == "wgmma"]
+    assert len(wgmma) == 11 and len(specs) == 40 + 11
+    assert all(s.tile.block_m == 16 * s.tile.warps and s.tile.block_n in (64, 128) for s in wgmma)
+    assert tuned.TunedKernel.of(wgmma[0]).name == "m64n64w4s2@wgmma"
+    assert units("f16", 128, "sm_90a") == ["mma.sync", "wgmma"] and units("i8-f8", 128, "sm_90a") == ["wgmma", "mma.sync"]
+    assert units("f16", 128, "sm_80") == ["mma.sync"] and units("f16", 96, "sm_90a") == ["mma.sync"]
+    assert units("f32", 128, "sm_90a") == []
+    assert not any(s.mma for s in candidate_specs("f16", 128, False, "sm_80"))
 
 
 def test_candidates_narrowed_by_each_axis():
     specs = candidate_specs("f16", 128, True, "sm_90a", block_shapes=[(64, 64), (128, 32)], warps=[4], stages=[2, 3])
-    assert [s.tile.name for s in specs] == ["m64n64w4s2", "m64n64w4s3", "m128n32w4s2", "m128n32w4s3"]
+    assert [tuned.TunedKernel.of(s).name for s in specs] == ["m64n64w4s2", "m64n64w4s3", "m128n32w4s2",
+                                                             "m128n32w4s3", "m64n64w4s2@wgmma", "m64n64w4s3@wgmma"]
     assert all(s.causal for s in specs)
+    sync = candidate_specs("f16", 128, True, "sm_90a", block_shapes=[(64, 64)], warps=[4], stages=[2], mma=["mma.sync"])
+    assert [(s.tile.name, s.mma) for s in sync] == [("m64n64w4s2", None)]
+    only = candidate_specs("i8-f8", 128, False, "sm_90a", mma=["mma.sync"])
+    assert {s.mma for s in only} == {"mma.sync"}
 
 
 def test_candidates_errors_name_the_argument():
     with pytest.raises(ValueError, match="^format 'kv8-imma': tune covers"):
         candidate_specs("kv8-imma", 128, False, "sm_90a")
     with pytest.raises(ValueError, match="^tile: no tile of the grid fits i8-f8 d128 on sm_90a"):
-        candidate_specs("i8-f8", 128, False, "sm_90a", block_shapes=[(32, 32)])
+        candidate_specs("i8-f8", 128, False, "sm_90a", block_shapes=[(32, 32)], mma=["wgmma"])
+    with pytest.raises(ValueError, match="^mma: f16 d128 on sm_80 builds with mma.sync, got 'wgmma'"):
+        candidate_specs("f16", 128, False, "sm_80", mma=["wgmma"])
     with pytest.raises(ValueError, match="^head_dim: "):
         candidate_specs("i8-f8", 96, False, "sm_90a")
 
@@ -235,11 +270,13 @@ SPECS = [KernelSpec(recipe="f16", head_dim=128, arch="sm_90a", tile=Tile.from_na
 
 
 def fake_runner(ms: dict, wrong=()):
-    """prepare(spec) of a sweep: a launch that returns its tile's time, or Rejected for a wrong output."""
+    """prepare(spec) of a sweep: a launch that returns its kernel's time (by TunedKernel name), or Rejected
+    for a wrong output."""
     def prepare(spec):
-        if spec.tile.name in wrong:
+        name = tuned.TunedKernel.of(spec).name
+        if name in wrong:
             raise Rejected("rel_l2 4.1e-01 over the format's 2e-03")
-        return lambda: ms[spec.tile.name]
+        return lambda: ms[name]
     return prepare
 
 
@@ -250,7 +287,7 @@ def fake_timer(fn, rounds):
 def test_the_fastest_candidate_wins():
     ms = {"m128n64w4s2": 0.9, "m64n64w4s3": 0.7, "m128n32w4s2": 0.8, "m64n32w4s2": 1.2}
     result = sweep(SPECS, fake_runner(ms), rounds=3, timer=fake_timer)
-    assert result.winner == Tile(64, 64, 4, 3)
+    assert result.winner == tuned.TunedKernel(Tile(64, 64, 4, 3))
     assert {t.name: v for t, v in result.times.items()} == ms and not result.rejected
 
 
@@ -259,8 +296,8 @@ def test_a_wrong_candidate_is_rejected_and_never_timed():
     timed = []
     result = sweep(SPECS, fake_runner(ms, wrong={"m64n64w4s3"}), rounds=2,
                    timer=lambda fn, n: timed.append(fn()) or fn())
-    assert result.winner == Tile(128, 32, 4, 2)
-    assert result.rejected == {Tile(64, 64, 4, 3): "rel_l2 4.1e-01 over the format's 2e-03"}
+    assert result.winner == tuned.TunedKernel(Tile(128, 32, 4, 2))
+    assert result.rejected == {tuned.TunedKernel(Tile(64, 64, 4, 3)): "rel_l2 4.1e-01 over the format's 2e-03"}
     assert 0.1 not in timed and len(timed) == 2 * 3
 
 
@@ -307,7 +344,7 @@ def compiled(specs, jobs, done):
 
 def small_jobs(shapes=(Shape(2, 8, 8, 2048, 2048),)):
     return plan(["f16"], [128], [False], list(shapes), "sm_90a", block_shapes=[(64, 64), (128, 64)], warps=[4],
-                stages=[2, 3])
+                stages=[2, 3], mma=["mma.sync"])
 
 
 def test_run_stores_each_winner_under_its_key(on_h200, monkeypatch):
@@ -322,7 +359,7 @@ def test_run_stores_each_winner_under_its_key(on_h200, monkeypatch):
     stored = entries[0]
     assert (stored.device, stored.arch, stored.format, stored.head_dim, stored.causal) == (H200, "sm_90a", "f16", 128,
                                                                                           False)
-    assert stored.tile == Tile(128, 64, 4, 2) and stored.ms == 0.85 and stored.default_tile == "m128n64w4s2"
+    assert stored.kernel == tuned.TunedKernel(Tile(128, 64, 4, 2)) and stored.ms == 0.85 and stored.default_tile == "m128n64w4s2"
     assert set(stored.rejected) == {"m64n64w4s3"} and set(stored.candidates) == {"m64n64w4s2", "m128n64w4s2",
                                                                                   "m128n64w4s3"}
     assert default_spec("f16", 128).tile == Tile(128, 64, 4, 2)
@@ -437,15 +474,26 @@ def test_bad_options_are_usage_errors_naming_the_option(on_h200, args, option):
 
 
 def test_tune_on_a_fake_gpu_prints_and_stores_the_winners(on_h200, monkeypatch, tmp_path):
-    ms = {"m64n64w4s2": 0.9, "m64n64w4s3": 0.8, "m128n64w4s2": 0.85, "m128n64w4s3": 1.0}
+    ms = {"m64n64w4s2": 0.9, "m64n64w4s3": 0.8, "m128n64w4s2": 0.85, "m128n64w4s3": 1.0,
+          "m64n64w4s2@wgmma": 0.7, "m64n64w4s3@wgmma": 0.75}
     monkeypatch.setattr(qattn.tune.run, "prebuild", compiled)
     monkeypatch.setattr(qattn.tune.run, "GpuCase", fake_case(ms))
     monkeypatch.setattr(qattn.tune.sweep, "round_timer", fake_timer)
-    result = cli("-f", "f16", "-d", "128", "--no-causal", "--shape", "2x2048", "--tile", "64x64", "--tile", "128x64",
-                 "--warps", "4", "--stages", "2", "--stages", "3", "--json", str(tmp_path / "run.json"))
+    args = ("-f", "f16", "-d", "128", "--no-causal", "--shape", "2x2048", "--tile", "64x64", "--tile", "128x64",
+            "--warps", "4", "--stages", "2", "--stages", "3")
+    result = cli(*args, "--mma", "mma.sync", "--json", str(tmp_path / "run.json"))
     assert result.exit_code == 0, result.output
     assert "m64n64w4s3" in result.output and "1.06x" in result.output  # 0.85 / 0.8
     assert f"stored in {tuned.table_path()}" in result.output
-    assert [e.tile.name for e in tuned.load()] == ["m64n64w4s3"]
+    assert [e.kernel.name for e in tuned.load()] == ["m64n64w4s3"]
     record = json.loads((tmp_path / "run.json").read_text())[0]
     assert record["tile"] == "m64n64w4s3" and math.isclose(record["ms"], 0.8) and record["shape"]["batch"] == 2
+    # both units (the default on sm_90a): the wgmma kernel wins, and calls of that class run it
+    result = cli(*args)
+    assert result.exit_code == 0, result.output
+    assert "m64n64w4s2@wgmma" in result.output and "1.21x" in result.output  # 0.85 / 0.7
+    (stored,) = tuned.load()
+    assert stored.kernel == tuned.TunedKernel(Tile(64, 64, 4, 2), "wgmma") and len(stored.candidates) == 6
+    chosen = default_spec("f16", 128, shape=MHA_4K)
+    assert chosen.family.values["mma_unit"] == "wgmma" and chosen.tile == Tile(64, 64, 4, 2)
+    assert call_spec("f16", 128, False, 2048, "sm_90a", shape=MHA_4K) == chosen

@@ -58,7 +58,7 @@ def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers
     import cupy
 
     from ..engine.kernel import build_kernel
-    from ..engine.spec import default_spec
+    from ..engine.spec import call_spec, device_arch
 
     records = []
     rng = cupy.random.default_rng(seed)
@@ -84,13 +84,11 @@ def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers
                           lambda fn=fn: fn(*torch_inputs, causal)))
         for entry in formats:
             fmt, _, mma = entry.partition("@")  # "i8-f8@wgmma": the format on a named matrix unit
-            spec = default_spec(fmt, head_dim, causal=causal)
-            if mma:
-                try:
-                    spec = spec.with_(mma=mma, tile=None)
-                except ValueError as exc:  # this arch does not build the format on that unit
-                    records.append(dict(shape_rec, impl=f"qattn:{entry}", error=str(exc)))
-                    continue
+            try:  # the kernel qattn.attention runs for these rows (or the one on the named unit)
+                spec = call_spec(fmt, head_dim, causal, seq, device_arch(), mma=mma or None)
+            except ValueError as exc:  # this arch does not build the format on that unit
+                records.append(dict(shape_rec, impl=f"qattn:{entry}", error=str(exc)))
+                continue
             if tiles:
                 spec = spec.with_(tile=tiles[entry] if isinstance(tiles, dict) else tiles)
             kernel = build_kernel(spec)

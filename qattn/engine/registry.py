@@ -110,6 +110,13 @@ def launch_choice(fmt: str, head_dim: int, arch: str, queries: int) -> LaunchCho
     return choice if choice is not None and queries >= choice.least_queries else None
 
 
+def launch_band(fmt: str, head_dim: int, queries: int) -> int:
+    """How many of the format's listed query thresholds at head_dim (on any arch) a call of `queries`
+    rows reaches: calls in one band run one kernel, so a cache of the kernel per call can key on it."""
+    listed = family_of(fmt).launch_tiles
+    return sum(queries >= c.least_queries for (f, d, _), c in listed.items() if f == fmt and d == head_dim)
+
+
 def formats_with_option(option: str) -> list[str]:
     return [r.name for f in FAMILIES.values() if option in f.options for r in f.recipes if r.kind == "prefill"]
 

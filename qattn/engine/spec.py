@@ -149,36 +149,55 @@ def default_spec(format: str, head_dim: int, *, causal: bool = False, arch: str 
     """The prefill kernel a call of format runs by default on arch (default: the current GPU's): the
     tile `qattn tune` stored for this GPU (with_tuned_tile; of shape's class where shape is given),
     else the family's built-in default."""
-    rec = recipe(format)
-    if "cuda" not in rec.families:
-        raise ValueError(f"format {format!r} has no CUDA kernel yet; its CPU emulator is "
-                         f"qattn.check.emulate.emulate({format!r}, ...)")
+    _check_cuda_kernel(format)
     return with_tuned_tile(KernelSpec(kind="prefill", recipe=format, head_dim=head_dim, causal=causal,
                                       arch=arch or device_arch()), shape)
 
 
 def call_spec(format: str, head_dim: int, causal: bool, queries: int, arch: str, tile: Tile | None = None,
-              mma: str | None = None) -> KernelSpec:
+              mma: str | None = None, shape: ShapeClass | None = None) -> KernelSpec:
     """The kernel a call of `queries` query rows runs: the given tile and matrix unit (each None: the
-    arch's default), else where neither is named the one its family lists for the query count
-    (registry.launch_choice), else the tile `qattn tune` stored for this GPU, else the family's default."""
-    named = tile is not None or mma is not None
-    choice = None if named else launch_choice(format, head_dim, arch, queries)
-    if choice is not None:
-        tile, mma = choice.tile, choice.mma
+    arch's default); where neither is named, the tile `qattn tune` stored for this GPU (of shape's
+    class where shape is given: a measurement on this machine), else the kernel its family lists for
+    the query count (registry.launch_choice: measured on the arch's reference GPU), else the family's
+    default."""
+    _check_cuda_kernel(format)
     spec = KernelSpec(kind="prefill", recipe=format, head_dim=head_dim, causal=causal, arch=arch, mma=mma,
                       **({"tile": tile} if tile is not None else {}))
-    return spec if named or choice is not None else with_tuned_tile(spec)
+    if tile is not None or mma is not None:
+        return spec
+    stored = _tuned_spec(spec, shape)
+    if stored is not None:
+        return stored
+    choice = launch_choice(format, head_dim, arch, queries)
+    if choice is None:
+        return spec
+    return KernelSpec(kind="prefill", recipe=format, head_dim=head_dim, causal=causal, arch=arch, mma=choice.mma,
+                      tile=choice.tile)
+
+
+def _check_cuda_kernel(format: str) -> None:
+    if "cuda" not in recipe(format).families:
+        raise ValueError(f"format {format!r} has no CUDA kernel yet; its CPU emulator is "
+                         f"qattn.check.emulate.emulate({format!r}, ...)")
 
 
 def with_tuned_tile(spec: KernelSpec, shape: ShapeClass | None = None) -> KernelSpec:
-    """spec with the tile `qattn tune` stored for it on this GPU (engine/tuned.py: the winner of
-    shape's class where shape is given, else the best over the classes tuned), where there is one."""
-    tile = tuned.lookup(spec.recipe, spec.head_dim, spec.causal, spec.arch, shape)
-    if tile is None or tile == spec.tile:
+    """spec with the kernel (tile, and matrix unit where the arch has a choice) `qattn tune` stored for
+    it on this GPU (engine/tuned.py: the winner of shape's class where shape is given, else the best
+    over the classes tuned), where there is one."""
+    return _tuned_spec(spec, shape) or spec
+
+
+def _tuned_spec(spec: KernelSpec, shape: ShapeClass | None) -> KernelSpec | None:
+    """spec with its stored kernel, or None where nothing usable is stored."""
+    stored = tuned.lookup(spec.recipe, spec.head_dim, spec.causal, spec.arch, shape)
+    if stored is None:
+        return None
+    if stored == tuned.TunedKernel.of(spec):
         return spec
     try:
-        return spec.with_(tile=tile)
-    except ValueError as exc:  # stored before the family's tile rules changed: the built-in default stands
-        warnings.warn(f"qattn: ignoring the tuned tile {tile.name} for {spec.name}: {exc}", stacklevel=3)
-        return spec
+        return spec.with_(tile=stored.tile, mma=stored.mma)
+    except ValueError as exc:  # stored before the family's rules changed: the built-in default stands
+        warnings.warn(f"qattn: ignoring the tuned kernel {stored.name} for {spec.name}: {exc}", stacklevel=4)
+        return None

@@ -1,5 +1,6 @@
-"""The tiles `qattn tune` measured fastest on this machine: one JSON file, tuned.json, in the kernel
-cache directory ($QATTN_CACHE_DIR, default ~/.cache/qattn).
+"""The kernels `qattn tune` measured fastest on this machine (a tile, and the matrix unit where the arch
+has a choice): one JSON file, tuned.json, in the kernel cache directory ($QATTN_CACHE_DIR, default
+~/.cache/qattn).
 
 An entry is the winner of one sweep, keyed by what it was measured on (GPU name, driver version,
 qattn version, arch) and what it is for (format, head dim, causal, shape class); it keeps every
@@ -80,6 +81,29 @@ def driver_version() -> str:
 
 
 @dataclass(frozen=True)
+class TunedKernel:
+    """A candidate of a sweep: a tile on a matrix unit (None: the arch's default unit for the format).
+    Its name is the tile's, with "@unit" for another unit (m128n128w8s2@wgmma)."""
+
+    tile: Tile
+    mma: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.tile.name + (f"@{self.mma}" if self.mma else "")
+
+    @classmethod
+    def from_name(cls, name: str) -> "TunedKernel":
+        tile, _, mma = str(name).partition("@")
+        return cls(Tile.from_name(tile), mma or None)
+
+    @classmethod
+    def of(cls, spec) -> "TunedKernel":
+        """A KernelSpec's (whose mma is None on the arch's default unit)."""
+        return cls(spec.tile, spec.mma)
+
+
+@dataclass(frozen=True)
 class TunedEntry:
     device: Device
     arch: str
@@ -87,11 +111,11 @@ class TunedEntry:
     head_dim: int
     causal: bool
     shape_class: ShapeClass
-    tile: Tile  # the winner: the least median time in candidates
-    candidates: dict  # tile name -> median ms, every candidate timed
+    kernel: TunedKernel  # the winner: the least median time in candidates
+    candidates: dict  # kernel name -> median ms, every candidate timed
     shape: dict  # what was timed: batch, heads, kv_heads, queries, keys
-    rejected: dict = field(default_factory=dict)  # tile name -> why it was not timed
-    default_tile: str = ""  # the built-in default's tile name (in candidates where it was swept)
+    rejected: dict = field(default_factory=dict)  # kernel name -> why it was not timed
+    default_tile: str = ""  # the built-in default's kernel name (in candidates where it was swept)
     tuned_at: str = ""
 
     @property
@@ -100,13 +124,13 @@ class TunedEntry:
 
     @property
     def ms(self) -> float:
-        return self.candidates[self.tile.name]
+        return self.candidates[self.kernel.name]
 
     def as_json(self) -> dict:
         return {"gpu": self.device.gpu, "driver": self.device.driver, "qattn": self.device.qattn, "arch": self.arch,
                 "format": self.format, "head_dim": self.head_dim, "causal": self.causal,
                 "queries": self.shape_class.queries, "keys": self.shape_class.keys, "gqa": self.shape_class.gqa,
-                "tile": self.tile.name, "ms": self.ms, "default_tile": self.default_tile, "shape": self.shape,
+                "tile": self.kernel.name, "ms": self.ms, "default_tile": self.default_tile, "shape": self.shape,
                 "candidates": self.candidates, "rejected": self.rejected, "tuned_at": self.tuned_at}
 
     @classmethod
@@ -117,11 +141,11 @@ class TunedEntry:
             raise ValueError("candidates: times must be positive")
         entry = cls(Device(str(d["gpu"]), str(d["driver"]), str(d["qattn"])), str(d["arch"]), str(d["format"]),
                     _integer(d["head_dim"]), _boolean(d["causal"]),
-                    ShapeClass(d["queries"], d["keys"], d["gqa"]), Tile.from_name(d["tile"]), candidates,
+                    ShapeClass(d["queries"], d["keys"], d["gqa"]), TunedKernel.from_name(d["tile"]), candidates,
                     dict(d["shape"]), dict(d.get("rejected", {})), str(d.get("default_tile", "")),
                     str(d.get("tuned_at", "")))
-        if entry.tile.name not in candidates:
-            raise ValueError(f"tile: {entry.tile.name} is not among the candidates timed")
+        if entry.kernel.name not in candidates:
+            raise ValueError(f"tile: {entry.kernel.name} is not among the candidates timed")
         return entry
 
 
@@ -179,8 +203,9 @@ def save(entries, path: Path | None = None) -> Path:
     return path
 
 
-def lookup(format: str, head_dim: int, causal: bool, arch: str, shape_class: ShapeClass | None = None) -> Tile | None:
-    """The stored tile for a call on the current GPU: the winner of shape_class where one is given
+def lookup(format: str, head_dim: int, causal: bool, arch: str,
+           shape_class: ShapeClass | None = None) -> TunedKernel | None:
+    """The stored kernel for a call on the current GPU: the winner of shape_class where one is given
     (None where that class was not tuned), else the best over every class tuned (best_overall).
     None without a GPU, without a matching entry, or with QATTN_TUNED=0."""
     if not enabled() or not table_path().is_file():  # the common case costs one stat
@@ -190,21 +215,21 @@ def lookup(format: str, head_dim: int, causal: bool, arch: str, shape_class: Sha
         return None
     mine = [e for e in load() if e.key[:5] == (device, arch, format, head_dim, causal)]
     if shape_class is not None:
-        return next((e.tile for e in mine if e.shape_class == shape_class), None)
+        return next((e.kernel for e in mine if e.shape_class == shape_class), None)
     return best_overall(mine)
 
 
-def best_overall(entries: list[TunedEntry]) -> Tile | None:
-    """Of the tiles timed in every entry's sweep, the one with the least geometric mean of its time
+def best_overall(entries: list[TunedEntry]) -> TunedKernel | None:
+    """Of the kernels timed in every entry's sweep, the one with the least geometric mean of its time
     over each sweep's best (a call of unknown shape runs it); where no tile was timed in all of
     them, the winner of the latest sweep."""
     if not entries:
         return None
     common = set.intersection(*(set(e.candidates) for e in entries))
     if not common:
-        return max(entries, key=lambda e: e.tuned_at).tile
+        return max(entries, key=lambda e: e.tuned_at).kernel
 
     def log_slowdown(name: str) -> float:
         return sum(math.log(e.candidates[name] / e.ms) for e in entries)
 
-    return Tile.from_name(min(sorted(common), key=log_slowdown))
+    return TunedKernel.from_name(min(sorted(common), key=log_slowdown))

@@ -1,6 +1,7 @@
-"""The tiles `qattn tune` sweeps: a grid of block shapes, warps and stages, kept where the format's
-kernel family takes them on the arch (KernelSpec's validation: the family's tile rules and the
-arch's shared memory per block)."""
+"""The kernels `qattn tune` sweeps: a grid of block shapes, warps and stages on each matrix unit the
+arch builds the format with (on sm_90a f16 and bf16: mma.sync and wgmma; i8-f16 and i8-f8: wgmma and
+mma.sync), kept where that unit's kernel family takes them (KernelSpec's validation: the family's
+tile rules and the arch's shared memory per block)."""
 from __future__ import annotations
 
 import itertools
@@ -30,21 +31,39 @@ def check_tunable(fmt: str) -> None:
                          "qattn.attention calls run default_spec's kernel)")
 
 
+def units(fmt: str, head_dim: int, arch: str) -> list[str]:
+    """The matrix units the arch builds the format with at head_dim, its default first (names as
+    Family.values["mma_unit"]; [] where the family names none: one kernel to sweep)."""
+    rec = registry.recipe(fmt)
+    default = rec.family("cuda", arch, head_dim=head_dim)
+    found = [f.values.get("mma_unit") for f in (default, *rec.arch_options("cuda", arch))
+             if head_dim in f.head_dims]
+    return [unit for unit in dict.fromkeys(found) if unit]
+
+
 def candidate_specs(fmt: str, head_dim: int, causal: bool, arch: str, *, block_shapes=None, warps=None,
-                    stages=None) -> list[KernelSpec]:
+                    stages=None, mma=None) -> list[KernelSpec]:
     """Every tile of the grid (BLOCK_M x BLOCK_N, WARPS, STAGES; each axis replaced where given,
-    block_shapes as (block_m, block_n) pairs) that the format's kernel takes at head_dim on arch, the
-    built-in default first where the grid holds it."""
+    block_shapes as (block_m, block_n) pairs) on every matrix unit in mma (default: each the arch has
+    for the format, units()) that the unit's kernel takes at head_dim on arch, the built-in default
+    first where the grid holds it."""
     check_tunable(fmt)
     default = KernelSpec(kind="prefill", recipe=fmt, head_dim=head_dim, causal=causal, arch=arch)
+    have = units(fmt, head_dim, arch)
+    for unit in mma or ():
+        if unit not in have:
+            raise ValueError(f"mma: {fmt} d{head_dim} on {arch} builds with {', '.join(have) or 'one kernel'}, "
+                             f"got {unit!r}")
     specs = []
-    for (block_m, block_n), w, s in itertools.product(block_shapes or itertools.product(BLOCK_M, BLOCK_N),
-                                                      warps or WARPS, stages or STAGES):
-        try:
-            specs.append(default.with_(tile=Tile(block_m, block_n, w, s)))
-        except ValueError:  # the family does not take this tile (its reason is in KernelSpec's message)
-            continue
+    for unit in (mma or have or [None]):
+        base = KernelSpec(kind="prefill", recipe=fmt, head_dim=head_dim, causal=causal, arch=arch, mma=unit)
+        for (block_m, block_n), w, s in itertools.product(block_shapes or itertools.product(BLOCK_M, BLOCK_N),
+                                                          warps or WARPS, stages or STAGES):
+            try:
+                specs.append(base.with_(tile=Tile(block_m, block_n, w, s)))
+            except ValueError:  # the family does not take this tile (its reason is in KernelSpec's message)
+                continue
     if not specs:
         raise ValueError(f"tile: no tile of the grid fits {fmt} d{head_dim} on {arch}; widen --tile, --warps "
                          f"or --stages (the default tile is {default.tile.name})")
-    return sorted(specs, key=lambda spec: spec.tile != default.tile)  # stable: grid order after the default
+    return sorted(specs, key=lambda spec: spec != default)  # stable: grid order after the default

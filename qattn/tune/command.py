@@ -22,7 +22,7 @@ from .case import Shape
 DEFAULT_SHAPE = (4, 4096)
 # Options of a sweep, by parameter name; --show takes none of them.
 SWEEP_OPTIONS = {"causal": "--causal", "shapes": "--shape", "queries": "--queries", "heads": "--heads",
-                 "kv_heads": "--kv-heads", "tiles": "--tile", "warps": "--warps", "stages": "--stages",
+                 "kv_heads": "--kv-heads", "tiles": "--tile", "warps": "--warps", "stages": "--stages", "mma": "--mma",
                  "rounds": "--rounds", "jobs": "--jobs", "seed": "--seed"}
 
 
@@ -63,6 +63,9 @@ def _parse_block_shapes(ctx, param, values):
               help=f"warps per block to sweep; repeatable [default: {', '.join(map(str, WARPS))}]")
 @click.option("--stages", multiple=True, type=click.IntRange(1, 4),
               help=f"pipeline stages to sweep; repeatable [default: {', '.join(map(str, STAGES))}]")
+@click.option("--mma", multiple=True, type=click.Choice(["mma.sync", "wgmma"]),
+              help="matrix units to sweep; repeatable [default: every unit the GPU's arch builds the format with; "
+                   "on sm_90a f16, bf16, i8-f16 and i8-f8 have mma.sync and wgmma]")
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
               help="interleaved timing rounds (every candidate once a round, odd rounds in reverse; the median is "
                    "kept)")
@@ -75,13 +78,14 @@ def _parse_block_shapes(ctx, param, values):
                                         "as JSON to FILE")
 @click.pass_context
 @user_errors
-def tune(ctx, formats, head_dims, causal, shapes, queries, heads, kv_heads, tiles, warps, stages, rounds, jobs, seed,
-         show, json_path):
-    """Sweep the tiles of each format's prefill kernel on this GPU, check each candidate's output
-    against FP64 once (a wrong one is rejected), time the rest in interleaved rounds, and store the
-    fastest per format, head dim, causal flag and shape class in the cache directory, keyed by the
-    GPU's name, its driver and the qattn version. qattn.attention runs the stored tile from then on
-    (QATTN_TUNED=0 ignores the table; the built-in tables apply where it has no entry)."""
+def tune(ctx, formats, head_dims, causal, shapes, queries, heads, kv_heads, tiles, warps, stages, mma, rounds, jobs,
+         seed, show, json_path):
+    """Sweep the tiles of each format's prefill kernel on this GPU (on each matrix unit its arch
+    has), check each candidate's output against FP64 once (a wrong one is rejected), time the rest
+    in interleaved rounds, and store the fastest per format, head dim, causal flag and shape class in
+    the cache directory, keyed by the GPU's name, its driver and the qattn version. qattn.attention
+    runs the stored kernel from then on (QATTN_TUNED=0 ignores the table; the built-in tables apply
+    where it has no entry)."""
     if show:
         given = [option for name, option in SWEEP_OPTIONS.items()
                  if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT]
@@ -98,7 +102,7 @@ def tune(ctx, formats, head_dims, causal, shapes, queries, heads, kv_heads, tile
                     [DEFAULT_SHAPE]]
     causals = [False, True] if causal is None else [causal]
     jobs_planned = tuning.plan(formats or ["f16"], head_dims or [128], causals, sweep_shapes, arch,
-                               block_shapes=tiles, warps=warps, stages=stages)
+                               block_shapes=tiles, warps=warps, stages=stages, mma=list(mma) or None)
     with _Progress("tune", tuning.steps(jobs_planned, rounds)) as progress:
         entries = tuning.run(jobs_planned, rounds=rounds, seed=seed, build_jobs=jobs, progress=progress.done)
     table = _table(f"tuned on {entries[0].device.gpu} ({arch}, driver {entries[0].device.driver})", "format", "D",
@@ -106,7 +110,7 @@ def tune(ctx, formats, head_dims, causal, shapes, queries, heads, kv_heads, tile
                    "rejected", right=("D", "ms", "default ms", "vs default", "rejected"))
     for e in entries:
         table.add_row(e.format, str(e.head_dim), "yes" if e.causal else "no", e.shape_class.name,
-                      Shape(**e.shape).label, e.tile.name, _fmt(e.ms, ".4f"), e.default_tile,
+                      Shape(**e.shape).label, e.kernel.name, _fmt(e.ms, ".4f"), e.default_tile,
                       _fmt(e.candidates.get(e.default_tile), ".4f"), _vs_default(e), str(len(e.rejected)))
     console = _console()
     console.print(table)
@@ -127,11 +131,11 @@ def _show(formats, head_dims, json_path) -> None:
                                                           else "; `qattn tune` on a GPU stores them"))
         return
     device = tuned.current_device()
-    table = _table(f"tuned tiles in {path}", "GPU", "driver", "qattn", "arch", "format", "D", "causal", "shape class",
-                   "tile", "ms", "vs default", "used here", right=("D", "ms", "vs default"))
+    table = _table(f"tuned kernels in {path}", "GPU", "driver", "qattn", "arch", "format", "D", "causal",
+                   "shape class", "kernel", "ms", "vs default", "used here", right=("D", "ms", "vs default"))
     for e in sorted(entries, key=_order):
         table.add_row(e.device.gpu, e.device.driver, e.device.qattn, e.arch, e.format, str(e.head_dim),
-                      "yes" if e.causal else "no", e.shape_class.name, e.tile.name, _fmt(e.ms, ".4f"), _vs_default(e),
+                      "yes" if e.causal else "no", e.shape_class.name, e.kernel.name, _fmt(e.ms, ".4f"), _vs_default(e),
                       _used(e, device))
     console = _console()
     console.print(table)

@@ -26,19 +26,22 @@ class Job:
     causal: bool
     shape: Shape
     specs: tuple[KernelSpec, ...]
-    default_tile: str  # the built-in default's name
+    default_tile: str  # the built-in default's kernel name
 
     @property
     def label(self) -> str:
         return f"{self.format} d{self.head_dim} {'causal' if self.causal else 'non-causal'} {self.shape.label}"
 
 
-def plan(formats, head_dims, causals, shapes, arch: str, *, block_shapes=None, warps=None, stages=None) -> list[Job]:
+def plan(formats, head_dims, causals, shapes, arch: str, *, block_shapes=None, warps=None, stages=None,
+         mma=None) -> list[Job]:
     """The sweeps of a tune, every spec validated before any GPU work (errors name the argument)."""
     jobs = []
     for fmt, d, causal in itertools.product(formats, head_dims, causals):
-        specs = tuple(candidate_specs(fmt, d, causal, arch, block_shapes=block_shapes, warps=warps, stages=stages))
-        default = KernelSpec(kind="prefill", recipe=fmt, head_dim=d, causal=causal, arch=arch).tile.name
+        specs = tuple(candidate_specs(fmt, d, causal, arch, block_shapes=block_shapes, warps=warps, stages=stages,
+                                      mma=mma))
+        default = KernelSpec(kind="prefill", recipe=fmt, head_dim=d, causal=causal, arch=arch)
+        default = tuned.TunedKernel.of(default).name
         jobs += [Job(fmt, d, causal, shape, specs, default) for shape in shapes]
     return jobs
 
@@ -76,11 +79,11 @@ def run(jobs: list[Job], *, rounds: int = 2, seed: int = 0, build_jobs: int = 1,
                        progress=lambda line, job=job: report(f"{job.label}: {line}"))
         if result.winner is None:
             raise ValueError(f"tile: every candidate of {job.label} was rejected: " +
-                             "; ".join(f"{tile.name}: {why}" for tile, why in result.rejected.items()))
+                             "; ".join(f"{kernel.name}: {why}" for kernel, why in result.rejected.items()))
         entry = tuned.TunedEntry(
             device, job.specs[0].arch, job.format, job.head_dim, job.causal, job.shape.shape_class, result.winner,
-            candidates={tile.name: ms for tile, ms in result.times.items()}, shape=dataclasses.asdict(job.shape),
-            rejected={tile.name: why for tile, why in result.rejected.items()}, default_tile=job.default_tile,
+            candidates={kernel.name: ms for kernel, ms in result.times.items()}, shape=dataclasses.asdict(job.shape),
+            rejected={kernel.name: why for kernel, why in result.rejected.items()}, default_tile=job.default_tile,
             tuned_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
         tuned.save([entry])
         entries.append(entry)

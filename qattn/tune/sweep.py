@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..bench.timing import round_timer, time_interleaved
-from ..engine.tile import Tile
+from ..engine.tuned import TunedKernel
 
 
 class Rejected(Exception):
@@ -16,11 +16,11 @@ class Rejected(Exception):
 
 @dataclass
 class SweepResult:
-    times: dict[Tile, float] = field(default_factory=dict)  # median ms of each candidate timed
-    rejected: dict[Tile, str] = field(default_factory=dict)  # why each of the others was not
+    times: dict[TunedKernel, float] = field(default_factory=dict)  # median ms of each candidate timed
+    rejected: dict[TunedKernel, str] = field(default_factory=dict)  # why each of the others was not
 
     @property
-    def winner(self) -> Tile | None:
+    def winner(self) -> TunedKernel | None:
         """The fastest candidate timed; None where every one was rejected."""
         return min(self.times, key=self.times.get) if self.times else None
 
@@ -37,13 +37,14 @@ def sweep(specs, prepare: Callable, *, rounds: int = 2, timer: Callable | None =
     report = progress or (lambda line: None)
     result, launches = SweepResult(), {}
     for spec in specs:
+        kernel = TunedKernel.of(spec)
         try:
-            launches[spec.tile] = prepare(spec)
+            launches[kernel] = prepare(spec)
         except Rejected as exc:
-            result.rejected[spec.tile] = str(exc)
-            report(f"{spec.tile.name} rejected: {exc}")
+            result.rejected[kernel] = str(exc)
+            report(f"{kernel.name} rejected: {exc}")
         else:
-            report(f"{spec.tile.name} checked")
+            report(f"{kernel.name} checked")
     fns, count = list(launches.values()), 0
 
     def timed(fn, n):
@@ -54,5 +55,5 @@ def sweep(specs, prepare: Callable, *, rounds: int = 2, timer: Callable | None =
         return ms
 
     per_round = time_interleaved(fns, rounds, timed) if fns else []
-    result.times = {tile: statistics.median(times) for tile, times in zip(launches, per_round)}
+    result.times = {kernel: statistics.median(times) for kernel, times in zip(launches, per_round)}
     return result

@@ -4,7 +4,7 @@ from pathlib import Path
 from ...engine import registry
 from .emulate import EMULATORS
 from .launch import prefill
-from .recipes import RECIPES
+from .recipes import LAUNCH_TILES, RECIPES
 
 FAMILY = registry.register(registry.FormatFamily(
     name="dense",
@@ -12,4 +12,5 @@ FAMILY = registry.register(registry.FormatFamily(
     templates=Path(__file__).resolve().parent / "templates",
     launchers={"prefill": prefill},
     emulators=EMULATORS,
+    launch_tiles=LAUNCH_TILES,
 ))

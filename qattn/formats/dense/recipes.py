@@ -3,7 +3,7 @@ tensor cores (mma.sync m16n8k16 on CUDA, warp-specialized wgmma on sm_90a, MFMA/
 fp32 SIMT noise floor."""
 from __future__ import annotations
 
-from ...engine.family import CUDA_ARCHS, HIP_ARCHS, Family, Recipe, Tolerance
+from ...engine.family import CUDA_ARCHS, HIP_ARCHS, Family, LaunchChoice, Recipe, Tolerance
 from ...engine.tiling import (first_problem, padded_row_bytes, ring_problem, simt_problem, simt_smem, smem_problem,
                               tile_pitch, unpipelined_problem, warp_rows_problem)
 from ...engine.tile import Tile
@@ -111,6 +111,16 @@ CUDA_WGMMA = Family(
     # tile rules above count the TMA producer's registers)
     options={"kv_rows": ("off", "on")},
 )
+
+
+# The wgmma kernel for calls with many query rows per sequence (registry.launch_choice; a spec does not
+# know the call's rows): on the H200 (docs/notes/dense.md, TMA producer) it measured 1.03-1.14x the
+# mma.sync kernel at 4096 rows and more (B4 L4096 and B1 L32768 at d128, B4 L8192 at d64; f16 and bf16,
+# causal and not), but 0.91-1.00x at 1024 rows (B16 L1024), where its one block of 12 warps per SM and
+# a short key loop leave the SMs less busy. Calls of fewer rows keep the mma.sync default.
+WGMMA_QUERIES = 4096
+LAUNCH_TILES = {(fmt, d, "sm_90a"): LaunchChoice(WGMMA_QUERIES, CUDA_WGMMA.default_tiles[d], "wgmma")
+                for fmt in ("f16", "bf16") for d in CUDA_WGMMA.head_dims}
 
 
 CUDA_SIMT = Family(
