@@ -790,9 +790,11 @@ def _command_line() -> str:
 def bench_decode(shapes, batches, ctxs, preset, formats, qk_paths, k_terms, heads, kv_heads, gqa, head_dims, page_sizes,
                  queries, scale, cold, max_kv_gib, splits, stages, rounds, write_tokens, json_path, markdown):
     """Time the paged decode in each cache format and QK path beside torch SDPA (flash, cuDNN) on the
-    same queries over the same K/V in fp16, L2-warm or HBM-cold, and the one-launch cache write beside
-    a copy of the same bytes; GB/s of the bytes a step must read, as a fraction of the copy bandwidth
-    measured in the same run, and the ratio to the faster SDPA backend."""
+    same queries over the same K/V in fp16 and, where it is installed, FlashInfer's paged decode over
+    the same pages (fp16, and e4m3 with one scale per tensor), L2-warm or HBM-cold, and the one-launch
+    cache write beside a copy of the same bytes; GB/s of the bytes a step must read, as a fraction of
+    the copy bandwidth measured in the same run, the ratio to the faster SDPA backend and to FlashInfer
+    (its e4m3 cache for K8/V8 formats)."""
     from .bench import decode as timing
 
     runs = _decode_runs(preset, shapes, batches, ctxs, heads, kv_heads, gqa, head_dims, page_sizes, cold)

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 import qattn.cli
 from qattn.bench import decode as bench
+from qattn.bench import paged_peers
 from qattn.bench.timing import Timing
 from qattn.cli import main
 
@@ -124,15 +125,17 @@ BASE = {"batch": 8, "ctx": 32768, "heads": 32, "kv_heads": 8, "head_dim": 128, "
 
 
 def test_row_cells():
-    rec = dict(BASE, impl="qattn:e4m3-e4m3/fp8", l2="cold", ms=0.25, gbs=2300.4, of_copy=0.55, vs_sdpa=1.19,
-               rel_l2_vs_fp16=3.7e-2)
+    rec = dict(BASE, impl="qattn:e4m3-e4m3/fp8", format="e4m3-e4m3", l2="cold", ms=0.25, gbs=2300.4, of_copy=0.55,
+               vs_sdpa=1.19, vs_flashinfer=1.6, vs_flashinfer_e4m3=1.05, rel_l2_vs_fp16=3.7e-2)
     assert bench.row_cells(rec) == ["8x32768", "32/8", "128", "32", "cold", "qattn:e4m3-e4m3/fp8", "0.2500", "2300",
-                                    "0.55", "1.19", "3.70e-02"]
+                                    "0.55", "1.19", "1.05", "3.70e-02"]  # K8/V8 against FlashInfer's e4m3 cache
+    k8v16 = dict(rec, impl="qattn:e4m3-f16", format="e4m3-f16")
+    assert bench.row_cells(k8v16)[-2] == "1.60"  # against its fp16 cache
     peer = dict(BASE, impl="sdpa_flash", l2="warm", ms=0.3, gbs=3600.0, of_copy=0.86, vs_sdpa=None)
-    assert bench.row_cells(peer)[-2:] == ["-", "-"]
+    assert bench.row_cells(peer)[-3:] == ["-", "-", "-"]
     error = dict(BASE, impl="qattn:i8-i8/int8", error="qk: not built | yet")
     assert bench.row_cells(error) == ["8x32768", "32/8", "128", "32", "-", "qattn:i8-i8/int8", "qk: not built | yet",
-                                      "", "", "", ""]
+                                      "", "", "", "", ""]
     assert len(bench.row_cells(rec)) == len(bench.COLUMNS)
 
 
@@ -145,8 +148,47 @@ def test_markdown_table():
     assert lines[0] == "2026-12-03, NVIDIA H200, copy bandwidth 4200 GB/s, `qattn bench decode --preset x`"
     assert lines[2] == "| " + " | ".join(bench.COLUMNS) + " |"
     assert lines[3].count("|") == len(bench.COLUMNS) + 1 and "---:" in lines[3]
-    assert lines[5] == "| 8x32768 | 32/8 | 128 | 32 | warm | qattn:e4m3-e4m3 | 0.2400 | 2299 | 0.55 | 1.19 | - |"
+    assert lines[5] == "| 8x32768 | 32/8 | 128 | 32 | warm | qattn:e4m3-e4m3 | 0.2400 | 2299 | 0.55 | 1.19 | - | - |"
     assert "a \\| b" in lines[6] and len(re.split(r"(?<!\\)\|", lines[6])) == len(bench.COLUMNS) + 2  # one cell
+
+
+# ---- the paged peers (FlashInfer) ------------------------------------------------------------------
+
+def test_flashinfer_page_table_and_pages():
+    """The CSR table FlashInfer's plan takes, and the NHD pages it reads: each sequence's tokens in
+    order, the last page zero-padded; a ctx that fills its pages needs no padding."""
+    indptr, indices, last = paged_peers.page_table(3, 70, 32)  # 3 pages a sequence, 6 tokens on the last
+    assert indptr.tolist() == [0, 3, 6, 9] and indices.tolist() == list(range(9)) and last.tolist() == [6, 6, 6]
+    assert {a.dtype for a in (indptr, indices, last)} == {np.dtype(np.int32)}
+    assert paged_peers.page_table(2, 64, 32)[2].tolist() == [32, 32]
+    rng = np.random.default_rng()
+    x = rng.standard_normal((3 * 70, 2, 4)).astype(np.float16) + 5  # no zeros among the tokens
+    pages = paged_peers.paged(x, 3, 70, 32)
+    assert pages.shape == (9, 32, 2, 4) and pages.flags.c_contiguous
+    per_seq = pages.reshape(3, 96, 2, 4)
+    assert np.array_equal(per_seq[:, :70], x.reshape(3, 70, 2, 4)) and not per_seq[:, 70:].any()
+    y = x[: 2 * 64]
+    assert np.array_equal(paged_peers.paged(y, 2, 64, 32).reshape(-1, 2, 4), y)
+    with pytest.raises(ValueError, match="page_size"):
+        paged_peers.page_table(1, 10, 0)
+
+
+def test_flashinfer_e4m3_scale_fills_the_format():
+    x = np.array([[0.5, -3.0], [2.0, 1.0]], np.float32)
+    scale = paged_peers.e4m3_tensor_scale(x)
+    assert scale == pytest.approx(3.0 / 448) and abs(x / scale).max() == pytest.approx(448)
+    assert paged_peers.e4m3_tensor_scale(np.zeros(4, np.float32)) == 1.0
+
+
+def test_flashinfer_peer_is_left_out_without_the_library(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # import flashinfer raises ImportError
+    q = np.zeros((1, 4, 1, 64), np.float16)
+    k = np.zeros((32, 1, 64), np.float16)
+    assert paged_peers.paged_peer("flashinfer", q, k, k, batch=1, ctx=32, page_size=32) is None
+    with pytest.raises(ValueError, match="peer: expected one of flashinfer, flashinfer_e4m3"):
+        paged_peers.paged_peer("flashinfer_fp4", q, k, k, batch=1, ctx=32, page_size=32)
+    assert set(paged_peers.PAGED_PEERS) <= set(bench.DECODE_PEERS)
+    assert bench.fastest_peer_ratio({"vs_flashinfer": 0.5, "vs_sdpa_cudnn": 0.9}) == 0.9  # vs SDPA: SDPA only
 
 
 # ---- timing a mode (timers faked) ----------------------------------------------------------------------

@@ -431,3 +431,29 @@ def test_cuda_graph_capture_of_a_page_mean_decode_step():
         want = emu.emulate(qq, host, table, n + 1)
         assert metrics.compare(fresh.astype(np.float32), want).rel_l2 <= EMU_REL_L2
     np.testing.assert_array_equal(cache.host().k_mean.codes, host.k_mean.codes)
+
+
+@pytest.mark.parametrize("name,tol", [("flashinfer", 2e-3), ("flashinfer_e4m3", 6e-2)])
+def test_flashinfer_peers_agree_with_fp64(name, tol):
+    """The benchmark's FlashInfer peers (bench/paged_peers.py), where FlashInfer is installed: pages of
+    the same tokens, a last page part full, GQA; the fp16 cache within fp16's error of FP64, the e4m3
+    one (one scale per tensor) within e4m3's."""
+    import cupy
+
+    from qattn.bench import paged_peers
+    from qattn.check import reference
+
+    pytest.importorskip("torch")
+    pytest.importorskip("flashinfer")
+    rng = np.random.default_rng()
+    batch, ctx, heads, kv_heads, d = 3, 1000, 16, 4, 128
+    k, v = (rng.standard_normal((batch * ctx, kv_heads, d)).astype(np.float16) for _ in range(2))
+    q = rng.standard_normal((batch, heads, 1, d)).astype(np.float16)
+    call, nbytes = paged_peers.paged_peer(name, cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), batch=batch,
+                                          ctx=ctx, page_size=32)
+    assert nbytes == batch * 32 * 32 * kv_heads * d * 2 * (1 if name.endswith("e4m3") else 2)  # 32 pages a sequence
+    out = cupy.asnumpy(cupy.from_dlpack(call().contiguous())).reshape(batch, heads, 1, d)
+    per_seq = [x.reshape(batch, ctx, kv_heads, d).transpose(0, 2, 1, 3) for x in (k, v)]
+    ref = reference.attention(q, *per_seq)
+    err = metrics.compare(out, ref)
+    assert err.nonfinite == 0 and err.rel_l2 <= tol, err

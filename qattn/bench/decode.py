@@ -1,8 +1,9 @@
 """The decode benchmark: qattn's paged decode in each cache format (and on each QK path asked for)
 beside torch SDPA's flash and cuDNN backends on the same queries over the same K/V in fp16 (dense),
-and a plain copy for the bandwidth ceiling, all in the same run in interleaved rounds (DESIGN §4).
-Bandwidth is the bytes that must cross HBM once: K and V codes, their scales and the block table
-(qattn); fp16 K and V (the peers). A sweep times operating points (Point) L2-warm (L2 as the
+FlashInfer's paged decode over the same tokens in pages of the same size (fp16, and e4m3 with one
+scale per tensor; bench/paged_peers.py), and a plain copy for the bandwidth ceiling, all in the same
+run in interleaved rounds (DESIGN §4). Bandwidth is the bytes that must cross HBM once: K and V codes,
+their scales and the block table (qattn); fp16 or e4m3 K and V (the peers). A sweep times operating points (Point) L2-warm (L2 as the
 previous call of the same implementation left it) and/or HBM-cold (L2 evicted before every timed
 call); either way a GPU spin ahead of each timed call covers the host's time to enqueue it, so the
 CUDA events time the GPU alone. The presets are the decode contract's grid and a small smoke grid.
@@ -15,10 +16,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from .paged_peers import PAGED_PEERS, paged_peer
 from .peers import peer
 from .timing import GpuSpin, L2Flush, time_cuda, time_cuda_after, time_interleaved, with_ratios
 
-DECODE_PEERS = ("sdpa_flash", "sdpa_cudnn")
+SDPA_PEERS = ("sdpa_flash", "sdpa_cudnn")
+DECODE_PEERS = SDPA_PEERS + PAGED_PEERS  # those whose library is missing are left out of a run
 DEFAULT_FORMATS = ("f16-f16", "e4m3-e4m3", "i8-i8", "e4m3-f16", "f16-e4m3")
 DEFAULT_SHAPES = ((8, 32768), (64, 4096), (1, 131072))
 L2_MODES = ("warm", "cold")
@@ -201,19 +204,19 @@ def _first_line(exc: Exception) -> str:
 
 
 def _peer_calls(point: Point, q, k, v, peers, base: dict):
-    """The peers' (record, call) pairs on dense fp16 copies of k, v, their error records, and the
-    first peer's output (the fp16 reference), or None where none runs."""
+    """The peers' (record, call) pairs, their error records, and the first SDPA peer's output (the
+    fp16 reference), or None where none runs: the SDPA peers on dense fp16 copies of k, v; the
+    paged peers on pages of k, v (their rel_l2 against the reference where there is one)."""
     import cupy
 
-    fns = [(name, fn) for name in peers if (fn := peer(name)) is not None]
-    if not fns:
-        return [], [], None
-    import torch
-
-    shape = (point.batch, point.ctx, point.kv_heads, point.head_dim)
-    dense_k, dense_v = (torch.from_dlpack(x.reshape(shape).transpose(0, 2, 1, 3).copy()) for x in (k, v))
-    tq = torch.from_dlpack(q)
+    fns = [(name, fn) for name in peers if name in SDPA_PEERS and (fn := peer(name)) is not None]
     timed, failed, reference = [], [], None
+    if fns:
+        import torch
+
+        shape = (point.batch, point.ctx, point.kv_heads, point.head_dim)
+        dense_k, dense_v = (torch.from_dlpack(x.reshape(shape).transpose(0, 2, 1, 3).copy()) for x in (k, v))
+        tq = torch.from_dlpack(q)
     for name, fn in fns:
         call = functools.partial(fn, tq, dense_k, dense_v, False)
         try:
@@ -223,6 +226,20 @@ def _peer_calls(point: Point, q, k, v, peers, base: dict):
             continue
         reference = cupy.from_dlpack(result.contiguous()) if reference is None else reference
         timed.append((dict(base, impl=name, bytes=point.fp16_kv_bytes), call))
+    for name in (n for n in peers if n in PAGED_PEERS):
+        try:
+            built = paged_peer(name, q, k, v, batch=point.batch, ctx=point.ctx, page_size=point.page_size)
+            if built is None:  # FlashInfer is not installed
+                continue
+            call, nbytes = built
+            result = cupy.from_dlpack(call().contiguous())
+        except Exception as exc:  # the library cannot run this shape, head dim or page size here
+            failed.append(dict(base, impl=name, error=_first_line(exc)))
+            continue
+        rec = dict(base, impl=name, bytes=nbytes)
+        if reference is not None:
+            rec["rel_l2_vs_fp16"] = _rel_l2(result.reshape(reference.shape), reference)
+        timed.append((rec, call))
     return timed, failed, reference
 
 
@@ -236,7 +253,7 @@ def _rel_l2(out, reference) -> float:
 def fastest_peer_ratio(record: dict) -> float | None:
     """The faster SDPA backend's time over this record's (> 1: faster than both), or None. The faster
     backend has the smaller time, so the smaller of the vs_PEER ratios."""
-    ratios = [record[f"vs_{p}"] for p in DECODE_PEERS if f"vs_{p}" in record]
+    ratios = [record[f"vs_{p}"] for p in SDPA_PEERS if f"vs_{p}" in record]
     return min(ratios) if ratios else None
 
 
@@ -355,8 +372,9 @@ def bench_decode(shapes, formats=("f16-f16", "e4m3-e4m3", "i8-i8"), *, heads: in
 
 # ---- tables ------------------------------------------------------------------------------------
 
-COLUMNS = ("B x L", "heads", "D", "page", "L2", "impl", "ms", "GB/s", "of copy", "vs SDPA", "rel_l2 vs fp16")
-NUMERIC_COLUMNS = ("D", "page", "ms", "GB/s", "of copy", "vs SDPA", "rel_l2 vs fp16")
+COLUMNS = ("B x L", "heads", "D", "page", "L2", "impl", "ms", "GB/s", "of copy", "vs SDPA", "vs FlashInfer",
+           "rel_l2 vs fp16")
+NUMERIC_COLUMNS = ("D", "page", "ms", "GB/s", "of copy", "vs SDPA", "vs FlashInfer", "rel_l2 vs fp16")
 
 
 def _cell(value, spec: str) -> str:
@@ -368,9 +386,18 @@ def row_cells(record: dict) -> list[str]:
     head = [f"{record['batch']}x{record['ctx']}", f"{record['heads']}/{record['kv_heads']}", str(record["head_dim"]),
             str(record["page_size"]), record.get("l2", "-"), record["impl"]]
     if "error" in record:
-        return head + [record["error"], "", "", "", ""]
+        return head + [record["error"], "", "", "", "", ""]
     return head + [_cell(record["ms"], ".4f"), _cell(record["gbs"], ".0f"), _cell(record["of_copy"], ".2f"),
-                   _cell(record.get("vs_sdpa"), ".2f"), _cell(record.get("rel_l2_vs_fp16"), ".2e")]
+                   _cell(record.get("vs_sdpa"), ".2f"), _cell(flashinfer_ratio(record), ".2f"),
+                   _cell(record.get("rel_l2_vs_fp16"), ".2e")]
+
+
+def flashinfer_ratio(record: dict) -> float | None:
+    """FlashInfer's time over this record's, against its cache of the same width: its e4m3 cache for a
+    format 8-bit on both sides (K8/V8), its fp16 one otherwise; None where that peer did not run."""
+    sides = str(record.get("format", "")).split("-")
+    both_8bit = len(sides) == 2 and all(side in ("e4m3", "i8") for side in sides)
+    return record.get("vs_flashinfer_e4m3" if both_8bit else "vs_flashinfer")
 
 
 def markdown_table(records, *, date: str, gpu: str, command: str) -> str:
