@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import qattn
+from decode_steps import replay_decode_steps
 from qattn.check import metrics
 from qattn.formats.decode import emulate as emu
 from qattn.formats.decode.quant import HostPagedCache
@@ -398,38 +399,10 @@ def test_page_means_with_a_k_bias_and_non_finite_tokens():
 def test_cuda_graph_capture_of_a_page_mean_decode_step():
     """write + decode on a page-mean cache captured once and replayed as tokens arrive (a new page
     started on the way): every replay equals a fresh call, and the records are the host model's."""
-    import cupy
-
-    fmt, b, hkv, d = "i8-i8", 2, 2, 128
-    cache, host, table, lens, *_ = _mean_filled(fmt, lens=[60, 95], kv_heads=hkv, head_dim=d, page_size=16)
-    table_d, lens_d = cupy.asarray(table), cupy.asarray(lens + 1)
-    slots = cupy.zeros(b, cupy.int32)
-    k_new, v_new = cupy.zeros((b, hkv, d), cupy.float16), cupy.zeros((b, hkv, d), cupy.float16)
-    q, out = cupy.zeros((b, 8, 1, d), cupy.float16), cupy.zeros((b, 8, 1, d), cupy.float16)
-    qattn.decode(q, cache, table_d, lens_d, out=out, splits=1, qk="transform")  # builds, plans
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        cache.write(k_new, v_new, slots, stream=stream)
-        qattn.decode(q, cache, table_d, lens_d, out=out, stream=stream, splits=1, qk="transform")
-        graph = stream.end_capture()
-    rng = np.random.default_rng(9)
-    for step in range(3):  # lengths 61..63 and 96..98: the second sequence starts a page at 96
-        n = lens + step
-        slot = (table[np.arange(b), n // 16] * 16 + n % 16).astype(np.int32)
-        kk = (rng.standard_normal((b, hkv, d)) + 30).astype(np.float16)
-        vv = rng.standard_normal((b, hkv, d)).astype(np.float16)
-        qq = rng.standard_normal((b, 8, 1, d)).astype(np.float16)
-        with stream:  # the inputs change on the graph's stream (a non-blocking stream does not wait for others)
-            slots[...], k_new[...], v_new[...], q[...] = cupy.asarray(slot), cupy.asarray(kk), cupy.asarray(vv), cupy.asarray(qq)
-            lens_d[...] = cupy.asarray(n + 1)
-            graph.launch(stream)
-        stream.synchronize()
-        host.write(kk, vv, slot)
-        fresh = cupy.asnumpy(qattn.decode(q, cache, table_d, lens_d, splits=1, qk="transform"))
-        np.testing.assert_array_equal(cupy.asnumpy(out), fresh)
-        want = emu.emulate(qq, host, table, n + 1)
-        assert metrics.compare(fresh.astype(np.float32), want).rel_l2 <= EMU_REL_L2
+    cache, host, table, lens, *_ = _mean_filled("i8-i8", lens=[60, 95], kv_heads=2, head_dim=128, page_size=16)
+    # lengths 61..63 and 96..98: the second sequence starts a page at 96; K far from zero-mean
+    replay_decode_steps(cache, host, table, lens, kv_heads=2, head_dim=128, qk="transform", page_size=16,
+                        new_k=lambda rng, shape: rng.standard_normal(shape) + 30)
     np.testing.assert_array_equal(cache.host().k_mean.codes, host.k_mean.codes)
 
 

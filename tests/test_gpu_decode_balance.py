@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import qattn
+from decode_steps import replay_decode_steps
 from qattn.check import metrics
 from qattn.formats.decode import emulate as emu
 from qattn.formats.decode.quant import HostPagedCache
@@ -175,29 +176,6 @@ def test_cuda_graph_capture_of_a_balanced_decode_step():
         finally:
             stream.end_capture()
     cache, host, table, lens, *_ = _balanced(fmt, lens=[60, 95], kv_heads=hkv, head_dim=d, k_mean="page")
-    table_d, lens_d = cupy.asarray(table), cupy.asarray(lens + 1)
-    q, out = cupy.zeros((b, 8, 1, d), cupy.float16), cupy.zeros((b, 8, 1, d), cupy.float16)
-    qattn.decode(q, cache, table_d, lens_d, out=out, splits=1, qk="int8")  # builds, plans
-    with stream:
-        stream.begin_capture()
-        cache.write(k_new, v_new, slots, stream=stream)
-        qattn.decode(q, cache, table_d, lens_d, out=out, stream=stream, splits=1, qk="int8")
-        graph = stream.end_capture()
-    rng = np.random.default_rng(9)
-    for step in range(3):  # lengths 61..63 and 96..98: the second sequence starts a page at 96
-        n = lens + step
-        slot = (table[np.arange(b), n // 16] * 16 + n % 16).astype(np.int32)
-        kk = (rng.standard_normal((b, hkv, d)) * np.where(np.isin(np.arange(d), OUTLIERS), 60, 1)).astype(np.float16)
-        vv = rng.standard_normal((b, hkv, d)).astype(np.float16)
-        qq = rng.standard_normal((b, 8, 1, d)).astype(np.float16)
-        with stream:  # the inputs change on the graph's stream (a non-blocking stream does not wait for others)
-            slots[...], k_new[...], v_new[...], q[...] = cupy.asarray(slot), cupy.asarray(kk), cupy.asarray(vv), cupy.asarray(qq)
-            lens_d[...] = cupy.asarray(n + 1)
-            graph.launch(stream)
-        stream.synchronize()
-        host.write(kk, vv, slot)
-        fresh = cupy.asnumpy(qattn.decode(q, cache, table_d, lens_d, splits=1, qk="int8"))
-        np.testing.assert_array_equal(cupy.asnumpy(out), fresh)
-        want = emu.emulate(qq, host, table, n + 1, qk="int8")
-        assert metrics.compare(fresh.astype(np.float32), want).rel_l2 <= EMU_REL_L2
-    np.testing.assert_array_equal(cache.host().k, host.k)
+    outliers = np.where(np.isin(np.arange(d), OUTLIERS), 60, 1)  # lengths 61..63 and 96..98: a page starts at 96
+    replay_decode_steps(cache, host, table, lens, kv_heads=hkv, head_dim=d, qk="int8", page_size=16,
+                        new_k=lambda rng, shape: rng.standard_normal(shape) * outliers)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import qattn
+from decode_steps import replay_decode_steps
 import qattn.data
 from qattn.check import metrics
 from qattn.formats.decode import emulate as emu
@@ -181,41 +182,10 @@ def test_bias_rope_preset_on_the_gpu(fmt, control):
 def test_cuda_graph_capture_of_a_rope_decode_step():
     """write (with positions) + decode on a post-RoPE cache captured once and replayed as tokens arrive: every
     replay equals a fresh call and the emulator; the stored codes are the host model's."""
-    import cupy
-
-    fmt, b, hkv, d = "i8-i8", 2, 2, 128
-    rope = qattn.RoPE(theta=1e6)
-    cache, host, table, lens, *_ = _rope_filled(fmt, lens=[60, 95], rope=rope, kv_heads=hkv, head_dim=d)
-    table_d, lens_d = cupy.asarray(table), cupy.asarray(lens + 1)
-    slots, positions = cupy.zeros(b, cupy.int32), cupy.zeros(b, cupy.int32)
-    k_new, v_new = cupy.zeros((b, hkv, d), cupy.float16), cupy.zeros((b, hkv, d), cupy.float16)
-    q, out = cupy.zeros((b, 8, 1, d), cupy.float16), cupy.zeros((b, 8, 1, d), cupy.float16)
-    qattn.decode(q, cache, table_d, lens_d, out=out, splits=1, qk="transform")  # builds, plans
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        cache.write(k_new, v_new, slots, positions=positions, stream=stream)
-        qattn.decode(q, cache, table_d, lens_d, out=out, stream=stream, splits=1, qk="transform")
-        graph = stream.end_capture()
-    rng = np.random.default_rng(9)
-    for step in range(3):
-        n = lens + step
-        slot = (table[np.arange(b), n // 16] * 16 + n % 16).astype(np.int32)
-        kk = (rng.standard_normal((b, hkv, d)) + 20).astype(np.float16)
-        vv = rng.standard_normal((b, hkv, d)).astype(np.float16)
-        qq = rng.standard_normal((b, 8, 1, d)).astype(np.float16)
-        with stream:  # the inputs change on the graph's stream (a non-blocking stream does not wait for others)
-            slots[...], positions[...] = cupy.asarray(slot), cupy.asarray(n.astype(np.int32))
-            k_new[...], v_new[...], q[...] = cupy.asarray(kk), cupy.asarray(vv), cupy.asarray(qq)
-            lens_d[...] = cupy.asarray(n + 1)
-            graph.launch(stream)
-        stream.synchronize()
-        host.write(kk, vv, slot, positions=n)
-        fresh = cupy.asnumpy(qattn.decode(q, cache, table_d, lens_d, splits=1, qk="transform"))
-        np.testing.assert_array_equal(cupy.asnumpy(out), fresh)
-        want = emu.emulate(qq, host, table, n + 1)
-        assert metrics.compare(fresh.astype(np.float32), want).rel_l2 <= EMU_REL_L2
-    np.testing.assert_array_equal(cache.host().k, host.k)
+    cache, host, table, lens, *_ = _rope_filled("i8-i8", lens=[60, 95], rope=qattn.RoPE(theta=1e6), kv_heads=2,
+                                                head_dim=128)
+    replay_decode_steps(cache, host, table, lens, kv_heads=2, head_dim=128, qk="transform", page_size=16,
+                        positions=True, new_k=lambda rng, shape: rng.standard_normal(shape) + 20)
 
 
 @pytest.mark.parametrize("call, words", [

@@ -1,0 +1,56 @@
+"""A decode step (cache write + decode) captured once in a CUDA graph and replayed as tokens arrive,
+checked against a fresh call and the emulator: the GPU decode tests of each cache option share it."""
+from __future__ import annotations
+
+import numpy as np
+
+import qattn
+from qattn.check import metrics
+from qattn.formats.decode import emulate as emu
+
+EMU_REL_L2 = 1e-3
+QUERY_HEADS = 8
+
+
+def replay_decode_steps(cache, host, table, lens, *, kv_heads: int, head_dim: int, qk: str, new_k, page_size: int,
+                        positions: bool = False, steps: int = 3, seed: int = 9) -> None:
+    """Capture cache.write (with each token's position where `positions`) + qattn.decode once on a
+    non-blocking stream, then replay it `steps` times with sequences of lens + step tokens (the new token
+    of each on its page of `table`), the inputs changed on the graph's own stream: each replay's output
+    equals a fresh call's bit for bit and the emulator's on the host model written with the same tokens
+    (rel_l2 EMU_REL_L2); the cache's K bytes end as the host model's. new_k(rng, shape) -> new K tokens
+    (float)."""
+    import cupy
+
+    b = len(lens)
+    table_d, lens_d = cupy.asarray(table), cupy.asarray(lens + 1)
+    slots, positions_d = cupy.zeros(b, cupy.int32), cupy.zeros(b, cupy.int32)
+    k_new, v_new = (cupy.zeros((b, kv_heads, head_dim), cupy.float16) for _ in range(2))
+    q, out = (cupy.zeros((b, QUERY_HEADS, 1, head_dim), cupy.float16) for _ in range(2))
+    qattn.decode(q, cache, table_d, lens_d, out=out, splits=1, qk=qk)  # builds, plans
+    write_options = {"positions": positions_d} if positions else {}
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        cache.write(k_new, v_new, slots, stream=stream, **write_options)
+        qattn.decode(q, cache, table_d, lens_d, out=out, stream=stream, splits=1, qk=qk)
+        graph = stream.end_capture()
+    rng = np.random.default_rng(seed)
+    for step in range(steps):
+        n = lens + step
+        slot = (table[np.arange(b), n // page_size] * page_size + n % page_size).astype(np.int32)
+        kk = new_k(rng, (b, kv_heads, head_dim)).astype(np.float16)
+        vv = rng.standard_normal((b, kv_heads, head_dim)).astype(np.float16)
+        qq = rng.standard_normal((b, QUERY_HEADS, 1, head_dim)).astype(np.float16)
+        with stream:  # the inputs change on the graph's stream (a non-blocking stream does not wait for others)
+            slots[...], positions_d[...] = cupy.asarray(slot), cupy.asarray(n.astype(np.int32))
+            k_new[...], v_new[...], q[...] = cupy.asarray(kk), cupy.asarray(vv), cupy.asarray(qq)
+            lens_d[...] = cupy.asarray(n + 1)
+            graph.launch(stream)
+        stream.synchronize()
+        host.write(kk, vv, slot, **({"positions": n} if positions else {}))
+        fresh = cupy.asnumpy(qattn.decode(q, cache, table_d, lens_d, splits=1, qk=qk))
+        np.testing.assert_array_equal(cupy.asnumpy(out), fresh)
+        want = emu.emulate(qq, host, table, n + 1, qk=qk)
+        assert metrics.compare(fresh.astype(np.float32), want).rel_l2 <= EMU_REL_L2
+    np.testing.assert_array_equal(cache.host().k, host.k)
