@@ -55,19 +55,6 @@ class Layout:
 
 
 @dataclass
-class _Tiles:
-    """A recipe's two products and how its output is finished."""
-
-    scores: Callable[[int, int], np.ndarray]
-    pv: Callable[[np.ndarray, int, int], np.ndarray]
-    out_dtype: type = F32
-    lse_shift: np.ndarray | None = None  # log2-domain row constant the scores left out (K smoothing)
-    # (acc, p, j0, j1) -> acc with the tile's product added, for a recipe whose kernel fuses the
-    # addition into its last rounding; None: acc + pv(p, j0, j1).
-    add_pv: Callable[[np.ndarray, np.ndarray, int, int], np.ndarray] | None = None
-
-
-@dataclass
 class Tiles:
     """A recipe's two products and how its output is finished."""
 
