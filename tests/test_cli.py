@@ -384,6 +384,7 @@ def test_parity_plans_a_format_on_a_matrix_unit(monkeypatch):
     from qattn.engine import spec as spec_module
 
     monkeypatch.setattr(spec_module, "device_arch", lambda: "sm_90a")
+    monkeypatch.setenv("QATTN_TUNED", "0")  # the built-in choices, whatever a local tune stored
     checks = parity.plan(["i8-f8@mma.sync", "i8-f8"], [(2048, 256)], gpu=True)
     assert checks == [("i8-f8@mma.sync", "cuda", 2048, 256), ("i8-f8", "cuda", 2048, 256)]
     spec = parity.cuda_spec("i8-f8@mma.sync", 128, False, 256)
