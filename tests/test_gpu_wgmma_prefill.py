@@ -11,6 +11,7 @@ import pytest
 
 import qattn
 from qattn.check import metrics, reference
+from qattn.engine.tile import Tile
 from test_gpu_i8 import _check as _check_i8
 from test_gpu_i8 import _f32
 from test_gpu_i8 import _inputs as _i8_inputs
@@ -192,13 +193,13 @@ def test_attention_runs_wgmma_from_4096_query_rows(fmt, causal, monkeypatch):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_tma_and_row_producers_give_the_same_bits(fmt, head_dim, causal):
-    """K and V by TMA boxes (chunk-major tiles, their own descriptors) and by cp.async rows (kv_rows
+    """K and V by TMA boxes (128-byte swizzled tiles, their own descriptors) and by cp.async rows (kv_rows
     "on", the kernel before TMA): the same products in the same order, so the same bits; tails of
     one key and of 129 past a tile, GQA, a BSHD view of V."""
     import cupy
 
     tma = _kernel(fmt, head_dim, causal)
-    assert dict(tma.spec.options) == {"kv_rows": "off"}
+    assert dict(tma.spec.options)["kv_rows"] == "off"
     rows = qattn.build("prefill", format=fmt, head_dim=head_dim, causal=causal, mma="wgmma",
                        options={"kv_rows": "on"})
     rng = np.random.default_rng(head_dim + 2 * causal)
@@ -210,6 +211,30 @@ def test_tma_and_row_producers_give_the_same_bits(fmt, head_dim, causal):
         assert cupy.array_equal(a.view(cupy.uint16), b.view(cupy.uint16)), (lq, lk)
         assert cupy.array_equal(la, lb), (lq, lk)
         _check(fmt, tma, a, host, causal=causal, lse=la)
+
+
+@pytest.mark.parametrize("fmt", ["f16", "bf16"])
+@pytest.mark.parametrize("head_dim,tile", [(128, (128, 128, 8, 2)), (64, (192, 64, 12, 2)), (128, (128, 64, 8, 3))])
+@pytest.mark.parametrize("causal", [False, True])
+def test_warpgroups_in_turns_give_the_same_bits(fmt, head_dim, tile, causal):
+    """pingpong "on" (the consumer warpgroups issue their MMAs in turns, two or three of them) changes
+    the order of issue between warpgroups, never a warpgroup's own products: the same bits as the
+    kernel without turns, with LSE, tails, GQA, and a block count that differs per launch block
+    (causal)."""
+    import cupy
+
+    free = _kernel(fmt, head_dim, causal, tile=Tile(*tile))
+    turns = qattn.build("prefill", format=fmt, head_dim=head_dim, causal=causal, mma="wgmma", tile=Tile(*tile),
+                        options={"pingpong": "on"})
+    assert "pingpong" in turns.spec.name and "pingpong" not in free.spec.name
+    rng = np.random.default_rng(head_dim + 3 * causal + tile[0])
+    for lq, lk in ((77, 1), (300, 129), (1029, 2100)):
+        host, (q, k, v) = _host_inputs(rng, fmt, 2, 8, 2, lq, lk, head_dim)
+        a, la = turns(q, k, v, return_lse=True)
+        b, lb = free(q, k, v, return_lse=True)
+        assert cupy.array_equal(a.view(cupy.uint16), b.view(cupy.uint16)), (lq, lk)
+        assert cupy.array_equal(la, lb), (lq, lk)
+        _check(fmt, turns, a, host, causal=causal, lse=la)
 
 
 @pytest.mark.parametrize("fmt", ["f16", "bf16"])

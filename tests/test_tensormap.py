@@ -1,8 +1,8 @@
 """The TMA path of the f16 / bf16 wgmma kernel on the CPU: the tensor map's encode arguments
 (engine/tensormap.py), the encoder's use of the driver (intercepted), the dense launch plan passing
 the maps by value (packed.Blob) or falling back to the cp.async rows kernel, and the shared-memory
-descriptors of the TMA's chunk-major tiles (wgmma.cuh.j2, transcribed) against wgmma's canonical
-no-swizzle layouts, the same model checked first on the row-major layout the GPU already validated."""
+descriptors of the TMA's 128-byte swizzled tiles (wgmma.cuh.j2, transcribed) against wgmma's
+canonical layouts, the same model checked first on the no-swizzle row layout of the cp.async producer."""
 from __future__ import annotations
 
 import ctypes
@@ -15,7 +15,7 @@ import pytest
 from qattn.engine import tensormap
 from qattn.engine.packed import Blob
 from qattn.engine.spec import KernelSpec
-from qattn.engine.tensormap import MAP_BYTES, MapEncoder, TiledMap, core_matrix_rows
+from qattn.engine.tensormap import MAP_BYTES, MapEncoder, TiledMap, swizzled_rows
 
 
 def _contiguous(shape, itemsize=2):
@@ -28,13 +28,13 @@ def _contiguous(shape, itemsize=2):
 @pytest.mark.parametrize("d,rows", [(64, 128), (128, 128), (128, 64)])
 def test_contiguous_kv_map(dtype, code, d, rows):
     b, h, length = 2, 8, 1029
-    m = core_matrix_rows("k", (b, h, length, d), _contiguous((b, h, length, d)), dtype, rows)
+    m = swizzled_rows("k", (b, h, length, d), _contiguous((b, h, length, d)), dtype, rows)
     assert m.data_type == code and m.rank == 5
-    # innermost first: 8 elements of a chunk, the rows, the chunks, the heads, the batches
-    assert m.dims == (8, length, d // 8, h, b)
-    assert m.strides == (2 * d, 16, 2 * d * length, 2 * d * length * h)  # bytes, dimensions 1..4
-    assert m.box == (8, rows, d // 8, 1, 1) and m.element_strides == (1,) * 5
-    assert (m.interleave, m.swizzle, m.oob_fill) == (0, 0, 0)  # none, none, zeros past the bounds
+    # innermost first: 64 elements of a 128-byte line, the rows, the lines, the heads, the batches
+    assert m.dims == (64, length, d // 64, h, b)
+    assert m.strides == (2 * d, 128, 2 * d * length, 2 * d * length * h)  # bytes, dimensions 1..4
+    assert m.box == (64, rows, d // 64, 1, 1) and m.element_strides == (1,) * 5
+    assert (m.interleave, m.swizzle, m.oob_fill) == (0, 3, 0)  # none, 128B, zeros past the bounds
     assert m.l2_promotion == tensormap.L2_PROMOTION["128B"]
     assert m.box_bytes == rows * 2 * d  # the tile, K_TILE / V_TILE of the template
 
@@ -43,14 +43,14 @@ def test_strided_bshd_view_and_axes_of_one():
     b, l, h, d = 2, 777, 4, 128
     # [B, L, 3, H, D] storage seen as [B, H, L, D] (test_gpu_prefill's packed QKV)
     strides = (l * 3 * h * d * 2, d * 2, 3 * h * d * 2, 2)
-    m = core_matrix_rows("v", (b, h, l, d), strides, "float16", 128)
-    assert m.dims == (8, l, 16, h, b) and m.strides == (3 * h * d * 2, 16, d * 2, l * 3 * h * d * 2)
+    m = swizzled_rows("v", (b, h, l, d), strides, "float16", 128)
+    assert m.dims == (64, l, 2, h, b) and m.strides == (3 * h * d * 2, 128, d * 2, l * 3 * h * d * 2)
     # an axis of one element takes any stride (never multiplied by a coordinate but 0): the packed one
     odd = (12345, 7, 3, 2)  # strides of axes of one element are whatever the view had
-    m = core_matrix_rows("k", (1, 1, 1, 64), odd, "bfloat16", 64)
-    assert m.strides == (128, 16, 128, 128) and m.dims == (8, 1, 8, 1, 1)
-    m = core_matrix_rows("k", (1, 1, 300, 64), (5, 3, 256, 2), "float16", 64)  # rows 256 B apart
-    assert m.strides == (256, 16, 256 * 300, 256 * 300)
+    m = swizzled_rows("k", (1, 1, 1, 64), odd, "bfloat16", 64)
+    assert m.strides == (128, 128, 128, 128) and m.dims == (64, 1, 1, 1, 1)
+    m = swizzled_rows("k", (1, 1, 300, 64), (5, 3, 256, 2), "float16", 64)  # rows 256 B apart
+    assert m.strides == (256, 128, 256 * 300, 256 * 300)
 
 
 @pytest.mark.parametrize("strides,axis", [((0, 64 * 2 * 100, 128, 2), 0),  # a batch broadcast
@@ -60,20 +60,20 @@ def test_strided_bshd_view_and_axes_of_one():
                                           ((1 << 41, 100 * 128, 128, 2), 0)])  # past 2^40
 def test_strides_the_tma_cannot_read_are_named(strides, axis):
     with pytest.raises(ValueError, match=rf"k: .*axis {axis} has"):
-        core_matrix_rows("k", (2, 2, 100, 64), strides, "float16", 128)
+        swizzled_rows("k", (2, 2, 100, 64), strides, "float16", 128)
 
 
 def test_other_refusals():
     with pytest.raises(ValueError, match="float16 or bfloat16"):
-        core_matrix_rows("k", (1, 1, 8, 64), _contiguous((1, 1, 8, 64), 4), "float32", 64)
+        swizzled_rows("k", (1, 1, 8, 64), _contiguous((1, 1, 8, 64), 4), "float32", 64)
     with pytest.raises(ValueError, match="contiguous"):
-        core_matrix_rows("v", (1, 1, 8, 64), (2048, 2048, 256, 4), "float16", 64)
-    with pytest.raises(ValueError, match="multiple of 8"):
-        core_matrix_rows("k", (1, 1, 8, 60), _contiguous((1, 1, 8, 60)), "float16", 64)
+        swizzled_rows("v", (1, 1, 8, 64), (2048, 2048, 256, 4), "float16", 64)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        swizzled_rows("k", (1, 1, 8, 96), _contiguous((1, 1, 8, 96)), "float16", 64)
     with pytest.raises(ValueError, match="rows"):
-        core_matrix_rows("k", (1, 1, 8, 64), _contiguous((1, 1, 8, 64)), "float16", 512)
+        swizzled_rows("k", (1, 1, 8, 64), _contiguous((1, 1, 8, 64)), "float16", 512)
     with pytest.raises(ValueError, match="non-empty"):
-        core_matrix_rows("k", (1, 1, 0, 64), _contiguous((1, 1, 0, 64)), "float16", 64)
+        swizzled_rows("k", (1, 1, 0, 64), _contiguous((1, 1, 0, 64)), "float16", 64)
 
 
 # ---- the encoder (the driver call intercepted) ------------------------------------------------------
@@ -96,14 +96,14 @@ def _fake_driver(monkeypatch, status=0):
 
 def test_encoder_passes_the_arguments_and_keeps_maps_by_address(monkeypatch):
     calls = _fake_driver(monkeypatch)
-    spec = core_matrix_rows("k", (2, 4, 333, 128), _contiguous((2, 4, 333, 128)), "bfloat16", 128)
+    spec = swizzled_rows("k", (2, 4, 333, 128), _contiguous((2, 4, 333, 128)), "bfloat16", 128)
     encode = MapEncoder(spec)
     blob = encode(0x7000_0100)
     assert blob == b"\x00" * MAP_BYTES and len(calls) == 1
     call = calls[0]
     assert call["aligned"] and call["address"] == 0x7000_0100 and call["rank"] == 5 and call["data_type"] == 9
     assert call["dims"] == spec.dims and call["strides"] == spec.strides and call["box"] == spec.box
-    assert call["element_strides"] == spec.element_strides and call["modes"] == (0, 0, 2, 0)
+    assert call["element_strides"] == spec.element_strides and call["modes"] == (0, 3, 2, 0)
     assert encode(0x7000_0100) is blob and len(calls) == 1  # a repeated pointer encodes nothing
     assert encode(0x7000_0210) == b"\x10" * MAP_BYTES and len(calls) == 2
     for i in range(2 * MapEncoder.KEEP):  # bounded
@@ -113,14 +113,14 @@ def test_encoder_passes_the_arguments_and_keeps_maps_by_address(monkeypatch):
 
 def test_a_refused_encode_raises(monkeypatch):
     _fake_driver(monkeypatch, status=1)
-    encode = MapEncoder(core_matrix_rows("v", (1, 1, 64, 64), _contiguous((1, 1, 64, 64)), "float16", 64))
+    encode = MapEncoder(swizzled_rows("v", (1, 1, 64, 64), _contiguous((1, 1, 64, 64)), "float16", 64))
     with pytest.raises(tensormap.TensorMapError, match="CUresult 1"):
         encode(0x1000)
 
 
 def test_no_driver_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(tensormap, "_encode_tiled", lambda: None)
-    encode = MapEncoder(core_matrix_rows("v", (1, 1, 64, 64), _contiguous((1, 1, 64, 64)), "float16", 64))
+    encode = MapEncoder(swizzled_rows("v", (1, 1, 64, 64), _contiguous((1, 1, 64, 64)), "float16", 64))
     with pytest.raises(tensormap.TensorMapError, match="cuTensorMapEncodeTiled"):
         encode(0x1000)
 
@@ -142,15 +142,15 @@ def test_wgmma_plan_passes_two_maps_by_value():
     from qattn.formats.dense import launch
 
     spec = KernelSpec(recipe="f16", head_dim=128, causal=True, arch="sm_90a", mma="wgmma")
-    assert dict(spec.options) == {"kv_rows": "off"} and spec.name == "prefill_f16_d128_m128n128w8s2_causal_wgmma_sm90a"
+    assert dict(spec.options)["kv_rows"] == "off" and spec.name == "prefill_f16_d128_m128n128w8s2_causal_wgmma_sm90a"
     b, hq, hkv, lq, lk, d = 2, 8, 2, 300, 1029, 128
     q, k = _array((b, hq, lq, d)), _array((b, hkv, lk, d))
     v = _array((b, hkv, lk, d), (lk * 3 * hkv * d * 2, d * 2, 3 * hkv * d * 2, 2))  # a BSHD view
     plan = launch._plan(_stand_in(spec), q, k, v, None, None, False)
     assert plan.maps is not None
     k_map, v_map = (m.spec for m in plan.maps)
-    assert k_map == core_matrix_rows("k", k.shape, k.strides, "float16", 128)
-    assert v_map.strides == (3 * hkv * d * 2, 16, d * 2, lk * 3 * hkv * d * 2)
+    assert k_map == swizzled_rows("k", k.shape, k.strides, "float16", 128)
+    assert v_map.strides == (3 * hkv * d * 2, 128, d * 2, lk * 3 * hkv * d * 2)
     blobs = plan.launch._blobs
     assert [(name, size) for _, name, size in blobs] == [("k_map", 128), ("v_map", 128)]
     assert all(address % 64 == 0 for address, _, _ in blobs)
@@ -183,37 +183,53 @@ def test_strides_the_tma_cannot_read_run_the_rows_kernel(monkeypatch):
     k = _array((2, 4, 100, 64), (0, 100 * 64 * 2, 64 * 2, 2))
     plan = launch._plan(_stand_in(spec), q, k, v, None, None, False)
     assert plan.maps is None and plan.launch._blobs == []
-    assert built == [spec.with_(options={"kv_rows": "on"})]
+    assert built == [spec.with_(options={**dict(spec.options), "kv_rows": "on"})]
     assert built[0].name == "prefill_f16_d64_m128n128w8s2_wgmma_kvrows_sm90a"
 
 
 # ---- descriptors over the TMA tile (wgmma.cuh.j2 transcribed) ------------------------------------
-# wgmma's canonical no-swizzle layouts of 16-bit operands (PTX ISA, "shared memory matrix layout"),
-# bytes from the descriptor's start address; LBO separates core matrices along K, SBO along M/N:
+# wgmma's canonical layouts of 16-bit operands (PTX ISA, "shared memory matrix layout"), the byte
+# address of an element from the descriptor's start; LBO and SBO are its leading and stride offsets.
+# No swizzle, core matrices of 8 rows x 16 bytes (LBO between them along K, SBO along M/N):
 #   K-major, element (mn, k):  (mn % 8) * 16 + (mn // 8) * SBO + (k % 8) * 2 + (k // 8) * LBO
 #   MN-major, element (k, mn): (mn % 8) * 2 + (mn // 8) * SBO + (k % 8) * 16 + (k // 8) * LBO
+# 128-byte swizzle, atoms of 8 rows x 128 bytes, the address then swizzled (bits [4, 7) ^= [7, 10)):
+#   K-major, element (mn, k) of one k16 step:  (mn % 8) * 128 + (mn // 8) * SBO + k * 2
+#   MN-major, element (k, mn): (mn % 64) * 2 + (mn // 64) * LBO + (k % 8) * 128 + (k // 8) * SBO
 
-def _k_major(start, lbo, sbo, n, k):
+def _swz(address):
+    return address ^ (((address >> 7) & 7) << 4)
+
+
+def _k_major(start, lbo, sbo, n, k, swizzled):
+    if swizzled:
+        return _swz(start + (n % 8) * 128 + (n // 8) * sbo + k * 2)
     return start + (n % 8) * 16 + (n // 8) * sbo + (k % 8) * 2 + (k // 8) * lbo
 
 
-def _mn_major(start, lbo, sbo, k, n):
+def _mn_major(start, lbo, sbo, k, n, swizzled):
+    if swizzled:
+        return _swz(start + (n % 64) * 2 + (n // 64) * lbo + (k % 8) * 128 + (k // 8) * sbo)
     return start + (n % 8) * 2 + (n // 8) * sbo + (k % 8) * 16 + (k // 8) * lbo
 
 
 def _desc(lo: int, hi: int, offset: int):
-    """desc_at / core_desc_at / mn_desc_at: the low word plus offset >> 4, the high word; decoded to
-    (start, LBO, SBO) in bytes."""
+    """sw128_desc_at / core_desc_at / mn_desc_at: the low word plus offset >> 4, the high word; decoded
+    to (start, LBO, SBO) in bytes and the swizzle mode (bits 62-63: 1 is 128B)."""
     lo += offset >> 4
-    return (lo & 0x3FFF) << 4, ((lo >> 16) & 0x3FFF) << 4, (hi & 0x3FFF) << 4
+    return (lo & 0x3FFF) << 4, ((lo >> 16) & 0x3FFF) << 4, (hi & 0x3FFF) << 4, hi >> 30
 
 
 def _row_major(chunks, row, chunk):  # core_offset<CHUNKS>: the cp.async producer's layout
     return (((row >> 3) * chunks + chunk) << 7) + ((row & 7) << 4)
 
 
-def _chunk_major(rows, row, chunk):  # the TMA box (core_matrix_rows): chunk * rows * 16 + row * 16
-    return chunk * rows * 16 + row * 16
+def _swizzled(base, rows, row, channel):  # the TMA box (swizzled_rows), at a tile address `base`
+    return _swz(base + (channel // 64) * rows * 128 + row * 128 + (channel % 64) * 2)
+
+
+def _sw128_k_step(rows, kd):  # sw128_k_step<ROWS>
+    return (kd % 4) * 32 + (kd // 4) * rows * 128
 
 
 @pytest.mark.parametrize("d,bn", [(64, 64), (64, 128), (128, 64), (128, 128)])
@@ -221,52 +237,56 @@ def _chunk_major(rows, row, chunk):  # the TMA box (core_matrix_rows): chunk * r
 def test_descriptors_read_the_tile_they_describe(d, bn, layout):
     """For each k16 step of S = Q Kᵀ (K K-major, n = BN keys) and of O += P V (V N-major, n = D
     channels), every element the descriptor addresses is the key and channel that step multiplies:
-    "rows" is the cp.async layout with core_desc / mn_desc (validated on the GPU), "tma" the chunk-
-    major box with box_k_desc / box_mn_desc."""
-    chunks, base = d // 8, 0x8400  # a slot's shared address (any multiple of 128)
+    "rows" is the cp.async layout with core_desc / mn_desc (no swizzle), "tma" the swizzled box with
+    sw128_k_desc / sw128_mn_desc."""
+    chunks, base = d // 8, 0x8400 if layout == "rows" else 0x8000  # a slot's address (swizzled: 1024-aligned)
+    swizzled = layout == "tma"
     if layout == "rows":
-        at = lambda key, ch: _row_major(chunks, key, ch // 8) + (ch % 8) * 2  # noqa: E731
+        at = lambda key, ch: base + _row_major(chunks, key, ch // 8) + (ch % 8) * 2  # noqa: E731
         k_lo, k_hi = (base >> 4) | ((128 >> 4) << 16), (chunks * 128) >> 4  # core_desc_lo, core_desc_at<CHUNKS>
         v_lo, v_hi = (base >> 4) | (((chunks * 128) >> 4) << 16), 128 >> 4  # mn_desc_lo<CHUNKS>, mn_desc_at
-        k_step, v_step = 256, 2 * chunks * 128  # issue_qk's kd * 256, issue_pv16's kp * 2 * (D / 8) * 128
+        k_step, v_step = (lambda kd: kd * 256), 2 * chunks * 128  # issue_qk's kd * 256, issue_pv16's step
     else:
-        at = lambda key, ch: _chunk_major(bn, key, ch // 8) + (ch % 8) * 2  # noqa: E731
-        k_lo, k_hi = (base >> 4) | (((bn * 16) >> 4) << 16), 128 >> 4  # box_k_desc_lo<BN>, box_k_desc_at
-        v_lo, v_hi = (base >> 4) | ((128 >> 4) << 16), (bn * 16) >> 4  # box_mn_desc_lo, box_mn_desc_at<BN>
-        k_step, v_step = 2 * bn * 16, 256  # kd * 2 * BN * 16, kp * 256
+        at = lambda key, ch: _swizzled(base, bn, key, ch)  # noqa: E731
+        sw_hi = (1024 >> 4) | (1 << 30)  # sw128_desc_at
+        k_lo, k_hi = (base >> 4) | ((16 >> 4) << 16), sw_hi  # sw128_k_desc_lo
+        v_lo, v_hi = (base >> 4) | (((bn * 128) >> 4) << 16), sw_hi  # sw128_mn_desc_lo<BN>
+        k_step, v_step = (lambda kd: _sw128_k_step(bn, kd)), 2048  # sw128_k_step<BN>(kd), kp * 2048
     for kd in range(d // 16):  # S: B is BN keys x 16 channels, K-major
-        start, lbo, sbo = _desc(k_lo, k_hi, kd * k_step)
+        start, lbo, sbo, mode = _desc(k_lo, k_hi, k_step(kd))
+        assert mode == (1 if swizzled else 0)
         for n in range(bn):
             for k in range(16):
-                assert _k_major(start, lbo, sbo, n, k) == base + at(n, 16 * kd + k), (kd, n, k)
+                assert _k_major(start, lbo, sbo, n, k, swizzled) == at(n, 16 * kd + k), (kd, n, k)
     for kp in range(bn // 16):  # PV: B is 16 keys x D channels, N-major (imm-trans-b)
-        start, lbo, sbo = _desc(v_lo, v_hi, kp * v_step)
+        start, lbo, sbo, mode = _desc(v_lo, v_hi, kp * v_step)
         for k in range(16):
             for n in range(d):
-                assert _mn_major(start, lbo, sbo, k, n) == base + at(16 * kp + k, n), (kp, k, n)
+                assert _mn_major(start, lbo, sbo, k, n, swizzled) == at(16 * kp + k, n), (kp, k, n)
 
 
 @pytest.mark.parametrize("d,bn", [(64, 128), (128, 128), (128, 64)])
-def test_the_box_lands_chunk_major(d, bn):
-    """The TMA writes a box densely, dimension 0 fastest: element (e0, row, chunk) of the box at
-    ((chunk * BN + row) * 8 + e0) * 2 bytes, which is channel 8 * chunk + e0 of key row0 + row at the
-    tile's (row, channel) byte; every byte of the tile written once; K_TILE bytes."""
-    m = core_matrix_rows("k", (1, 1, 4096, d), _contiguous((1, 1, 4096, d)), "float16", bn)
-    e0, rows, chunks = m.box[:3]
+def test_the_box_lands_in_swizzled_lines(d, bn):
+    """The TMA writes a box densely, dimension 0 fastest, each 16-byte chunk at its swizzled place:
+    element (e0, row, line) of the box at swz(((line * BN + row) * 64 + e0) * 2), which is channel
+    64 * line + e0 of key row0 + row at the tile's (row, channel) byte; every byte of the tile written
+    once; K_TILE bytes."""
+    m = swizzled_rows("k", (1, 1, 4096, d), _contiguous((1, 1, 4096, d)), "float16", bn)
+    e0, rows, lines = m.box[:3]
     seen = set()
-    for c in range(chunks):
+    for line in range(lines):
         for r in range(rows):
             for e in range(e0):
-                off = ((c * rows + r) * e0 + e) * 2
-                assert off == _chunk_major(bn, r, c) + e * 2
+                off = _swz(((line * rows + r) * e0 + e) * 2)
+                assert off == _swizzled(0, bn, r, 64 * line + e)
                 seen.add(off)
     assert len(seen) * 2 == m.box_bytes == bn * 2 * d and max(seen) + 2 == m.box_bytes
 
 
 def test_descriptor_fields_fit():
-    """Leading and stride offsets are 14-bit fields of 16-byte units (box_k_desc_lo's BN * 16)."""
+    """Leading and stride offsets are 14-bit fields of 16-byte units (sw128_mn_desc_lo's BN * 128)."""
     for bn in (64, 128):
-        assert (bn * 16) >> 4 < 1 << 14 and (bn * 16) % 16 == 0
+        assert (bn * 128) >> 4 < 1 << 14 and (bn * 128) % 16 == 0
 
 
 def test_blob_dataclass():

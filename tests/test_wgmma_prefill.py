@@ -31,6 +31,10 @@ OTHER_TILES = [KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wg
 # the f16 / bf16 kernels with K and V rows gathered by cp.async (the TMA launch's fallback)
 KV_ROWS = [KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wgmma", options={"kv_rows": "on"})
            for f, d, c in (("f16", 128, False), ("bf16", 64, True))]
+# the consumer warpgroups issuing their MMAs in turns (two, and three)
+PINGPONG = [KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wgmma", tile=Tile(*t),
+                       options={"pingpong": "on"})
+            for f, d, c, t in (("f16", 128, False, (128, 128, 8, 2)), ("bf16", 64, True, (192, 64, 12, 2)))]
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,7 +115,7 @@ def test_i8_f16_scale_blocks_follow_the_kernel():
 
 # ---- NVRTC compile ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec", SPECS + OTHER_TILES + KV_ROWS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", SPECS + OTHER_TILES + KV_ROWS + PINGPONG, ids=lambda s: s.name)
 def test_compiles_on_warpgroup_mmas(spec):
     binary = _compiled(spec)
     entry = _attention_entry(spec)
@@ -155,6 +159,8 @@ def test_compiles_on_warpgroup_mmas(spec):
     assert f"setmaxnreg.dec.sync.aligned.u32 {24 if tma else 56}" in attn and "setmaxnreg.inc.sync.aligned.u32" in attn
     # S of the next tile runs ahead of PV (QK_AHEAD): waits with one group in flight and with none
     assert "wgmma.wait_group.sync.aligned 1;" in attn and "wgmma.wait_group.sync.aligned 0;" in attn
+    # turns between consumer warpgroups: bar.arrive on the next one's barrier, only with pingpong on
+    assert ("bar.arrive" in attn) == (spec.family.values.get("pingpong") == "on"), spec.name
     check_grid_dependency(ptx, entry, packed.programmatic(spec))
     # every warpgroup MMA of the PTX reaches the SASS as a product, none as a placeholder onto RZ
     wgmma = warpgroup_mmas(ptx, disassemble(binary.data, "cuda"))

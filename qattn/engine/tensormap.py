@@ -1,20 +1,23 @@
 """Tensor maps (CUDA's CUtensorMap) for the TMA copies of sm_90a kernels: what to hand the driver's
-cuTensorMapEncodeTiled, computed in plain Python (TiledMap, core_matrix_rows: testable without a
+cuTensorMapEncodeTiled, computed in plain Python (TiledMap, swizzled_rows: testable without a
 GPU), and the encode itself through ctypes on libcuda (MapEncoder). A map is 128 opaque bytes that a
 kernel takes by value (`const __grid_constant__ TensorMap`, templates/cuda/wgmma.cuh.j2); a launch
 passes it as a packed.Blob.
 
-The layout the wgmma pipeline wants (core_matrix_rows): wgmma's no-swizzle operands are made of core
-matrices of 8 rows x 16 bytes, 128 contiguous bytes each. A [B, H, L, D] tensor of 16-bit elements
-(D contiguous) seen as five dimensions, innermost first,
+The layout the wgmma pipeline wants (swizzled_rows): wgmma's 128-byte swizzled operands, made of
+atoms of 8 rows x 128 bytes (64 elements of 16 bits) whose 16-byte chunks are permuted by the row:
+chunk c of row r of an atom sits at chunk c ^ (r % 8), an XOR of address bits [4, 7) with bits
+[7, 10) that the TMA applies as it writes and wgmma as it reads (so the tile must sit at a multiple
+of 1024 bytes). A [B, H, L, D] tensor of 16-bit elements (D contiguous) seen as five dimensions,
+innermost first,
 
-    (8 elements of a 16-byte chunk, the L rows, the D / 8 chunks, the H heads, the B batches)
+    (64 elements of a 128-byte line, the L rows, the D / 64 lines of a row, the H heads, the B batches)
 
-with byte strides (row stride, 16, head stride, batch stride), and read as a box of
-(8, rows, D / 8, 1, 1), lands in shared memory as [chunk][row][8 elements]: byte (row, chunk) of the
-tile at chunk * rows * 16 + row * 16. Eight consecutive rows of one chunk are a core matrix; core
-matrices along the rows are 128 B apart, along the chunks rows * 16 B apart. Rows past L are
-out of bounds and land as zeros.
+with byte strides (row stride, 128, head stride, batch stride), and read as a box of
+(64, rows, D / 64, 1, 1), lands in shared memory as [line][row][64 elements], swizzled: byte (row,
+channel) of the tile at swz((channel // 64) * rows * 128 + row * 128 + (channel % 64) * 2), swz(a) =
+a ^ (((a >> 7) & 7) << 4). Whole 128-byte lines are four L2 sectors each. Rows past L are out of
+bounds and land as zeros.
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ L2_PROMOTION = {"none": 0, "64B": 1, "128B": 2, "256B": 3}
 MAX_STRIDE = 1 << 40  # global strides are multiples of 16 below 2^40 bytes
 MAX_DIM = 1 << 32
 MAX_BOX = 256
+SWIZZLE_128B = 3  # CUtensorMapSwizzle
+LINE_ELEMENTS = 64  # 16-bit elements of one 128-byte swizzled line
 
 
 class TensorMapError(RuntimeError):
@@ -49,7 +54,7 @@ class TiledMap(NamedTuple):
     box: tuple
     element_strides: tuple
     interleave: int = 0  # CU_TENSOR_MAP_INTERLEAVE_NONE
-    swizzle: int = 0  # CU_TENSOR_MAP_SWIZZLE_NONE
+    swizzle: int = 0  # CU_TENSOR_MAP_SWIZZLE_NONE; SWIZZLE_128B below
     l2_promotion: int = L2_PROMOTION["128B"]
     oob_fill: int = 0  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-bounds elements read as zero
 
@@ -66,12 +71,12 @@ class TiledMap(NamedTuple):
         return n
 
 
-def core_matrix_rows(name: str, shape, strides, dtype_name: str, rows: int) -> TiledMap:
+def swizzled_rows(name: str, shape, strides, dtype_name: str, rows: int) -> TiledMap:
     """The map whose box is `rows` rows of one (batch, head) of x [B, H, L, D] (byte strides, D
-    contiguous) in wgmma's core-matrix layout, chunk-major (the module's docstring). Coordinates of a
-    copy, innermost first: (0, first row, 0, head, batch). ValueError naming `name` where the TMA
+    contiguous) in wgmma's 128-byte swizzled layout, line-major (the module's docstring). Coordinates
+    of a copy, innermost first: (0, first row, 0, head, batch). ValueError naming `name` where the TMA
     cannot read x: a stride that is not a positive multiple of 16 below 2^40 on an axis of more than
-    one element (an axis of one element takes a stride that is never used), D not a multiple of 8.
+    one element (an axis of one element takes a stride that is never used), D not a multiple of 64.
     The data pointer must be 16-byte aligned (the caller checks it per call)."""
     if dtype_name not in DATA_TYPES:
         raise ValueError(f"{name}: the TMA maps carry {' or '.join(DATA_TYPES)}, got {dtype_name}")
@@ -79,8 +84,9 @@ def core_matrix_rows(name: str, shape, strides, dtype_name: str, rows: int) -> T
     sb, sh, ss, sd = (int(s) for s in strides)
     if sd != 2 and d > 1:
         raise ValueError(f"{name}: the head_dim axis must be contiguous (stride 2 bytes), got strides {tuple(strides)}")
-    if d % 8 or not 8 <= d <= 8 * MAX_BOX:
-        raise ValueError(f"{name}: head_dim must be a multiple of 8 for the TMA's 16-byte chunks, got {d}")
+    if d % LINE_ELEMENTS or not LINE_ELEMENTS <= d <= LINE_ELEMENTS * MAX_BOX:
+        raise ValueError(f"{name}: head_dim must be a multiple of {LINE_ELEMENTS} for the TMA's 128-byte swizzled "
+                         f"lines, got {d}")
     if not 1 <= rows <= MAX_BOX:
         raise ValueError(f"rows: a TMA box holds 1 to {MAX_BOX} rows, got {rows}")
     if min(b, h, length) < 1:
@@ -99,8 +105,9 @@ def core_matrix_rows(name: str, shape, strides, dtype_name: str, rows: int) -> T
     for n in (b, h, length):
         if n > MAX_DIM:
             raise ValueError(f"{name}: the TMA takes at most 2^32 elements an axis, got shape {tuple(shape)}")
-    return TiledMap(DATA_TYPES[dtype_name], (8, length, d // 8, h, b), (ss, 16, sh, sb), (8, rows, d // 8, 1, 1),
-                    (1, 1, 1, 1, 1))
+    lines = d // LINE_ELEMENTS
+    return TiledMap(DATA_TYPES[dtype_name], (LINE_ELEMENTS, length, lines, h, b), (ss, 2 * LINE_ELEMENTS, sh, sb),
+                    (LINE_ELEMENTS, rows, lines, 1, 1), (1, 1, 1, 1, 1), swizzle=SWIZZLE_128B)
 
 
 @functools.lru_cache(maxsize=1)

@@ -11,7 +11,7 @@ from ...engine.registry import recipe
 from ...engine.arrays import as_device_array, check_view, on_device, signature
 from ...engine.memory import CallMemory, lse_output
 from ...engine.packed import NULL, Blob, PackedLaunch, Pointer, cached_plan, element_strides, programmatic
-from ...engine.tensormap import MAP_ALIGN, MAP_BYTES, MapEncoder, core_matrix_rows
+from ...engine.tensormap import MAP_ALIGN, MAP_BYTES, MapEncoder, swizzled_rows
 from ...check.reference import check_shapes
 
 
@@ -107,10 +107,10 @@ def _kv_maps(kernel, k, v):
     if spec.family.values.get("kv_rows") != "off":
         return kernel, None
     try:
-        maps = tuple(MapEncoder(core_matrix_rows(n, x.shape, x.strides, x.dtype.name, spec.tile.block_n))
+        maps = tuple(MapEncoder(swizzled_rows(n, x.shape, x.strides, x.dtype.name, spec.tile.block_n))
                      for x, n in ((k, "k"), (v, "v")))
     except ValueError:
         from ...engine.kernel import build_kernel
 
-        return build_kernel(spec.with_(options={"kv_rows": "on"})), None
+        return build_kernel(spec.with_(options={**dict(spec.options), "kv_rows": "on"})), None
     return kernel, maps

@@ -107,9 +107,10 @@ CUDA_WGMMA = Family(
     producer_warps=4,
     values={"mma_unit": "wgmma", "producer_regs": _WGMMA_PRODUCER_REGS,
             "rows_producer_regs": _WGMMA_ROWS_PRODUCER_REGS},
-    # "on": K and V rows gathered by the producer warpgroup with cp.async instead of TMA boxes (the
-    # tile rules above count the TMA producer's registers)
-    options={"kv_rows": ("off", "on")},
+    # kv_rows "on": K and V rows gathered by the producer warpgroup with cp.async instead of TMA boxes
+    # (the tile rules above count the TMA producer's registers); pingpong "on": two or three consumer
+    # warpgroups issue their MMAs in turns (wgmma_attention.cuh.j2, ConsumerTurns)
+    options={"kv_rows": ("off", "on"), "pingpong": ("off", "on")},
 )
 
 
