@@ -214,7 +214,8 @@ def test_tma_and_row_producers_give_the_same_bits(fmt, head_dim, causal):
 
 
 @pytest.mark.parametrize("fmt", ["f16", "bf16"])
-@pytest.mark.parametrize("head_dim,tile", [(128, (128, 128, 8, 2)), (64, (192, 64, 12, 2)), (128, (128, 64, 8, 3))])
+@pytest.mark.parametrize("head_dim,tile", [(128, (128, 128, 8, 2)), (64, (192, 64, 12, 2)), (128, (128, 64, 8, 3)),
+                                           (128, (128, 160, 8, 2))])
 @pytest.mark.parametrize("causal", [False, True])
 def test_warpgroups_in_turns_give_the_same_bits(fmt, head_dim, tile, causal):
     """pingpong "on" (the consumer warpgroups issue their MMAs in turns, two or three of them) changes

@@ -232,7 +232,7 @@ def _sw128_k_step(rows, kd):  # sw128_k_step<ROWS>
     return (kd % 4) * 32 + (kd // 4) * rows * 128
 
 
-@pytest.mark.parametrize("d,bn", [(64, 64), (64, 128), (128, 64), (128, 128)])
+@pytest.mark.parametrize("d,bn", [(64, 64), (64, 128), (128, 64), (128, 128), (128, 160)])
 @pytest.mark.parametrize("layout", ["rows", "tma"])
 def test_descriptors_read_the_tile_they_describe(d, bn, layout):
     """For each k16 step of S = Q Kᵀ (K K-major, n = BN keys) and of O += P V (V N-major, n = D

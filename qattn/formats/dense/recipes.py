@@ -81,8 +81,8 @@ def _wgmma_problem(tile: Tile, d: int) -> str | None:
         if tile.block_m not in (64, 128, 192) or tile.block_m != 16 * tile.warps:
             return ("block_m must be 64, 128 or 192, 64 rows per consumer warpgroup of 4 warps "
                     f"(warps = block_m / 16), got {tile.block_m}/{tile.warps}")
-        if tile.block_n not in (64, 128):
-            return f"block_n must be 64 or 128, got {tile.block_n}"
+        if tile.block_n % 16 or not 64 <= tile.block_n <= 192:
+            return f"block_n must be a multiple of 16 in [64, 192], got {tile.block_n}"
         return None
 
     def registers():
