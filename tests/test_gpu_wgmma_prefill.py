@@ -213,9 +213,12 @@ def test_tma_and_row_producers_give_the_same_bits(fmt, head_dim, causal):
         _check(fmt, tma, a, host, causal=causal, lse=la)
 
 
-@pytest.mark.parametrize("fmt", ["f16", "bf16"])
-@pytest.mark.parametrize("head_dim,tile", [(128, (128, 128, 8, 2)), (64, (192, 64, 12, 2)), (128, (128, 64, 8, 3)),
-                                           (128, (128, 160, 8, 2))])
+TURN_CASES = [(fmt, d, t) for fmt in ("f16", "bf16") for d, t in ((128, (128, 128, 8, 2)), (64, (192, 64, 12, 2)),
+                                                                   (128, (128, 64, 8, 3)), (128, (128, 160, 8, 2)))]
+TURN_CASES += [("i8-f16", 128, (128, 64, 8, 3)), ("i8-f16", 64, (128, 128, 8, 2)), ("i8-f16", 64, (192, 64, 12, 2))]
+
+
+@pytest.mark.parametrize("fmt,head_dim,tile", TURN_CASES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_warpgroups_in_turns_give_the_same_bits(fmt, head_dim, tile, causal):
     """pingpong "on" (the consumer warpgroups issue their MMAs in turns, two or three of them) changes

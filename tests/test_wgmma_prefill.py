@@ -35,7 +35,8 @@ KV_ROWS = [KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wgmma"
 PINGPONG = [KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wgmma", tile=Tile(*t),
                        options={"pingpong": "on"})
             for f, d, c, t in (("f16", 128, False, (128, 128, 8, 2)), ("bf16", 64, True, (192, 64, 12, 2)),
-                               ("f16", 128, True, (128, 160, 8, 2)), ("bf16", 128, False, (128, 144, 8, 2)))]
+                               ("f16", 128, True, (128, 160, 8, 2)), ("bf16", 128, False, (128, 144, 8, 2)),
+                               ("i8-f16", 128, True, (128, 64, 8, 3)), ("i8-f16", 64, False, (192, 64, 12, 2)))]
 
 
 @functools.lru_cache(maxsize=None)
