@@ -242,6 +242,29 @@ def test_warpgroups_in_turns_give_the_same_bits(fmt, head_dim, tile, causal):
 
 
 @pytest.mark.parametrize("fmt", ["f16", "bf16"])
+@pytest.mark.parametrize("options", [{}, {"pingpong": "on"}, {"kv_rows": "on"}])
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_blocks_give_the_same_bits(fmt, options, causal):
+    """persistent "on" (as many blocks as the SMs hold, each taking work items in turn; the ring's slots
+    and phases, and the warpgroups' turns, running on across items) against a block per item: the same
+    bits, with more items than blocks (several per block, of different key counts when causal), tails
+    and GQA."""
+    import cupy
+
+    one = qattn.build("prefill", format=fmt, head_dim=128, causal=causal, mma="wgmma", options=options)
+    many = qattn.build("prefill", format=fmt, head_dim=128, causal=causal, mma="wgmma",
+                       options={**options, "persistent": "on"})
+    rng = np.random.default_rng()
+    for b, hq, hkv, lq, lk in ((2, 16, 4, 2100, 2100), (3, 8, 8, 300, 1029), (1, 2, 1, 77, 1)):
+        host, (q, k, v) = _host_inputs(rng, fmt, b, hq, hkv, lq, lk, 128)
+        a, la = many(q, k, v, return_lse=True)
+        ref, lref = one(q, k, v, return_lse=True)
+        assert cupy.array_equal(a.view(cupy.uint16), ref.view(cupy.uint16)), (b, hq, lq, lk)
+        assert cupy.array_equal(la, lref), (b, hq, lq, lk)
+    _check(fmt, many, a, host, causal=causal, lse=la)
+
+
+@pytest.mark.parametrize("fmt", ["f16", "bf16"])
 def test_strides_the_tma_cannot_read_fall_back_to_rows(fmt):
     """K broadcast over the batch (stride 0) and V read backwards along the keys: the launch runs the
     kv_rows kernel (its producer gathers rows with cp.async), with the right result."""

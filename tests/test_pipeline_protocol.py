@@ -48,7 +48,10 @@ class NamedBarrier:
             yield
 
 
-def run(nblocks: int, stages: int, groups: int, *, qk_ahead: bool, s_beside_pv: bool, pingpong: bool, seed: int):
+def run(items, stages: int, groups: int, *, qk_ahead: bool, s_beside_pv: bool, pingpong: bool, seed: int):
+    """One block's work: `items` key-tile counts, one per work item it takes in turn (a persistent block
+    takes several; the ring's slots and phases run on across them: KvRing::base)."""
+    items = (items,) if isinstance(items, int) else tuple(items)
     rng = random.Random(seed)
     full = {side: [MBarrier(1) for _ in range(stages)] for side in "kv"}
     free = {side: [MBarrier(groups) for _ in range(stages)] for side in "kv"}  # a warp's lane 0 each: per group here
@@ -58,21 +61,37 @@ def run(nblocks: int, stages: int, groups: int, *, qk_ahead: bool, s_beside_pv: 
     readers = {}  # (side, slot) -> wgmmas in flight reading it
 
     def produce():
+        base = 0
+        for nblocks in items:
+            yield from produce_item(base, nblocks)
+            base += nblocks
+
+    def produce_item(base, nblocks):
         for j in range(nblocks):
-            slot, reuse = j % stages, j // stages
+            slot, reuse = (base + j) % stages, (base + j) // stages
             for side in "kv":
                 if reuse > 0:
                     while not free[side][slot].done(reuse - 1):
                         yield
                 assert readers.get((side, slot), 0) == 0, f"a copy into {side} slot {slot} while a wgmma reads it"
 
-                def land(side=side, slot=slot, j=j):
-                    held[side, slot] = j
+                def land(side=side, slot=slot, g=base + j):
+                    held[side, slot] = g
                     full[side][slot].arrive()
                 copies.append(land)
                 yield
 
     def consume(wg):
+        if pingpong and wg == groups - 1:  # consumer_turns_begin
+            turns[0].arrive()
+        base = 0
+        for nblocks in items:
+            yield from consume_item(wg, base, nblocks)
+            base += nblocks
+        if pingpong and wg == 0:  # consumer_turns_end
+            yield from turns[0].sync()
+
+    def consume_item(wg, base, nblocks):
         in_flight = []  # this warpgroup's wgmma groups in issue order
 
         def issue(side, slot, block):
@@ -93,48 +112,52 @@ def run(nblocks: int, stages: int, groups: int, *, qk_ahead: bool, s_beside_pv: 
             if pingpong:
                 turns[(wg + 1) % groups].arrive()
 
-        if pingpong and wg == groups - 1:
-            turns[0].arrive()
+        def slot(j):  # KvRing::slot
+            return (base + j) % stages
+
+        def phase(j):  # KvRing::phase
+            return (base + j) // stages
+
         if nblocks > 0:
-            while not full["k"][0].done(0):
+            while not full["k"][slot(0)].done(phase(0)):
                 yield
             yield from turn_wait()
-            issue("k", 0, 0)
+            issue("k", slot(0), base)
             turn_pass()
             yield from wait_group(0)
-            free["k"][0].arrive()
+            if nblocks > 1:  # the last tile's K is freed after the loop
+                free["k"][slot(0)].arrive()
         for j in range(nblocks):
             nxt = j + 1 < nblocks
-            slot, nslot = j % stages, (j + 1) % stages
-            s_slot, s_block = (nslot, j + 1) if nxt else (slot, j)  # the last tile issues S of its own K again
-            while not full["v"][slot].done(j // stages):
+            s_tile = j + 1 if nxt else j  # the last tile issues S of its own K again
+            while not full["v"][slot(j)].done(phase(j)):
                 yield
             if nxt:
-                while not full["k"][nslot].done((j + 1) // stages):
+                while not full["k"][slot(j + 1)].done(phase(j + 1)):
                     yield
             if qk_ahead:
                 yield from turn_wait()
-                issue("k", s_slot, s_block)
-                issue("v", slot, j)
+                issue("k", slot(s_tile), base + s_tile)
+                issue("v", slot(j), base + j)
                 turn_pass()
                 yield from wait_group(1)
-                if nxt:
-                    free["k"][nslot].arrive()
+                if j + 2 < nblocks:
+                    free["k"][slot(j + 1)].arrive()
                 yield from wait_group(0)
-                free["v"][slot].arrive()
+                free["v"][slot(j)].arrive()
             else:
-                issue("v", slot, j)
+                issue("v", slot(j), base + j)
                 if s_beside_pv:
-                    issue("k", s_slot, s_block)
+                    issue("k", slot(s_tile), base + s_tile)
                 yield from wait_group(1 if s_beside_pv else 0)
-                free["v"][slot].arrive()
+                free["v"][slot(j)].arrive()
                 if not s_beside_pv:
-                    issue("k", s_slot, s_block)
+                    issue("k", slot(s_tile), base + s_tile)
                 yield from wait_group(0)
-                if nxt:
-                    free["k"][nslot].arrive()
-        if pingpong and wg == 0:
-            yield from turns[0].sync()
+                if j + 2 < nblocks:
+                    free["k"][slot(j + 1)].arrive()
+        if nblocks > 0:  # the last tile's K, read again by the last iteration's S
+            free["k"][slot(nblocks - 1)].arrive()
 
     workers = {"producer": produce(), **{f"wg{w}": consume(w) for w in range(groups)}}
     for _ in range(100_000):
@@ -165,35 +188,46 @@ CASES = [(order, groups, pingpong) for order in ORDERS for groups in (1, 2, 3)
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_every_schedule_finishes_without_aliasing_or_overwrites(order, groups, pingpong, stages):
     qk_ahead, s_beside_pv = ORDERS[order]
-    for nblocks in (0, 1, 2, 3, 5, 8):
+    for items in (0, 1, 2, 3, 5, 8, (3, 1, 4), (2, 0, 5, 1), (7, 7, 2)):  # one work item, or several in turn
         for seed in range(25):
-            run(nblocks, stages, groups, qk_ahead=qk_ahead, s_beside_pv=s_beside_pv, pingpong=pingpong, seed=seed)
+            run(items, stages, groups, qk_ahead=qk_ahead, s_beside_pv=s_beside_pv, pingpong=pingpong, seed=seed)
 
 
 @pytest.mark.parametrize("break_it, why", [
     ("no first pass", "a deadlock"),
     ("no last wait", "an arrival left"),
     ("K never freed", "a deadlock"),
+    ("last K freed early", "reads block"),
 ])
 def test_the_model_catches_a_broken_protocol(break_it, why, monkeypatch):
     """The checks can fail: a protocol without the last warpgroup's first pass deadlocks, one without
-    warpgroup 0's last wait leaves an arrival, one that never frees a K slot in the loop stalls the ring."""
-    source = {
-        "no first pass": ("turns[0].arrive()\n        if nblocks > 0:", "None\n        if nblocks > 0:"),
-        "no last wait": ("if pingpong and wg == 0:\n            yield from turns[0].sync()",
-                         "if False:\n            yield from turns[0].sync()"),
-        "K never freed": ("if nxt:\n                    free[\"k\"][nslot].arrive()\n                yield from wait_group(0)\n"
-                         "                free[\"v\"][slot].arrive()",
-                         "yield from wait_group(0)\n                free[\"v\"][slot].arrive()"),
+    warpgroup 0's last wait leaves an arrival, one that never frees a K slot in the loop stalls the ring, and
+    one that frees the last tile's K before the last iteration reads it again lets the next work item's
+    copy land under that read."""
+    edits = {
+        "no first pass": [("turns[0].arrive()\n        base = 0", "None\n        base = 0")],
+        "no last wait": [("if pingpong and wg == 0:  # consumer_turns_end\n            yield from turns[0].sync()",
+                          "if False:\n            yield from turns[0].sync()")],
+        "K never freed": [("if j + 2 < nblocks:\n                    free[\"k\"][slot(j + 1)].arrive()\n"
+                           "                yield from wait_group(0)", "yield from wait_group(0)")],
+        # every K freed as soon as its S landed, the last tile's too
+        "last K freed early": [("if nblocks > 1:  # the last tile's K is freed after the loop", "if True:"),
+                               ("if j + 2 < nblocks:\n                    free[\"k\"][slot(j + 1)].arrive()\n"
+                                "                yield from wait_group(0)",
+                                "if nxt:\n                    free[\"k\"][slot(j + 1)].arrive()\n"
+                                "                yield from wait_group(0)"),
+                               ("if nblocks > 0:  # the last tile's K, read again", "if False:  #")],
     }[break_it]
     import inspect
     import textwrap
 
     text = textwrap.dedent(inspect.getsource(run))
-    assert source[0] in text
+    for old, new in edits:
+        assert old in text, old
+        text = text.replace(old, new, 1)
     namespace = dict(globals())
-    exec(compile(text.replace(source[0], source[1], 1), "broken", "exec"), namespace)
+    exec(compile(text, "broken", "exec"), namespace)
     with pytest.raises(AssertionError, match=why):
-        for nblocks in (3, 5):
+        for items in (3, 5, (2, 3), (3, 4, 2)):
             for seed in range(10):
-                namespace["run"](nblocks, 2, 2, qk_ahead=True, s_beside_pv=False, pingpong=True, seed=seed)
+                namespace["run"](items, 2, 2, qk_ahead=True, s_beside_pv=False, pingpong=True, seed=seed)

@@ -298,3 +298,34 @@ def test_blob_dataclass():
 def test_tiled_map_is_plain_data():
     m = TiledMap(6, (8, 10, 8, 1, 1), (128, 16, 1280, 1280), (8, 64, 8, 1, 1), (1,) * 5)
     assert m.rank == 5 and m.box_bytes == 8 * 64 * 8 * 2
+
+
+def test_wgmma_grid_is_a_block_per_item_or_the_resident_blocks(monkeypatch):
+    """The wgmma kernel's flat grid over its work items (query blocks x heads x batch): one block each,
+    or with persistent "on" as many as the SMs hold (one block of 8 or 12 warps an SM, two of 4),
+    never more than the items; a count past 2^31 - 1 is refused naming q."""
+    from qattn.engine.tile import Tile
+    from qattn.formats.dense import launch
+
+    monkeypatch.setattr(launch, "sm_count", lambda device_id: 132)
+    spec = KernelSpec(recipe="f16", head_dim=128, arch="sm_90a", mma="wgmma")
+    assert launch.wgmma_grid(spec, 4096, 0) == (4096, 1, 1)
+    persistent = spec.with_(options={"persistent": "on"})
+    assert persistent.name == "prefill_f16_d128_m128n128w8s2_wgmma_persistent_sm90a"
+    assert launch.wgmma_grid(persistent, 4096, 0) == (132, 1, 1)
+    assert launch.wgmma_grid(persistent, 100, 0) == (100, 1, 1)
+    single = persistent.with_(tile=Tile(64, 128, 4, 2))
+    assert launch.wgmma_grid(single, 4096, 0) == (264, 1, 1)
+    with pytest.raises(ValueError, match="^q: .* split the call"):
+        launch.wgmma_grid(spec, 2**31, 0)
+
+
+def test_wgmma_plan_passes_the_batch_and_a_flat_grid():
+    from qattn.formats.dense import launch
+
+    spec = KernelSpec(recipe="f16", head_dim=64, arch="sm_90a", mma="wgmma", causal=True)
+    q, k = _array((3, 8, 300, 64)), _array((3, 2, 1029, 64))
+    plan = launch._plan(_stand_in(spec), q, k, k, None, None, False)
+    assert plan.launch._dims[:3] == (3 * 8 * 3, 1, 1)  # ceil(300 / 128) query blocks x 8 heads x 3 sequences
+    sync = KernelSpec(recipe="f16", head_dim=64, arch="sm_90a")
+    assert launch._plan(_stand_in(sync), q, k, k, None, None, False).launch._dims[:3] == (3, 8, 3)

@@ -89,7 +89,8 @@ def test_default_tiles_and_tile_rules():
         assert fam.smem_bytes(Tile(128, 128, 8, 2), 128) == 128 * 256 + 2 * 2 * 128 * 256 + 128 * 136 * 2 + 64
     fam = KernelSpec(recipe="i8-f16", head_dim=128, arch="sm_90a", mma="wgmma").family
     assert fam.default_tiles == {64: Tile(128, 128, 8, 2), 128: Tile(128, 64, 8, 3)}
-    assert fam.values == {"pv_operand": "f16", "mma_unit": "wgmma", "q_scale_rows": 1, "k_scale_groups": 4}
+    assert fam.values == {"pv_operand": "f16", "mma_unit": "wgmma", "q_scale_rows": 1, "k_scale_groups": 4,
+                          "pingpong": "off"}
     # i8-f16's Q8/K8 rows of D bytes, fp16 V rows of 2D
     assert fam.smem_bytes(Tile(128, 64, 8, 3), 128) == 128 * 128 + 3 * (64 * 128 + 64 * 256) + 128 * 136 * 2 + 96
     for fmt in FORMATS:
@@ -121,8 +122,11 @@ def test_i8_f16_scale_blocks_follow_the_kernel():
 def test_compiles_on_warpgroup_mmas(spec):
     binary = _compiled(spec)
     entry = _attention_entry(spec)
-    # in registers: the default tiles (and the other valid tiles here) spill nothing
-    check_spills(entry, entry_resources(binary.log, entry), attention=True, allowed=0)
+    # in registers: the default tiles (and the other valid tiles here) spill nothing; the cp.async rows
+    # producer (the fallback for strides the TMA cannot read) keeps its work-item counter on the stack
+    # across each item's unrolled row copies (4 bytes stored and loaded once per item)
+    rows = spec.family.values.get("kv_rows") == "on"
+    check_spills(entry, entry_resources(binary.log, entry), attention=True, allowed=8 if rows else 0)
     if spec.recipe == "i8-f16":  # the quantization kernels too
         for suffix in int8.module_entries(spec.recipe, spec.backend):
             if suffix not in ("_f16", "_bf16"):

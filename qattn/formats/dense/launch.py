@@ -85,16 +85,38 @@ def _plan(kernel, q, k, v, out, scale, return_lse) -> _PrefillPlan:
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale: expected a positive finite number, got {scale}")
+    wgmma = spec.family.values.get("mma_unit") == "wgmma"
     args = (Pointer("q"), Pointer("k"), Pointer("v"), Pointer("out"), Pointer("lse") if return_lse else NULL,
             *element_strides(q.strides, q.itemsize), *element_strides(k.strides, q.itemsize),
             *element_strides(v.strides, q.itemsize), *element_strides(out_strides, q.itemsize), np.int64(lq),
-            np.int32(hq), np.int32(hq // hkv), np.int32(lq), np.int32(lk), np.float32(scale * math.log2(math.e)))
+            *((np.int32(b),) if wgmma else ()), np.int32(hq), np.int32(hq // hkv), np.int32(lq), np.int32(lk),
+            np.float32(scale * math.log2(math.e)))
     kernel, maps = _kv_maps(kernel, k, v)
     if maps is not None:
         args += (Blob("k_map", MAP_BYTES, MAP_ALIGN), Blob("v_map", MAP_BYTES, MAP_ALIGN))
-    grid = (math.ceil(lq / spec.tile.block_m), hq, b)
+    qblocks = math.ceil(lq / spec.tile.block_m)
+    grid = wgmma_grid(spec, qblocks * hq * b, q.device.id) if wgmma else (qblocks, hq, b)
     launch = PackedLaunch(kernel.function(), grid, kernel.threads, kernel.shared_bytes, args, programmatic(spec))
     return _PrefillPlan(launch, (b, hq, lq), maps)
+
+
+def wgmma_grid(spec, items: int, device_id: int) -> tuple:
+    """The wgmma kernel's grid over its work items (query blocks of a batch and head): a block per item,
+    or with the option persistent "on" as many blocks as the SMs hold at once (one, or two for a single
+    consumer warpgroup), each taking items in turn."""
+    if items >= 2**31:
+        raise ValueError(f"q: {items} query blocks of {spec.tile.block_m} rows over batch and heads, more than a "
+                         "launch indexes (2^31 - 1): split the call")
+    if spec.family.values.get("persistent") != "on":
+        return (items, 1, 1)
+    per_sm = 2 if spec.tile.warps == 4 else 1
+    return (min(items, sm_count(device_id) * per_sm), 1, 1)
+
+
+def sm_count(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
 
 
 def _kv_maps(kernel, k, v):

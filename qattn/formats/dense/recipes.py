@@ -109,8 +109,9 @@ CUDA_WGMMA = Family(
             "rows_producer_regs": _WGMMA_ROWS_PRODUCER_REGS},
     # kv_rows "on": K and V rows gathered by the producer warpgroup with cp.async instead of TMA boxes
     # (the tile rules above count the TMA producer's registers); pingpong "on": two or three consumer
-    # warpgroups issue their MMAs in turns (wgmma_attention.cuh.j2, ConsumerTurns)
-    options={"kv_rows": ("off", "on"), "pingpong": ("off", "on")},
+    # warpgroups issue their MMAs in turns (wgmma_attention.cuh.j2, consumer_turns_begin); persistent "on":
+    # as many blocks as the SMs hold, each taking work items in turn (the launch's grid; one kernel)
+    options={"kv_rows": ("off", "on"), "pingpong": ("off", "on"), "persistent": ("off", "on")},
 )
 
 

@@ -171,7 +171,7 @@ def _cuda_i8_wgmma(pv: str, default_tiles: dict, measured_spills: frozenset = fr
         main_entry="_f16",
         values={"pv_operand": pv, "mma_unit": "wgmma", "q_scale_rows": 1, "k_scale_groups": 4},
         # fp16 PV issues S ahead of PV, so two or three consumer warpgroups can take turns issuing their
-        # MMAs (wgmma_attention.cuh.j2, ConsumerTurns); the e4m3 kernel adds PV partials with weights
+        # MMAs (wgmma_attention.cuh.j2, consumer_turns_begin); the e4m3 kernel adds PV partials with weights
         options={"pingpong": ("off", "on")} if pv == "f16" else {},
     )
 
