@@ -212,3 +212,26 @@ def test_with_ratios_takes_medians_and_compares_with_every_peer():
     assert [r["ms"] for r in records] == [2.2, 3.3, 1.1] and records[2]["round_ms"] == [1.0, 1.2, 1.1]
     assert records[2]["vs_sdpa_cudnn"] == pytest.approx(2.0) and records[2]["vs_sdpa_flash"] == pytest.approx(3.0)
     assert not any(k.startswith("vs_") for r in records[:2] for k in r)  # peers are not compared with peers
+
+
+def test_kernel_entries_name_a_unit_options_and_a_tile():
+    """The benchmark entries FORMAT[@UNIT][+OPTION[=VALUE]...][:TILE] of bench_prefill and
+    tools/time_kernels.py: each part optional, options "on" unless given a value, a bad part refused
+    by name."""
+    from qattn.bench.prefill import kernel_entry
+    from qattn.engine.tile import Tile
+
+    assert kernel_entry("i8-f8") == ("i8-f8", None, {}, None)
+    assert kernel_entry("i8-f8@mma.sync") == ("i8-f8", "mma.sync", {}, None)
+    assert kernel_entry("f16@wgmma+persistent+pingpong=off:m128n160w8s2") == (
+        "f16", "wgmma", {"persistent": "on", "pingpong": "off"}, Tile(128, 160, 8, 2))
+    assert kernel_entry("i8-f16+pingpong") == ("i8-f16", None, {"pingpong": "on"}, None)
+    for bad, why in (("f16@wgmma+", "OPTION"), ("f16+pingpong=", "OPTION"), ("f16:m128", "tile name")):
+        with pytest.raises(ValueError, match=why):
+            kernel_entry(bad)
+
+
+def test_time_kernels_tool_refuses_a_bad_shape():
+    tool = Path(__file__).resolve().parent.parent / "tools" / "time_kernels.py"
+    res = subprocess.run([sys.executable, str(tool), "f16", "--shape", "4x32x4096"], capture_output=True, text=True)
+    assert res.returncode == 2 and "BATCHxHEADSxSEQxHEAD_DIM" in res.stderr

@@ -399,10 +399,10 @@ def test_parity_plans_a_format_on_a_matrix_unit(monkeypatch):
     assert parity.cuda_spec("kv8-imma", 128, False, 64).family.values["mma_unit"] == "mma.sync"
     pinned = parity.cuda_spec("kv8-imma@mma.sync", 128, False, 2048)
     assert pinned.family.values["mma_unit"] == "mma.sync" and pinned.tile == pinned.family.default_tile(128, False, "sm_90a")
-    # f16 / bf16: the wgmma kernel from 4096 query rows, as qattn.attention runs them
+    # f16 / bf16: the wgmma kernel from 1024 query rows, as qattn.attention runs them
     assert parity.cuda_spec("f16", 128, True, 32768).family.values["mma_unit"] == "wgmma"
-    assert parity.cuda_spec("bf16", 64, False, 4096).family.values["mma_unit"] == "wgmma"
-    assert parity.cuda_spec("f16", 128, False, 2048).family.values["mma_unit"] == "mma.sync"
+    assert parity.cuda_spec("bf16", 64, False, 1024).family.values["mma_unit"] == "wgmma"
+    assert parity.cuda_spec("f16", 128, False, 1023).family.values["mma_unit"] == "mma.sync"
     assert parity.cuda_spec("f16@mma.sync", 128, False, 32768).family.values["mma_unit"] == "mma.sync"
 
 

@@ -17,6 +17,7 @@ from qattn.check import emulate
 from qattn.check import metrics
 from qattn.check import quant
 from qattn.formats.int8qk import quant as i8quant
+from qattn.formats.int8qk.host import untile_v16
 from qattn.check import reference
 from qattn.engine.arrays import numpy_dtype
 
@@ -271,7 +272,9 @@ def test_quantization_steps_match_quant(fmt, dtype):
     pv = recipe(fmt).ctype["pv"]
     if pv == "f16":
         assert qkv.v.dtype == np.float16 and qkv.v_scale is None
-        np.testing.assert_array_equal(qkv.v.get(), v32.astype(np.float16))
+        np.testing.assert_array_equal(qkv.v_rows().get(), v32.astype(np.float16))
+        if qkv.tile_keys:  # the wgmma kernel's tiles: the keys past Lk are zeros
+            assert not untile_v16(qkv.v, qkv.v.shape[2], qkv.tile_keys)[:, :, lk:].any()
     else:
         vq = i8quant.quantize_v_int8(v32) if pv == "i8" else i8quant.quantize_v_e4m3(v32)
         if _default_spec(fmt).family.values["pv_operand"] == "f16":
@@ -602,7 +605,7 @@ def test_fused_quantization_is_exact(fmt, dtype, d, lk):
     np.testing.assert_array_equal(qkv.q_scale.get(), q_scales)
     pv = recipe(fmt).ctype["pv"]
     if pv == "f16":
-        np.testing.assert_array_equal(qkv.v.get(), v32.astype(np.float16))
+        np.testing.assert_array_equal(qkv.v_rows().get(), v32.astype(np.float16))
         return
     vq = i8quant.quantize_v_int8(v32) if pv == "i8" else i8quant.quantize_v_e4m3(v32)
     if kernel.spec.family.values["pv_operand"] == "f16":

@@ -39,8 +39,8 @@ def test_a_failed_build_caches_nothing():
     assert not kernel.plans
 
 
-def _stand_in(recipe, head_dim):
-    spec = KernelSpec(kind="prefill", recipe=recipe, head_dim=head_dim, arch="sm_90a")
+def _stand_in(recipe, head_dim, mma=None):
+    spec = KernelSpec(kind="prefill", recipe=recipe, head_dim=head_dim, arch="sm_90a", mma=mma)
     return SimpleNamespace(spec=spec, function=lambda suffix: SimpleNamespace(ptr=1), threads=256, shared_bytes=0)
 
 
@@ -51,10 +51,12 @@ def _contiguous(shape, itemsize=2):
 @pytest.mark.parametrize("recipe,dtype,smoothing", [("i8-f8", "float16", "mean"), ("i8-f8", "bfloat16", None),
                                                     ("i8-f16", "float16", "mean"), ("i8-f16", "float16", None),
                                                     ("i8-i8", "bfloat16", "mean"), ("i8-f8", "bfloat16", "mean+balance"),
-                                                    ("i8-f16", "float16", "mean+balance")])
+                                                    ("i8-f16", "float16", "mean+balance"),
+                                                    ("i8-f16@mma.sync", "float16", "mean")])
 def test_quant_plan_places_every_operand_apart(recipe, dtype, smoothing):
     b, hq, hkv, lq, lk, d = 2, 8, 2, 300, 1029, 128
-    kernel = _stand_in(recipe, d)
+    recipe, _, mma = recipe.partition("@")
+    kernel = _stand_in(recipe, d, mma or None)
     q_shape, kv_shape = (b, hq, lq, d), (b, hkv, lk, d)
     plan = int8_launch.QuantPlan(kernel, (b, hq, hkv, lq, lk, d), dtype,
                                  (_contiguous(q_shape), _contiguous(kv_shape), _contiguous(kv_shape)),
@@ -70,8 +72,11 @@ def test_quant_plan_places_every_operand_apart(recipe, dtype, smoothing):
     assert plan.buffers["k8"].shape == (b, hkv, lk_pad if tiled else lk, d)
     assert plan.buffers["q8"].shape == q_shape and plan.buffers["shift"].shape == (b, hq, lq)
     operands = plan.operands()
-    passes_v = recipe == "i8-f16" and dtype == "float16"  # fp16 V for the fp16 PV: read as given
+    # fp16 V for the mma.sync fp16 PV: read as given (the wgmma kernel reads swizzled V tiles)
+    passes_v = recipe == "i8-f16" and dtype == "float16" and not tiled
     assert ("v_op" in plan.buffers) != passes_v
+    if recipe == "i8-f16" and tiled:  # fp16 V tiles of block_n keys, the tail padded
+        assert plan.buffers["v_op"].shape == (b, hkv, lk_pad, d)
     assert operands["v"] == (Pointer("v") if passes_v else Pointer("ws", plan.buffers["v_op"].offset))
     assert (operands["v_out_scale"] == NULL) == (recipe == "i8-f16")
     # K̄ is zero-filled only where no statistics compute it

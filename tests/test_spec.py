@@ -20,7 +20,8 @@ from qattn.engine.spec import KernelSpec
 from qattn.engine.tile import Tile
 
 REPO = Path(__file__).resolve().parents[1]
-NAME_RE = re.compile(r"^prefill_[a-z0-9-]+_d\d+_m\d+n\d+w\d+s\d+(_causal)?_(sm\d+a?|gfx\d+[a-z]?)$")
+# a default's options show where a head dim's default turns one on (Family.option_defaults)
+NAME_RE = re.compile(r"^prefill_[a-z0-9-]+_d\d+_m\d+n\d+w\d+s\d+(_causal)?(_pingpong)?_(sm\d+a?|gfx\d+[a-z]?)$")
 
 
 def cuda_recipes():
@@ -283,9 +284,9 @@ def test_the_default_format_of_a_call_follows_the_query_dtype():
         assert qattn.recipe(name).input_dtypes == (dtype,)
 
 
-def test_attention_takes_the_listed_wgmma_kernel_from_4096_query_rows(monkeypatch):
+def test_attention_takes_the_listed_wgmma_kernel_from_1024_query_rows(monkeypatch):
     """qattn.attention's kernel for f16 and bf16 on sm_90a (without a GPU: the build and the device
-    stood in): the mma.sync default below 4096 query rows a sequence, the wgmma kernel from there; a
+    stood in): the mma.sync default below 1024 query rows a sequence, the wgmma kernel from there; a
     named tile still decides; the per-call kernel cache tells the two apart by the rows' band."""
     import contextlib
     from types import SimpleNamespace
@@ -307,10 +308,22 @@ def test_attention_takes_the_listed_wgmma_kernel_from_4096_query_rows(monkeypatc
 
     for fmt in ("f16", "bf16"):
         for d in (64, 128):
-            assert unit(fmt, 4095, d)[0] == "mma.sync"
-            assert unit(fmt, 4096, d) == ("wgmma", Tile(128, 128, 8, 2))
+            assert unit(fmt, 1023, d)[0] == "mma.sync"
+            assert unit(fmt, 1024, d) == ("wgmma", Tile(128, 128, 8, 2))
             assert unit(fmt, 32768, d, causal=True)[0] == "wgmma"
             assert unit(fmt, 300, d)[0] == "mma.sync"  # cached per band: the short call is not served wgmma
     assert unit("f16", 8192, tile=Tile(64, 64, 4, 2)) == ("mma.sync", Tile(64, 64, 4, 2))
     assert unit("f16", 8192, 96)[0] == "mma.sync"  # no wgmma kernel at d96
     assert unit("f32", 8192)[0] is None  # the SIMT kernel: nothing listed
+
+
+def test_a_head_dims_option_default_applies_unless_named():
+    """Family.option_defaults: the wgmma f16 kernel takes its warpgroups in turns at d128 (measured
+    faster there) but not at d64; a spec that names the option keeps it, and the name says which."""
+    d128 = KernelSpec(recipe="f16", head_dim=128, arch="sm_90a", mma="wgmma")
+    d64 = KernelSpec(recipe="f16", head_dim=64, arch="sm_90a", mma="wgmma")
+    assert dict(d128.options)["pingpong"] == "on" and "_pingpong_" in d128.name
+    assert dict(d64.options)["pingpong"] == "off" and "pingpong" not in d64.name
+    off = KernelSpec(recipe="f16", head_dim=128, arch="sm_90a", mma="wgmma", options={"pingpong": "off"})
+    assert dict(off.options)["pingpong"] == "off" and off.name != d128.name and off.key != d128.key
+    assert dict(KernelSpec(recipe="i8-f16", head_dim=128, arch="sm_90a").options)["pingpong"] == "on"

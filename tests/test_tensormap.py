@@ -142,7 +142,7 @@ def test_wgmma_plan_passes_two_maps_by_value():
     from qattn.formats.dense import launch
 
     spec = KernelSpec(recipe="f16", head_dim=128, causal=True, arch="sm_90a", mma="wgmma")
-    assert dict(spec.options)["kv_rows"] == "off" and spec.name == "prefill_f16_d128_m128n128w8s2_causal_wgmma_sm90a"
+    assert dict(spec.options)["kv_rows"] == "off" and spec.name == "prefill_f16_d128_m128n128w8s2_causal_wgmma_pingpong_sm90a"
     b, hq, hkv, lq, lk, d = 2, 8, 2, 300, 1029, 128
     q, k = _array((b, hq, lq, d)), _array((b, hkv, lk, d))
     v = _array((b, hkv, lk, d), (lk * 3 * hkv * d * 2, d * 2, 3 * hkv * d * 2, 2))  # a BSHD view
@@ -311,7 +311,7 @@ def test_wgmma_grid_is_a_block_per_item_or_the_resident_blocks(monkeypatch):
     spec = KernelSpec(recipe="f16", head_dim=128, arch="sm_90a", mma="wgmma")
     assert launch.wgmma_grid(spec, 4096, 0) == (4096, 1, 1)
     persistent = spec.with_(options={"persistent": "on"})
-    assert persistent.name == "prefill_f16_d128_m128n128w8s2_wgmma_persistent_sm90a"
+    assert persistent.name == "prefill_f16_d128_m128n128w8s2_wgmma_pingpong_persistent_sm90a"
     assert launch.wgmma_grid(persistent, 4096, 0) == (132, 1, 1)
     assert launch.wgmma_grid(persistent, 100, 0) == (100, 1, 1)
     single = persistent.with_(tile=Tile(64, 128, 4, 2))

@@ -266,6 +266,31 @@ def test_tile_layouts_round_trip():
         np.testing.assert_array_equal(untile_vt(vt_tiled.reshape(vt.shape), keys), vt)
 
 
+def test_v16_tiles_round_trip():
+    """untile_v16 inverts the quantizer's fp16 V tile stores (transcribed from v_rows_body: element c
+    of row r of a tile of `keys` rows at line c / 64, row r, chunk ((c % 64) / 8) ^ (r % 8), element
+    c % 8), for both head dims and a key tail; the layout is the one wgmma's 128-byte swizzle reads
+    (the chunk XOR the address bits 7-9 of a row 128 bytes apart)."""
+    from qattn.formats.int8qk.host import untile_v16
+
+    rng = np.random.default_rng(5)
+    for d, keys, lk in ((128, 64, 150), (64, 128, 300), (128, 128, 128)):
+        nbk = -(-lk // keys)
+        rows = rng.standard_normal((2, 3, nbk * keys, d)).astype(np.float16)
+        tiled = np.zeros_like(rows).reshape(2, 3, -1)
+        for r in range(nbk * keys):
+            rr = r % keys
+            for c in range(d):
+                off = (r // keys) * keys * d + (c // 64) * keys * 64 + rr * 64 + ((((c % 64) // 8) ^ (rr % 8)) * 8) + c % 8
+                tiled[:, :, off] = rows[:, :, r, c]
+        np.testing.assert_array_equal(untile_v16(tiled.reshape(rows.shape), lk, keys), rows[:, :, :lk])
+        # byte address of (r, chunk): swizzle bits [4, 7) = logical chunk XOR bits [7, 10) of the row
+        for r in range(8):
+            for c in range(8):
+                byte = r * 128 + ((c ^ (r % 8)) * 16)
+                assert (byte >> 4) & 7 == c ^ ((byte >> 7) & 7)
+
+
 def test_core_row_loader_model():
     """load_core_rows (transcribed): thread tid's k-th copy lands at byte 16 (tid + k threads), which is
     core_offset of its row and chunk, and the copies cover every (row, chunk) of the tile once."""

@@ -83,13 +83,17 @@ def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers
             timed.append((dict(shape_rec, impl=name, rel_l2=_rel_l2(out, ref)),
                           lambda fn=fn: fn(*torch_inputs, causal)))
         for entry in formats:
-            fmt, _, mma = entry.partition("@")  # "i8-f8@wgmma": the format on a named matrix unit
+            fmt, mma, entry_options, entry_tile = kernel_entry(entry)
             try:  # the kernel qattn.attention runs for these rows (or the one on the named unit)
-                spec = call_spec(fmt, head_dim, causal, seq, device_arch(), mma=mma or None)
-            except ValueError as exc:  # this arch does not build the format on that unit
+                spec = call_spec(fmt, head_dim, causal, seq, device_arch(), mma=mma)
+                if entry_options:
+                    spec = spec.with_(options={**dict(spec.options), **entry_options})
+            except ValueError as exc:  # this arch does not build the format on that unit, or that option
                 records.append(dict(shape_rec, impl=f"qattn:{entry}", error=str(exc)))
                 continue
-            if tiles:
+            if entry_tile is not None:
+                spec = spec.with_(tile=entry_tile)
+            elif tiles:
                 spec = spec.with_(tile=tiles[entry] if isinstance(tiles, dict) else tiles)
             kernel = build_kernel(spec)
             xs = format_inputs(fmt, q, k, v)
@@ -205,6 +209,24 @@ def call_variants(fmt: str, smoothings) -> list[dict]:
     if not smoothings or "smoothing" not in registry.family_of(fmt).options:
         return [{}]
     return [{"smoothing": s} for s in smoothings]
+
+
+def kernel_entry(entry: str) -> tuple:
+    """A benchmark entry FORMAT[@UNIT][+OPTION[=VALUE]...][:TILE] as (format, unit or None, options,
+    Tile or None): "i8-f8@mma.sync" is the format on another matrix unit, "f16@wgmma+persistent" with
+    a template option on, "+pingpong=off" with one off, ":m128n160w8s2" on a named tile."""
+    from ..engine.tile import Tile
+
+    head, _, tile = entry.partition(":")
+    head, *named = head.split("+")
+    fmt, _, mma = head.partition("@")
+    options = {}
+    for option in named:
+        name, eq, value = option.partition("=")
+        if not name or (eq and not value):
+            raise ValueError(f"{entry!r}: expected +OPTION or +OPTION=VALUE after the format, got {option!r}")
+        options[name] = value if eq else "on"
+    return fmt, mma or None, options, Tile.from_name(tile) if tile else None
 
 
 def impl_name(entry: str, options: dict) -> str:

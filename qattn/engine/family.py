@@ -57,6 +57,9 @@ class Family:
     values: dict = field(default_factory=dict)  # extra template constants of this family
     # template constants a spec chooses (KernelSpec.options): name -> allowed values, the default first
     options: dict = field(default_factory=dict)
+    # head_dim -> {option: value}: where a head dim's default differs from the first allowed value
+    # (measured faster there; docs/notes/<family>.md)
+    option_defaults: dict = field(default_factory=dict)
     # why a spec's options do not build on its arch (a message that names the option), or None: for
     # option values that need an instruction only some of the family's archs have
     option_problem: Callable[[dict, str], str | None] | None = None

@@ -93,7 +93,8 @@ class KernelSpec:
             if name in given and given[name] not in allowed:
                 raise ValueError(f"{name}: {self.recipe} takes one of {', '.join(map(str, allowed))}, "
                                  f"got {given[name]!r}")
-        return tuple((name, given.get(name, allowed[0])) for name, allowed in fam.options.items())
+        defaults = fam.option_defaults.get(self.head_dim, {})
+        return tuple((name, given.get(name, defaults.get(name, allowed[0]))) for name, allowed in fam.options.items())
 
     @property
     def family(self):

@@ -112,15 +112,18 @@ CUDA_WGMMA = Family(
     # warpgroups issue their MMAs in turns (wgmma_attention.cuh.j2, consumer_turns_begin); persistent "on":
     # as many blocks as the SMs hold, each taking work items in turn (the launch's grid; one kernel)
     options={"kv_rows": ("off", "on"), "pingpong": ("off", "on"), "persistent": ("off", "on")},
+    # turns at d128: 1.00-1.03x without them non-causal, 1.00-1.03x causal at 4096+ rows (H200,
+    # docs/notes/dense.md); at d64 they change nothing measurable, so d64 keeps the simpler schedule
+    option_defaults={128: {"pingpong": "on"}},
 )
 
 
-# The wgmma kernel for calls with many query rows per sequence (registry.launch_choice; a spec does not
-# know the call's rows): on the H200 (docs/notes/dense.md, TMA producer) it measured 1.03-1.14x the
-# mma.sync kernel at 4096 rows and more (B4 L4096 and B1 L32768 at d128, B4 L8192 at d64; f16 and bf16,
-# causal and not), but 0.91-1.00x at 1024 rows (B16 L1024), where its one block of 12 warps per SM and
-# a short key loop leave the SMs less busy. Calls of fewer rows keep the mma.sync default.
-WGMMA_QUERIES = 4096
+# The wgmma kernel for calls of 1024 query rows per sequence and more (registry.launch_choice; a spec
+# does not know the call's rows): on the H200 (docs/notes/dense.md; K and V in 128-byte swizzled TMA
+# lines) it measured 1.24-1.66x the mma.sync kernel from 1024 rows (B16 L1024 to B1 L32768 at d128,
+# B4 L8192 at d64; causal and not), about even at 512 (0.90-1.12x) and 0.55-0.76x at 128-256 rows, where
+# one block of 12 warps per SM and a short key loop leave the SMs less busy.
+WGMMA_QUERIES = 1024
 LAUNCH_TILES = {(fmt, d, "sm_90a"): LaunchChoice(WGMMA_QUERIES, CUDA_WGMMA.default_tiles[d], "wgmma")
                 for fmt in ("f16", "bf16") for d in CUDA_WGMMA.head_dims}
 

@@ -24,7 +24,8 @@ of four K scales each (quant's "thread" groups):
   group); the shift stays q̃·K̄.
 - q̃ = Q·(τ·log2 e) in fp32; s_Q = max|q̃| / 127 per block of block_m rows; Q8 = rint(q̃ / s_Q);
   optionally shift = q̃·K̄ per row (log2 domain), which the LSE needs.
-- V: fp16 rows (i8-f16; bf16 V is rounded to fp16 first), or per-channel codes
+- V: fp16 rows (i8-f16; bf16 V is rounded to fp16 first; the wgmma kernel's as block tiles in
+  128-byte swizzled lines, ``QuantizedQKV.v_rows`` reads them back), or per-channel codes
   (s_V = max over keys |V_c| / 127 or / 448) stored transposed with the keys of every 16-key group
   permuted into the order the PV MMA's A fragment packs P (see the template). Where i8-f8 runs its
   PV on fp16 MMAs (Hopper: recipes.E4M3_IN_F16_ARCHS), V's e4m3 codes are stored as fp16 rows of
@@ -121,6 +122,10 @@ class QuantizedQKV:
         """The K codes as rows [B, Hkv, Lk, D], whatever their stored layout."""
         return untile_k8(self.k8, self.dims[4], self.tile_keys) if self.tile_keys else self.k8
 
+    def v_rows(self):
+        """The fp16 V operand as rows [B, Hkv, Lk, D] (fp16 PV), whatever its stored layout."""
+        return untile_v16(self.v, self.dims[4], self.tile_keys) if self.tile_keys else self.v
+
     def vt_rows(self):
         """The V^T codes as [B, Hkv, D, Lk_pad] rows (8-bit PV), whatever their stored layout."""
         return untile_vt(self.v, self.tile_keys) if self.tile_keys else self.v
@@ -156,6 +161,20 @@ def untile_k8(k8, lk: int, tile_keys: int):
     b, h, lk_pad, d = k8.shape
     cores = k8.reshape(b, h, lk_pad // tile_keys, tile_keys // 8, d // 16, 8, 16)
     return cores.transpose(0, 1, 2, 3, 5, 4, 6).reshape(b, h, lk_pad, d)[:, :, :lk]
+
+
+def untile_v16(v, lk: int, tile_keys: int):
+    """fp16 V stored as tiles of tile_keys keys in 128-byte swizzled lines ([B, Hkv, Lk_pad, D]: per
+    tile, 64-channel lines of tile_keys rows of 128 bytes, 16-byte chunk c of row r stored at chunk
+    c ^ (r % 8)) back to rows [B, Hkv, Lk, D]. NumPy or CuPy arrays."""
+    xp = np if isinstance(v, np.ndarray) else __import__("cupy")
+    b, h, lk_pad, d = v.shape
+    lines = v.reshape(b, h, lk_pad // tile_keys, d // 64, tile_keys, 8, 8)
+    rows = xp.arange(tile_keys)[:, None, None] % 8
+    stored = xp.arange(8)[None, :, None] ^ rows  # where logical chunk c of row r sits
+    lines = xp.take_along_axis(lines, xp.broadcast_to(stored, (b, h, lk_pad // tile_keys, d // 64, tile_keys, 8, 1)),
+                               axis=5)
+    return lines.transpose(0, 1, 2, 4, 3, 5, 6).reshape(b, h, lk_pad, d)[:, :, :lk]
 
 
 def untile_vt(vt, tile_keys: int):

@@ -102,12 +102,13 @@ class QuantPlan:
         q_rows, k_keys = scale_blocks(spec)
         sfx = SUFFIX[dtype]
         v_stats = recipe(spec.recipe).ctype["pv"] != "f16"  # 8-bit PV: per-channel s_V
-        v_job = v_stats or dtype != "float16"  # fp16 V for the fp16 PV passes through
+        k_tiles = tile_keys(spec) > 0  # K8 (and V) as block tiles of wgmma's layouts
+        # fp16 V for the mma.sync fp16 PV passes through; the wgmma kernel reads V as swizzled tiles
+        v_job = v_stats or dtype != "float16" or k_tiles
         smooth_k, balance = smoothing is not None, smoothing == "mean+balance"
         nchunks, q_chunks = -(-lk // COLSTATS_CHUNK), -(-lq // COLSTATS_CHUNK)
         nbk = -(-lk // bn)
         lk_pad = nbk * bn
-        k_tiles = tile_keys(spec) > 0  # K8 as block tiles of wgmma's layout
         self.buffers: dict[str, Buffer] = {}
         self.nbytes = 0
 
@@ -125,8 +126,8 @@ class QuantPlan:
         place("k8", (b, hkv, lk_pad if k_tiles else lk, d), "int8")
         place("k_scale", (b, hkv, -(-lk // k_keys) * k_scale_groups(spec)), "float32")
         if v_job:
-            if spec.family.values["pv_operand"] == "f16":  # fp16 rows (of V, or of its e4m3 codes' values)
-                place("v_op", (b, hkv, lk, d), "float16")
+            if spec.family.values["pv_operand"] == "f16":  # fp16 rows or tiles (of V, or of its e4m3 codes' values)
+                place("v_op", (b, hkv, lk_pad if k_tiles else lk, d), "float16")
             else:
                 place("v_op", (b, hkv, d, lk_pad), "uint8")
         if smooth_k:

@@ -101,13 +101,13 @@ CUDA_I8_F8_IN_F16 = _cuda_i8("f8", "f16")
 # ---- CUDA int8 QK prefill on Hopper warpgroup MMAs (i8-f8, i8-f16; sm_90a) ------------------------
 # The shared warp-specialized pipeline (templates/cuda/wgmma_attention.cuh.j2): each consumer
 # warpgroup (4 of tile.warps) owns 64 query rows; a producer warpgroup beside them fills the K and V
-# rings: bulk copies of the K8 (and V^T code) tiles the quantizer stores in wgmma's no-swizzle
-# core-matrix layout (rows of D, or BN, bytes: no padding), cp.async gathers of fp16 V rows (2D bytes)
-# for i8-f16. The output rows are staged in their own region (a warpgroup finishes while the other
-# still reads K/V), and four mbarriers per ring slot follow.
-# Registers the producer warpgroup keeps (attention_i8_wgmma.cuh.j2): 24 for bulk copies alone, 56
-# where it gathers fp16 V rows (less spills under ptxas 13.0).
-_PRODUCER_REGS = {"f8": 24, "f16": 56}
+# rings: one bulk copy per tile the quantizer stores, K8 and V^T codes in wgmma's no-swizzle core-matrix
+# layout (rows of D, or BN, bytes: no padding), i8-f16's fp16 V in 128-byte swizzled lines (as the
+# dense kernel's TMA writes them). The output rows are staged in their own region (a warpgroup
+# finishes while the other still reads K/V), and four mbarriers per ring slot follow.
+# Registers the producer warpgroup keeps (attention_i8_wgmma.cuh.j2): setmaxnreg's least, 24 (one
+# thread issues the copies).
+_PRODUCER_REGS = 24
 
 
 def _wgmma_smem(pv: str) -> Callable[[Tile, int], int]:
@@ -119,12 +119,12 @@ def _wgmma_smem(pv: str) -> Callable[[Tile, int], int]:
     return smem
 
 
-def _wgmma_consumer_registers(tile: Tile, d: int, pv: str) -> int:
+def _wgmma_consumer_registers(tile: Tile, d: int) -> int:
     """Registers a consumer thread gets (BLOCKS_PER_SM in attention_i8_wgmma.cuh.j2)."""
     threads = 32 * tile.warps + 128
     blocks = 1 if tile.warps >= 8 else 3 if d + tile.block_n <= 128 else 2
     launch = 65536 // (threads * blocks) // 8 * 8
-    return (launch * threads - _PRODUCER_REGS[pv] * 128) // (32 * tile.warps) // 8 * 8
+    return (launch * threads - _PRODUCER_REGS * 128) // (32 * tile.warps) // 8 * 8
 
 
 def _wgmma_problem(pv: str) -> Callable[[Tile, int], str | None]:
@@ -140,7 +140,7 @@ def _wgmma_problem(pv: str) -> Callable[[Tile, int], str | None]:
         def registers():
             # fp16 PV: O, S and P (d / 2 + block_n / 2 + block_n / 4 a thread) and ~48 for addresses,
             # scales and statistics. (The e4m3 kernel trades S beside PV for registers itself.)
-            need, have = d // 2 + 3 * tile.block_n // 4 + 48, _wgmma_consumer_registers(tile, d, pv)
+            need, have = d // 2 + 3 * tile.block_n // 4 + 48, _wgmma_consumer_registers(tile, d)
             if pv == "f16" and need > have:
                 return (f"O, S and P need about {need} registers a consumer thread, {have} are left: use "
                         "fewer warps or a narrower block_n")
@@ -152,8 +152,9 @@ def _wgmma_problem(pv: str) -> Callable[[Tile, int], str | None]:
     return problem
 
 
-def _cuda_i8_wgmma(pv: str, default_tiles: dict, measured_spills: frozenset = frozenset()) -> Family:
-    """The int8-QK family on wgmma for one PV format ("f8": e4m3 V^T tiles; "f16": fp16 V rows).
+def _cuda_i8_wgmma(pv: str, default_tiles: dict, measured_spills: frozenset = frozenset(),
+                   option_defaults: dict | None = None) -> Family:
+    """The int8-QK family on wgmma for one PV format ("f8": e4m3 V^T tiles; "f16": fp16 V tiles).
     Whatever the tile, one Q scale per query row and four K scales per key tile (values: quant's
     "thread" groups, the keys of one accumulator column quad), as fine as SageAttention2's
     per-thread scales and as cheap: a thread applies one scale per row and one per key tile. The key
@@ -173,6 +174,7 @@ def _cuda_i8_wgmma(pv: str, default_tiles: dict, measured_spills: frozenset = fr
         # fp16 PV issues S ahead of PV, so two or three consumer warpgroups can take turns issuing their
         # MMAs (wgmma_attention.cuh.j2, consumer_turns_begin); the e4m3 kernel adds PV partials with weights
         options={"pingpong": ("off", "on")} if pv == "f16" else {},
+        option_defaults=option_defaults or {},
     )
 
 
@@ -183,10 +185,13 @@ def _cuda_i8_wgmma(pv: str, default_tiles: dict, measured_spills: frozenset = fr
 CUDA_I8_F8_WGMMA = _cuda_i8_wgmma(
     "f8", {64: Tile(192, 128, 12, 2), 128: Tile(192, 128, 12, 2)},
     frozenset((d, causal, "sm_90a") for d in (64, 128) for causal in (False, True)))
-# fp16 PV: O, S and P at once (S runs ahead of PV) on two consumer warpgroups' 224 registers; at d128
-# 128-key blocks spill ~330 B (the int32 S and its floats), 64-key blocks none (unmeasured: chosen to
-# fit without spills).
-CUDA_I8_F16_WGMMA = _cuda_i8_wgmma("f16", {64: Tile(128, 128, 8, 2), 128: Tile(128, 64, 8, 3)})
+# fp16 PV: O, S and P at once (S runs ahead of PV) on two consumer warpgroups' 240 registers. At d128
+# 128-key blocks spill 32-36 B (the int32 S beside its floats) and, with the warpgroups in turns,
+# measured 1.04-1.12x the spill-free 64-key blocks (H200, B1 L32768, B4 L4096, B16 L1024, causal and
+# not; docs/notes/int8qk.md); the turns cost 4-6% at d64, which keeps them off.
+CUDA_I8_F16_WGMMA = _cuda_i8_wgmma(
+    "f16", {64: Tile(128, 128, 8, 2), 128: Tile(128, 128, 8, 2)},
+    frozenset((128, causal, "sm_90a") for causal in (False, True)), option_defaults={128: {"pingpong": "on"}})
 
 
 # ---- HIP int8 QK prefill (i8-f16, i8-i8, i8-f8): int8 MFMA / iu8 WMMA QK, PV in fp16, int8 or e4m3 --
