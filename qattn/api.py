@@ -99,11 +99,11 @@ def _shape_class(q, k) -> ShapeClass | None:
     return ShapeClass.of(int(q.shape[2]), int(k_shape[2]), int(q.shape[1]), int(k_shape[1]))
 
 
-def _launch_band(format: str, q) -> int | None:
+def _launch_band(format: str, q, causal) -> int | None:
     """Which of the format's query-count kernels (registry.launch_choice) a call's rows reach."""
     try:
-        return registry.launch_band(format, int(q.shape[-1]), _queries(q))
-    except (KeyError, ValueError):  # an unknown format: the spec's checks name it
+        return registry.launch_band(format, int(q.shape[-1]), _queries(q), bool(causal))
+    except (KeyError, ValueError, TypeError):  # an unknown format: the spec's checks name it
         return None
 
 
@@ -117,7 +117,7 @@ def _call_kernel(format: str, q, k, causal, tile) -> Kernel:
     try:
         # causal=1 is refused, not taken for True; a recipe re-registered under the name is looked up anew
         key = (format, id(registry.RECIPES.get(format)), q.shape[-1], causal, type(causal), tile, q.data.device_id,
-               shape, _launch_band(format, q))
+               shape, _launch_band(format, q, causal))
         kernel = _CALL_KERNELS.get(key)
     except TypeError:  # an unhashable argument: the spec's validation names it
         kernel, key = None, None

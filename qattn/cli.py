@@ -296,10 +296,12 @@ def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page
                      decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope))
     report = inspect_spec(spec)
     named_tile = tile is not None or warps is not None or stages is not None
-    listed = None if named_tile or backend != "cuda" else registry.family_of(spec.recipe, kind).launch_tiles.get((spec.recipe, spec.head_dim, spec.arch))
-    if listed is not None and spec.mma is None:  # what qattn.attention runs instead of the default shown here
-        report["launch_tile"] = {"tile": listed.tile.name, "least_queries": listed.least_queries,
-                                 "mma": listed.mma or spec.family.values.get("mma_unit")}
+    listed = () if named_tile or backend != "cuda" or spec.mma is not None else registry.launch_choices(
+        spec.recipe, spec.head_dim, spec.arch, spec.causal)
+    if listed:  # what qattn.attention runs instead of the default shown here, by the call's query rows
+        report["launch_tiles"] = [{"tile": c.tile.name, "least_queries": c.least_queries,
+                                   "mma": c.mma or spec.family.values.get("mma_unit"), "options": dict(c.options)}
+                                  for c in listed]
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -308,11 +310,14 @@ def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page
     for label, value in _resource_rows(spec.backend, report["resources"]):
         table.add_row(label, "-" if value is None else str(value))
     console.print(table)
-    if "launch_tile" in report:
-        least, t, unit = listed.least_queries, listed.tile, listed.mma
-        calls = "calls" if least <= 1 else f"calls of at least {least} query rows"
+    for i, choice in enumerate(listed):
+        least, t, unit = choice.least_queries, choice.tile, choice.mma
+        upper = listed[i + 1].least_queries - 1 if i + 1 < len(listed) else None
+        calls = ("calls" if least <= 1 else f"calls of at least {least} query rows") if upper is None else \
+            f"calls of {least} to {upper} query rows"
         on_unit = f" on {unit}" if unit else ""
-        console.print(f"note: on {spec.arch}, qattn.attention {calls} run {t.name}{on_unit} instead "
+        options = "".join(f", {name} {value}" for name, value in choice.options)
+        console.print(f"note: on {spec.arch}, qattn.attention {calls} run {t.name}{on_unit}{options} instead "
                       f"(inspect it with --tile {t.block_m}x{t.block_n} --warps {t.warps} --stages {t.stages}"
                       f"{f' --mma {unit}' if unit else ''})")
     if "scale_blocks" in report:

@@ -146,19 +146,28 @@ def test_inspect_names_the_tile_kv8_calls_run():
     assert "qattn.attention calls of at least 256 query rows run m128n64w8s3 instead" in text
     assert "--tile 128x64 --warps 8 --stages 3" in text
     split = json.loads(run("inspect", "-f", "kv8-split", "-d", "128", "--arch", "sm_90a", "--json").stdout)
-    assert split["launch_tile"] == {"tile": "m128n64w8s3", "least_queries": 256, "mma": "mma.sync"}
+    assert split["launch_tiles"] == [{"tile": "m128n64w8s3", "least_queries": 256, "mma": "mma.sync", "options": {}}]
     named = run("inspect", "-f", "kv8-split", "-d", "128", "--arch", "sm_90a", "--tile", "64x64", "--stages", "2")
     assert named.exit_code == 0 and "instead" not in named.output
-    assert "launch_tile" not in json.loads(run("inspect", "-f", "kv8-split", "-d", "128", "--arch", "sm_80", "--json").stdout)
+    assert "launch_tiles" not in json.loads(run("inspect", "-f", "kv8-split", "-d", "128", "--arch", "sm_80", "--json").stdout)
     imma = run("inspect", "-f", "kv8-imma", "-d", "64", "--arch", "sm_90a")
     text = " ".join(imma.output.split())
     assert "calls of at least 2048 query rows run m128n64w8s3 on wgmma instead" in text, imma.output
     assert "--tile 128x64 --warps 8 --stages 3 --mma wgmma)" in text
     imma = json.loads(run("inspect", "-f", "kv8-imma", "-d", "128", "--arch", "sm_90a", "--json").stdout)
-    assert imma["launch_tile"] == {"tile": "m128n64w8s3", "least_queries": 256, "mma": "wgmma"}
+    assert imma["launch_tiles"] == [{"tile": "m128n64w8s3", "least_queries": 256, "mma": "wgmma", "options": {}}]
     assert imma["spec"]["tile"]["stages"] == 3  # the tuned default: what shorter calls run
     wgmma = json.loads(run("inspect", "-f", "kv8-imma", "-d", "128", "--arch", "sm_90a", "--mma", "wgmma", "--json").stdout)
-    assert "launch_tile" not in wgmma and wgmma["instructions"]["warpgroup_mmas"]["placeholders"] == 0
+    assert "launch_tiles" not in wgmma and wgmma["instructions"]["warpgroup_mmas"]["placeholders"] == 0
+    # f16 on sm_90a d128: bands by the query rows, causal or not (dense recipes.LAUNCH_TILES)
+    f16 = json.loads(run("inspect", "-f", "f16", "-d", "128", "--arch", "sm_90a", "--json").stdout)
+    assert [(b["least_queries"], b["mma"], b["options"]) for b in f16["launch_tiles"]] == [
+        (512, "wgmma", {"persistent": "on"}), (4096, "wgmma", {})]
+    text = " ".join(run("inspect", "-f", "f16", "-d", "128", "--arch", "sm_90a").output.split())
+    assert "calls of 512 to 4095 query rows run m128n128w8s2 on wgmma, persistent on instead" in text, text
+    assert "calls of at least 4096 query rows run m128n128w8s2 on wgmma instead" in text
+    causal = json.loads(run("inspect", "-f", "f16", "-d", "128", "--arch", "sm_90a", "--causal", "--json").stdout)
+    assert [(b["least_queries"], b["options"]) for b in causal["launch_tiles"]] == [(1024, {})]
 
 
 def test_inspect_shows_the_format_blocks():
@@ -399,10 +408,10 @@ def test_parity_plans_a_format_on_a_matrix_unit(monkeypatch):
     assert parity.cuda_spec("kv8-imma", 128, False, 64).family.values["mma_unit"] == "mma.sync"
     pinned = parity.cuda_spec("kv8-imma@mma.sync", 128, False, 2048)
     assert pinned.family.values["mma_unit"] == "mma.sync" and pinned.tile == pinned.family.default_tile(128, False, "sm_90a")
-    # f16 / bf16: the wgmma kernel from 1024 query rows, as qattn.attention runs them
+    # f16 / bf16: the wgmma kernel by the query rows, as qattn.attention runs them (causal from 1024)
     assert parity.cuda_spec("f16", 128, True, 32768).family.values["mma_unit"] == "wgmma"
     assert parity.cuda_spec("bf16", 64, False, 1024).family.values["mma_unit"] == "wgmma"
-    assert parity.cuda_spec("f16", 128, False, 1023).family.values["mma_unit"] == "mma.sync"
+    assert parity.cuda_spec("f16", 128, True, 1023).family.values["mma_unit"] == "mma.sync"
     assert parity.cuda_spec("f16@mma.sync", 128, False, 32768).family.values["mma_unit"] == "mma.sync"
 
 

@@ -78,12 +78,16 @@ class Family:
 
 
 class LaunchChoice(NamedTuple):
-    """A kernel that calls of at least least_queries query rows run instead of the default: its tile
-    and matrix unit (None: the arch's default unit)."""
+    """A kernel that calls of at least least_queries query rows run instead of the default: its tile,
+    matrix unit (None: the arch's default unit) and template options ((name, value) pairs over the
+    spec's defaults); causal True or False: for those calls only (None: both). Of several choices
+    listed for a key, a call takes the one of the highest threshold it reaches (registry.launch_choice)."""
 
     least_queries: int
     tile: Tile
     mma: str | None = None
+    options: tuple = ()
+    causal: bool | None = None
 
 
 @dataclass(frozen=True)

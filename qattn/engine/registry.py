@@ -34,7 +34,8 @@ class FormatFamily:
     # and the emulator see); None: K and V are taken as given.
     kv_cache: Callable | None = None
     # Kernels that depend on a call's query count, which a spec does not know: (format, head_dim,
-    # arch) -> LaunchChoice, run by calls of at least least_queries rows that name no tile or unit.
+    # arch) -> a LaunchChoice or a tuple of them (bands of query counts, causal or not), run by calls
+    # of at least least_queries rows that name no tile or unit (launch_choice).
     launch_tiles: dict = field(default_factory=dict)
     kernel_inputs: Callable | None = None  # (k, v) -> the K/V arguments its kernels take (None: k, v)
     inspect: Callable | None = None  # spec -> extra fields of `qattn inspect` for its kernels
@@ -103,18 +104,29 @@ def family_for_cache(obj) -> FormatFamily | None:
     return next((f for f in FAMILIES.values() if f.cache_types and isinstance(obj, f.cache_types)), None)
 
 
-def launch_choice(fmt: str, head_dim: int, arch: str, queries: int) -> LaunchChoice | None:
-    """What a call of `queries` query rows that names no tile or unit runs: its family's listed
-    kernel where one applies, else None (the arch's default family and its default tile)."""
-    choice = family_of(fmt).launch_tiles.get((fmt, head_dim, arch))
-    return choice if choice is not None and queries >= choice.least_queries else None
+def launch_choices(fmt: str, head_dim: int, arch: str, causal: bool | None = None) -> tuple[LaunchChoice, ...]:
+    """The kernels the format's family lists for calls by their query count at (head_dim, arch), lowest
+    threshold first; with causal, those that apply to such calls."""
+    listed = family_of(fmt).launch_tiles.get((fmt, head_dim, arch), ())
+    listed = (listed,) if isinstance(listed, LaunchChoice) else tuple(listed)
+    return tuple(sorted((c for c in listed if causal is None or c.causal in (None, causal)),
+                        key=lambda c: c.least_queries))
 
 
-def launch_band(fmt: str, head_dim: int, queries: int) -> int:
-    """How many of the format's listed query thresholds at head_dim (on any arch) a call of `queries`
-    rows reaches: calls in one band run one kernel, so a cache of the kernel per call can key on it."""
-    listed = family_of(fmt).launch_tiles
-    return sum(queries >= c.least_queries for (f, d, _), c in listed.items() if f == fmt and d == head_dim)
+def launch_choice(fmt: str, head_dim: int, arch: str, queries: int, causal: bool = False) -> LaunchChoice | None:
+    """What a call of `queries` query rows that names no tile or unit runs: of its family's listed
+    kernels for such calls, the one of the highest threshold the call reaches, else None (the arch's
+    default family and its default tile)."""
+    reached = [c for c in launch_choices(fmt, head_dim, arch, causal) if queries >= c.least_queries]
+    return reached[-1] if reached else None
+
+
+def launch_band(fmt: str, head_dim: int, queries: int, causal: bool = False) -> int:
+    """How many of the format's listed query thresholds at head_dim (on any arch) for such calls a
+    call of `queries` rows reaches: calls in one band run one kernel, so a cache of the kernel per
+    call can key on it."""
+    archs = {a for (f, d, a) in family_of(fmt).launch_tiles if f == fmt and d == head_dim}
+    return sum(queries >= c.least_queries for a in archs for c in launch_choices(fmt, head_dim, a, causal))
 
 
 def formats_with_option(option: str) -> list[str]:

@@ -171,11 +171,11 @@ def call_spec(format: str, head_dim: int, causal: bool, queries: int, arch: str,
     stored = _tuned_spec(spec, shape)
     if stored is not None:
         return stored
-    choice = launch_choice(format, head_dim, arch, queries)
+    choice = launch_choice(format, head_dim, arch, queries, causal)
     if choice is None:
         return spec
     return KernelSpec(kind="prefill", recipe=format, head_dim=head_dim, causal=causal, arch=arch, mma=choice.mma,
-                      tile=choice.tile)
+                      tile=choice.tile, options=dict(choice.options))
 
 
 def _check_cuda_kernel(format: str) -> None:

@@ -121,11 +121,26 @@ CUDA_WGMMA = Family(
 # The wgmma kernel for calls of 1024 query rows per sequence and more (registry.launch_choice; a spec
 # does not know the call's rows): on the H200 (docs/notes/dense.md; K and V in 128-byte swizzled TMA
 # lines) it measured 1.24-1.66x the mma.sync kernel from 1024 rows (B16 L1024 to B1 L32768 at d128,
-# B4 L8192 at d64; causal and not), about even at 512 (0.90-1.12x) and 0.55-0.76x at 128-256 rows, where
-# one block of 12 warps per SM and a short key loop leave the SMs less busy.
+# B4 L8192 at d64; causal and not), about even at 512 (0.89-1.12x) and 0.55-0.76x at 128-256 rows, where
+# one block of 12 warps per SM and a short key loop leave the SMs less busy. Non-causal d128 calls of
+# 512 to 4095 rows take it with persistent blocks: 1.28x the mma.sync kernel at B32 L512 and 1.05x the
+# one-block-per-item grid at B16 L1024, even at L4096 and 0.97x at L32768 (so not above 4096 rows); causal
+# calls lose 4-10% with them, and d64 at 512 rows keeps mma.sync (0.96x).
 WGMMA_QUERIES = 1024
-LAUNCH_TILES = {(fmt, d, "sm_90a"): LaunchChoice(WGMMA_QUERIES, CUDA_WGMMA.default_tiles[d], "wgmma")
-                for fmt in ("f16", "bf16") for d in CUDA_WGMMA.head_dims}
+PERSISTENT_QUERIES = (512, 4096)  # non-causal d128: from, up to (excluded)
+
+
+def _wgmma_bands(d: int) -> tuple:
+    tile = CUDA_WGMMA.default_tiles[d]
+    if d != 128:
+        return (LaunchChoice(WGMMA_QUERIES, tile, "wgmma"),)
+    least, most = PERSISTENT_QUERIES
+    return (LaunchChoice(WGMMA_QUERIES, tile, "wgmma", causal=True),
+            LaunchChoice(least, tile, "wgmma", (("persistent", "on"),), causal=False),
+            LaunchChoice(most, tile, "wgmma", causal=False))
+
+
+LAUNCH_TILES = {(fmt, d, "sm_90a"): _wgmma_bands(d) for fmt in ("f16", "bf16") for d in CUDA_WGMMA.head_dims}
 
 
 CUDA_SIMT = Family(
