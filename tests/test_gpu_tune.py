@@ -34,9 +34,9 @@ def test_tune_then_attention_runs_the_winner(monkeypatch):
                                        "--stages", "3", "--jobs", "2"])
     assert result.exit_code == 0, result.output
     (entry,) = tuned.load()
-    # on sm_90a the same tiles on the wgmma kernel too
-    names = {"m64n64w4s2", "m64n64w4s3"} | ({"m64n64w4s2@wgmma", "m64n64w4s3@wgmma"} if device_arch() == "sm_90a"
-                                            else set())
+    # on sm_90a the same tiles on the wgmma kernel too, with persistent blocks and without
+    wgmma = {f"m64n64w4s{s}@wgmma{p}" for s in (2, 3) for p in ("", "+persistent")}
+    names = {"m64n64w4s2", "m64n64w4s3"} | (wgmma if device_arch() == "sm_90a" else set())
     assert set(entry.candidates) == names and not entry.rejected, entry
     assert entry.kernel.tile != builtin and entry.device == tuned.current_device()
     assert "yes" in CliRunner().invoke(main, ["tune", "--show"]).output

@@ -231,7 +231,16 @@ def test_candidates_are_the_valid_grid_tiles_on_each_unit_default_first():
     assert {s.recipe for s in specs} == {"f16"} and not any(s.causal for s in specs)
     # on sm_90a the mma.sync kernel's grid, then the wgmma kernel's (its 64-row warpgroups, 64 or 128 keys)
     wgmma = [s for s in specs if s.mma == "wgmma"]
-    assert len(wgmma) == 11 and len(specs) == 40 + 11
+    plain = candidate_specs("f16", 128, False, "sm_90a", options=False)
+    assert len([s for s in plain if s.mma == "wgmma"]) == 11 and len(plain) == 40 + 11
+    # with the options (the default): persistent blocks on and off on every wgmma tile, and turns on and
+    # off where a tile has two or more consumer warpgroups (d128's default takes them: "=off" is named)
+    names = {tuned.TunedKernel.of(s).name for s in wgmma}
+    assert len(wgmma) == 34 and len(specs) == 40 + 34
+    assert {"m128n128w8s2@wgmma", "m128n128w8s2@wgmma+persistent", "m128n128w8s2@wgmma+pingpong=off",
+            "m128n128w8s2@wgmma+persistent+pingpong=off", "m64n64w4s2@wgmma+persistent"} <= names
+    assert "m64n64w4s2@wgmma+pingpong=off" not in names  # one consumer warpgroup: no turns to take
+    wgmma = [s for s in plain if s.mma == "wgmma"]
     assert all(s.tile.block_m == 16 * s.tile.warps and s.tile.block_n in (64, 128) for s in wgmma)
     assert tuned.TunedKernel.of(wgmma[0]).name == "m64n64w4s2@wgmma"
     assert units("f16", 128, "sm_90a") == ["mma.sync", "wgmma"] and units("i8-f8", 128, "sm_90a") == ["wgmma", "mma.sync"]
@@ -241,7 +250,8 @@ def test_candidates_are_the_valid_grid_tiles_on_each_unit_default_first():
 
 
 def test_candidates_narrowed_by_each_axis():
-    specs = candidate_specs("f16", 128, True, "sm_90a", block_shapes=[(64, 64), (128, 32)], warps=[4], stages=[2, 3])
+    specs = candidate_specs("f16", 128, True, "sm_90a", block_shapes=[(64, 64), (128, 32)], warps=[4], stages=[2, 3],
+                            options=False)
     assert [tuned.TunedKernel.of(s).name for s in specs] == ["m64n64w4s2", "m64n64w4s3", "m128n32w4s2",
                                                              "m128n32w4s3", "m64n64w4s2@wgmma", "m64n64w4s3@wgmma"]
     assert all(s.causal for s in specs)
@@ -478,7 +488,8 @@ def test_bad_options_are_usage_errors_naming_the_option(on_h200, args, option):
 
 def test_tune_on_a_fake_gpu_prints_and_stores_the_winners(on_h200, monkeypatch, tmp_path):
     ms = {"m64n64w4s2": 0.9, "m64n64w4s3": 0.8, "m128n64w4s2": 0.85, "m128n64w4s3": 1.0,
-          "m64n64w4s2@wgmma": 0.7, "m64n64w4s3@wgmma": 0.75}
+          "m64n64w4s2@wgmma": 0.7, "m64n64w4s3@wgmma": 0.75, "m64n64w4s2@wgmma+persistent": 0.72,
+          "m64n64w4s3@wgmma+persistent": 0.65}
     monkeypatch.setattr(qattn.tune.run, "prebuild", compiled)
     monkeypatch.setattr(qattn.tune.run, "GpuCase", fake_case(ms))
     monkeypatch.setattr(qattn.tune.sweep, "round_timer", fake_timer)
@@ -491,8 +502,9 @@ def test_tune_on_a_fake_gpu_prints_and_stores_the_winners(on_h200, monkeypatch, 
     assert [e.kernel.name for e in tuned.load()] == ["m64n64w4s3"]
     record = json.loads((tmp_path / "run.json").read_text())[0]
     assert record["tile"] == "m64n64w4s3" and math.isclose(record["ms"], 0.8) and record["shape"]["batch"] == 2
-    # both units (the default on sm_90a): the wgmma kernel wins, and calls of that class run it
-    result = cli(*args)
+    # both units (the default on sm_90a), tiles at their default options: the wgmma kernel wins, and calls
+    # of that class run it
+    result = cli(*args, "--no-options")
     assert result.exit_code == 0, result.output
     assert "m64n64w4s2@wgmma" in result.output and "1.21x" in result.output  # 0.85 / 0.7
     (stored,) = tuned.load()
@@ -500,3 +512,28 @@ def test_tune_on_a_fake_gpu_prints_and_stores_the_winners(on_h200, monkeypatch, 
     chosen = default_spec("f16", 128, shape=MHA_4K)
     assert chosen.family.values["mma_unit"] == "wgmma" and chosen.tile == Tile(64, 64, 4, 2)
     assert call_spec("f16", 128, False, 2048, "sm_90a", shape=MHA_4K) == chosen
+    # and each tile with its options (the default): persistent blocks win, stored by name, and run
+    result = cli(*args)
+    assert result.exit_code == 0, result.output
+    assert "m64n64w4s3@wgmma+persistent" in result.output and "1.31x" in result.output  # 0.85 / 0.65
+    (stored,) = tuned.load()
+    assert stored.kernel == tuned.TunedKernel(Tile(64, 64, 4, 3), "wgmma", (("persistent", "on"),))
+    assert len(stored.candidates) == 8
+    chosen = call_spec("f16", 128, False, 2048, "sm_90a", shape=MHA_4K)
+    assert dict(chosen.options)["persistent"] == "on" and chosen.tile == Tile(64, 64, 4, 3)
+    assert tuned.TunedKernel.of(chosen) == stored.kernel
+
+
+def test_tuned_kernel_names_carry_the_options_that_differ_from_the_default():
+    """TunedKernel.of names a spec's options only where they differ from its family's default at its
+    head dim (d128's wgmma default takes turns: "+pingpong=off" is named, "+pingpong" is not), and
+    from_name reads every name back, the names stored before options existed among them."""
+    base = KernelSpec(recipe="f16", head_dim=128, arch="sm_90a", mma="wgmma")
+    assert tuned.TunedKernel.of(base).name == "m128n128w8s2@wgmma"
+    both = base.with_(options={"pingpong": "off", "persistent": "on"})
+    kernel = tuned.TunedKernel.of(both)
+    assert kernel.name == "m128n128w8s2@wgmma+persistent+pingpong=off"
+    assert tuned.TunedKernel.from_name(kernel.name) == kernel
+    d64 = KernelSpec(recipe="f16", head_dim=64, arch="sm_90a", mma="wgmma", options={"pingpong": "on"})
+    assert tuned.TunedKernel.of(d64).name == "m128n128w8s2@wgmma+pingpong"
+    assert tuned.TunedKernel.from_name("m64n64w4s3") == tuned.TunedKernel(Tile(64, 64, 4, 3))

@@ -64,6 +64,10 @@ class Family:
     # option values that need an instruction only some of the family's archs have
     option_problem: Callable[[dict, str], str | None] | None = None
 
+    def option_default(self, name: str, head_dim: int):
+        """The value a spec at head_dim takes for option `name` where it names none."""
+        return self.option_defaults.get(head_dim, {}).get(name, self.options[name][0])
+
     def default_tile(self, head_dim: int, causal: bool, arch: str) -> Tile:
         """The tuned tile for (head_dim, causal, arch), else the head dim's default; where the arch
         has too little shared memory for it, the first of smaller_tiles that fits (or it, and the

@@ -93,8 +93,7 @@ class KernelSpec:
             if name in given and given[name] not in allowed:
                 raise ValueError(f"{name}: {self.recipe} takes one of {', '.join(map(str, allowed))}, "
                                  f"got {given[name]!r}")
-        defaults = fam.option_defaults.get(self.head_dim, {})
-        return tuple((name, given.get(name, defaults.get(name, allowed[0]))) for name, allowed in fam.options.items())
+        return tuple((name, given.get(name, fam.option_default(name, self.head_dim))) for name in fam.options)
 
     @property
     def family(self):
@@ -199,7 +198,7 @@ def _tuned_spec(spec: KernelSpec, shape: ShapeClass | None) -> KernelSpec | None
     if stored == tuned.TunedKernel.of(spec):
         return spec
     try:
-        return spec.with_(tile=stored.tile, mma=stored.mma)
+        return spec.with_(tile=stored.tile, mma=stored.mma, options=dict(stored.options))
     except ValueError as exc:  # stored before the family's rules changed: the built-in default stands
         warnings.warn(f"qattn: ignoring the tuned kernel {stored.name} for {spec.name}: {exc}", stacklevel=4)
         return None

@@ -82,25 +82,33 @@ def driver_version() -> str:
 
 @dataclass(frozen=True)
 class TunedKernel:
-    """A candidate of a sweep: a tile on a matrix unit (None: the arch's default unit for the format).
-    Its name is the tile's, with "@unit" for another unit (m128n128w8s2@wgmma)."""
+    """A candidate of a sweep: a tile on a matrix unit (None: the arch's default unit for the format)
+    with template options ((name, value) pairs where they differ from the family's default at the head
+    dim). Its name is the tile's, with "@unit" for another unit and "+option" ("on") or
+    "+option=value" for each such option (m128n128w8s2@wgmma+persistent)."""
 
     tile: Tile
     mma: str | None = None
+    options: tuple = ()
 
     @property
     def name(self) -> str:
-        return self.tile.name + (f"@{self.mma}" if self.mma else "")
+        options = "".join(f"+{n}" if v == "on" else f"+{n}={v}" for n, v in self.options)
+        return self.tile.name + (f"@{self.mma}" if self.mma else "") + options
 
     @classmethod
     def from_name(cls, name: str) -> "TunedKernel":
-        tile, _, mma = str(name).partition("@")
-        return cls(Tile.from_name(tile), mma or None)
+        head, *named = str(name).split("+")
+        tile, _, mma = head.partition("@")
+        options = tuple((n, v or "on") for n, _, v in (o.partition("=") for o in named))
+        return cls(Tile.from_name(tile), mma or None, tuple(sorted(options)))
 
     @classmethod
     def of(cls, spec) -> "TunedKernel":
         """A KernelSpec's (whose mma is None on the arch's default unit)."""
-        return cls(spec.tile, spec.mma)
+        fam = spec.family
+        options = tuple(sorted((n, v) for n, v in spec.options if v != fam.option_default(n, spec.head_dim)))
+        return cls(spec.tile, spec.mma, options)
 
 
 @dataclass(frozen=True)

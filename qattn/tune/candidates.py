@@ -11,6 +11,10 @@ from ..engine.spec import KernelSpec
 from ..engine.tile import Tile
 
 BLOCK_M = (32, 64, 128, 192, 256)
+# Template options a sweep also tries on every tile, where the unit's kernel family has them: the
+# wgmma kernels' turns between consumer warpgroups and persistent blocks (kv_rows, the TMA kernel's
+# fallback for strides it cannot read, is never faster and stays out).
+SWEPT_OPTIONS = ("pingpong", "persistent")
 BLOCK_N = (32, 64, 128)
 # From one warp per SM scheduler up, as every built-in default has; --warps names fewer.
 WARPS = (4, 8, 12, 16)
@@ -41,12 +45,26 @@ def units(fmt: str, head_dim: int, arch: str) -> list[str]:
     return [unit for unit in dict.fromkeys(found) if unit]
 
 
+def option_variants(spec: KernelSpec) -> list[KernelSpec]:
+    """spec under every combination of the SWEPT_OPTIONS its family has, spec's own first; turns are
+    left out for a single consumer warpgroup (nothing to take turns with)."""
+    fam = spec.family
+    names = [n for n in SWEPT_OPTIONS if n in fam.options and not (n == "pingpong" and spec.tile.warps <= 4)]
+    variants = [spec]
+    for values in itertools.product(*(fam.options[n] for n in names)):
+        variant = spec.with_(options={**dict(spec.options), **dict(zip(names, values))})
+        if variant not in variants:
+            variants.append(variant)
+    return variants
+
+
 def candidate_specs(fmt: str, head_dim: int, causal: bool, arch: str, *, block_shapes=None, warps=None,
-                    stages=None, mma=None) -> list[KernelSpec]:
+                    stages=None, mma=None, options: bool = True) -> list[KernelSpec]:
     """Every tile of the grid (BLOCK_M x BLOCK_N, WARPS, STAGES; each axis replaced where given,
     block_shapes as (block_m, block_n) pairs) on every matrix unit in mma (default: each the arch has
-    for the format, units()) that the unit's kernel takes at head_dim on arch, the built-in default
-    first where the grid holds it."""
+    for the format, units()) that the unit's kernel takes at head_dim on arch, with options each
+    combination of the unit's SWEPT_OPTIONS (option_variants), the built-in default first where the
+    grid holds it."""
     check_tunable(fmt)
     default = KernelSpec(kind="prefill", recipe=fmt, head_dim=head_dim, causal=causal, arch=arch)
     have = units(fmt, head_dim, arch)
@@ -60,9 +78,10 @@ def candidate_specs(fmt: str, head_dim: int, causal: bool, arch: str, *, block_s
         for (block_m, block_n), w, s in itertools.product(block_shapes or itertools.product(BLOCK_M, BLOCK_N),
                                                           warps or WARPS, stages or STAGES):
             try:
-                specs.append(base.with_(tile=Tile(block_m, block_n, w, s)))
+                spec = base.with_(tile=Tile(block_m, block_n, w, s))
             except ValueError:  # the family does not take this tile (its reason is in KernelSpec's message)
                 continue
+            specs += option_variants(spec) if options else [spec]
     if not specs:
         raise ValueError(f"tile: no tile of the grid fits {fmt} d{head_dim} on {arch}; widen --tile, --warps "
                          f"or --stages (the default tile is {default.tile.name})")

@@ -23,7 +23,7 @@ DEFAULT_SHAPE = (4, 4096)
 # Options of a sweep, by parameter name; --show takes none of them.
 SWEEP_OPTIONS = {"causal": "--causal", "shapes": "--shape", "queries": "--queries", "heads": "--heads",
                  "kv_heads": "--kv-heads", "tiles": "--tile", "warps": "--warps", "stages": "--stages", "mma": "--mma",
-                 "rounds": "--rounds", "jobs": "--jobs", "seed": "--seed"}
+                 "sweep_options": "--options/--no-options", "rounds": "--rounds", "jobs": "--jobs", "seed": "--seed"}
 
 
 def _parse_formats(ctx, param, values):
@@ -66,6 +66,9 @@ def _parse_block_shapes(ctx, param, values):
 @click.option("--mma", multiple=True, type=click.Choice(["mma.sync", "wgmma"]),
               help="matrix units to sweep; repeatable [default: every unit the GPU's arch builds the format with; "
                    "on sm_90a f16, bf16, i8-f16 and i8-f8 have mma.sync and wgmma]")
+@click.option("--options/--no-options", "sweep_options", default=True, show_default=True,
+              help="also sweep the unit's template options on every tile (the wgmma kernels' pingpong and "
+                   "persistent); --no-options keeps each tile at its defaults")
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
               help="interleaved timing rounds (every candidate once a round, odd rounds in reverse; the median is "
                    "kept)")
@@ -78,10 +81,10 @@ def _parse_block_shapes(ctx, param, values):
                                         "as JSON to FILE")
 @click.pass_context
 @user_errors
-def tune(ctx, formats, head_dims, causal, shapes, queries, heads, kv_heads, tiles, warps, stages, mma, rounds, jobs,
-         seed, show, json_path):
+def tune(ctx, formats, head_dims, causal, shapes, queries, heads, kv_heads, tiles, warps, stages, mma, sweep_options,
+         rounds, jobs, seed, show, json_path):
     """Sweep the tiles of each format's prefill kernel on this GPU (on each matrix unit its arch
-    has), check each candidate's output against FP64 once (a wrong one is rejected), time the rest
+    has, with each combination of the unit's template options), check each candidate's output against FP64 once (a wrong one is rejected), time the rest
     in interleaved rounds, and store the fastest per format, head dim, causal flag and shape class in
     the cache directory, keyed by the GPU's name, its driver and the qattn version. qattn.attention
     runs the stored kernel from then on (QATTN_TUNED=0 ignores the table; the built-in tables apply
@@ -102,7 +105,8 @@ def tune(ctx, formats, head_dims, causal, shapes, queries, heads, kv_heads, tile
                     [DEFAULT_SHAPE]]
     causals = [False, True] if causal is None else [causal]
     jobs_planned = tuning.plan(formats or ["f16"], head_dims or [128], causals, sweep_shapes, arch,
-                               block_shapes=tiles, warps=warps, stages=stages, mma=list(mma) or None)
+                               block_shapes=tiles, warps=warps, stages=stages, mma=list(mma) or None,
+                               options=sweep_options)
     with _Progress("tune", tuning.steps(jobs_planned, rounds)) as progress:
         entries = tuning.run(jobs_planned, rounds=rounds, seed=seed, build_jobs=jobs, progress=progress.done)
     table = _table(f"tuned on {entries[0].device.gpu} ({arch}, driver {entries[0].device.driver})", "format", "D",

@@ -34,12 +34,12 @@ class Job:
 
 
 def plan(formats, head_dims, causals, shapes, arch: str, *, block_shapes=None, warps=None, stages=None,
-         mma=None) -> list[Job]:
+         mma=None, options: bool = True) -> list[Job]:
     """The sweeps of a tune, every spec validated before any GPU work (errors name the argument)."""
     jobs = []
     for fmt, d, causal in itertools.product(formats, head_dims, causals):
         specs = tuple(candidate_specs(fmt, d, causal, arch, block_shapes=block_shapes, warps=warps, stages=stages,
-                                      mma=mma))
+                                      mma=mma, options=options))
         default = KernelSpec(kind="prefill", recipe=fmt, head_dim=d, causal=causal, arch=arch)
         default = tuned.TunedKernel.of(default).name
         jobs += [Job(fmt, d, causal, shape, specs, default) for shape in shapes]
