@@ -52,9 +52,9 @@ def _attention_entry(spec: KernelSpec) -> str:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_sm90a_defaults_follow_the_measurements_and_both_units_are_selectable(fmt):
-    """On sm_90a f16 and bf16 keep the mma.sync kernel by default (the wgmma kernel measured 0.81-0.87x
-    of it on the H200, docs/notes/dense.md) and i8-f16 takes wgmma (1.03-1.13x at D128); the other
-    unit is selectable by name."""
+    """On sm_90a the f16 and bf16 specs keep the mma.sync kernel by default (calls take the wgmma one by
+    their query rows, recipes.LAUNCH_TILES: it loses below 512-1024 rows, docs/notes/dense.md) and
+    i8-f16 takes wgmma; the other unit is selectable by name."""
     default_unit = "wgmma" if fmt == "i8-f16" else "mma.sync"
     for d in (64, 128):
         default = KernelSpec(recipe=fmt, head_dim=d, arch="sm_90a")
