@@ -235,3 +235,15 @@ def test_time_kernels_tool_refuses_a_bad_shape():
     tool = Path(__file__).resolve().parent.parent / "tools" / "time_kernels.py"
     res = subprocess.run([sys.executable, str(tool), "f16", "--shape", "4x32x4096"], capture_output=True, text=True)
     assert res.returncode == 2 and "BATCHxHEADSxSEQxHEAD_DIM" in res.stderr
+
+
+def test_time_kernels_tool_names_what_peers_need():
+    pytest.importorskip("cupy")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        tool = Path(__file__).resolve().parent.parent / "tools" / "time_kernels.py"
+        res = subprocess.run([sys.executable, str(tool), "f16", "--peers"], capture_output=True, text=True)
+        assert res.returncode == 2 and "--peers" in res.stderr and "torch" in res.stderr
+    else:
+        pytest.skip("torch is installed: --peers runs")

@@ -34,6 +34,11 @@ def main() -> int:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--peers", action="store_true", help="also time cuDNN through torch SDPA")
     args = ap.parse_args()
+    if args.peers:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            ap.error("--peers times cuDNN through torch, which is not installed")
     import cupy
 
     from qattn.engine.kernel import build_kernel
