@@ -445,6 +445,21 @@ def _split_formats(ctx, param, values):
     return formats
 
 
+def _split_kernel_entries(ctx, param, values):
+    """FORMAT[@UNIT][+OPTION[=VALUE]...][:TILE] lists (bench.prefill.kernel_entry): the format on a
+    matrix unit, with template options and a tile; each part but the format optional."""
+    from .bench.prefill import kernel_entry
+
+    entries = [e.strip() for value in values for e in value.split(",") if e.strip()]
+    for entry in entries:
+        try:
+            kernel_entry(entry)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc).removeprefix("tile: ")) from None
+        _split_formats(ctx, param, [entry.split("+")[0].split(":")[0]])
+    return entries
+
+
 def _parse_shapes(ctx, param, values):
     shapes = []
     for value in values:
@@ -609,8 +624,10 @@ def _parse_bench_shapes(ctx, param, values):
 
 @main.group(invoke_without_command=True)
 @click.pass_context
-@click.option("--format", "-f", "formats", multiple=True, callback=_split_formats, metavar="FORMAT[,FORMAT...]",
-              help="qattn formats to time; repeatable, comma lists allowed [default: f16]")
+@click.option("--format", "-f", "formats", multiple=True, callback=_split_kernel_entries, metavar="FORMAT[,FORMAT...]",
+              help="qattn formats to time, each as FORMAT[@UNIT][+OPTION[=VALUE]...][:TILE] for the format on a "
+                   "matrix unit, with template options or on a tile (e.g. f16@wgmma+persistent, "
+                   "i8-f16+pingpong=off:m128n64w8s3); repeatable, comma lists allowed [default: f16]")
 @click.option("--shape", "shapes", multiple=True, callback=_parse_bench_shapes, metavar="BATCH/HEADS/SEQ",
               help="Lq = Lk = SEQ; repeatable [default: 4/32/4096 and 1/32/32768]")
 @click.option("--head-dim", "-d", type=click.IntRange(min=1), default=128, show_default=True, help="head dimension D")

@@ -483,6 +483,21 @@ def test_bench_table(monkeypatch, tmp_path):
     assert [r["impl"] for r in json.loads(out.read_text())] == ["sdpa_flash", "sageattn", "qattn f16"]
 
 
+def test_bench_takes_kernel_entries(monkeypatch):
+    """qattn bench -f takes the benchmark entries (FORMAT@UNIT+OPTION=VALUE:TILE) as they are and
+    refuses a bad part by name."""
+    calls = {}
+    monkeypatch.setattr(qattn.cli, "device_arch", lambda: "sm_90a")
+    monkeypatch.setattr("qattn.bench.prefill.bench_prefill", lambda shapes, formats, **kw: calls.update(formats=formats) or [])
+    result = run("bench", "-f", "f16@wgmma+persistent,i8-f16+pingpong=off:m128n64w8s3", "-f", "i8-f8")
+    assert result.exit_code == 0, result.output
+    assert list(calls["formats"]) == ["f16@wgmma+persistent", "i8-f16+pingpong=off:m128n64w8s3", "i8-f8"]
+    for bad, why in (("f17@wgmma", "unknown format 'f17'"), ("f16@tensor", "unknown matrix unit"),
+                     ("f16+", "OPTION"), ("f16:m12", "tile name")):
+        result = run("bench", "-f", bad)
+        assert result.exit_code == 2 and why in result.output, (bad, result.output)
+
+
 def test_bench_rounds_must_be_positive(monkeypatch):
     monkeypatch.setattr(qattn.cli, "device_arch", lambda: "sm_90a")
     result = run("bench", "--rounds", "0")
