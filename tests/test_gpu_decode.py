@@ -64,6 +64,51 @@ def test_writer_stores_what_the_host_model_stores(fmt, scale):
             np.testing.assert_array_equal(getattr(got, f"{side}_scale"), want)
 
 
+@pytest.mark.parametrize("fmt", ["e4m3-e4m3", "i8-i8", "bf16-e4m3", "e4m3-bf16", "i8-bf16", "f16-f16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("scale", ["token", "head"])
+def test_writer_codes_every_magnitude_as_the_host_model(fmt, head_dim, scale):
+    """Rows of every magnitude (bf16 from 2^-110 to 2^60, whose tiniest scales take the exact division's
+    slow path; fp16 from 2^-22 to 2^10, with subnormals), zeros of both signs, a prompt's aligned groups and
+    scattered single tokens, contiguous inputs and inputs whose head stride is odd (one load per channel):
+    the writer's bytes are the host model's."""
+    import cupy
+
+    if fmt.count("16") == 2 and scale == "head":
+        pytest.skip("no 8-bit side: no scales")
+    rng = np.random.default_rng(head_dim)
+    dtype, kv_heads, page_size, tokens = _dtype(fmt), 2, 32, 75
+    lo, hi = (-110, 60) if dtype != np.float16 else (-22, 10)
+    num_pages = 8
+    cache = qattn.PagedKVCache(num_pages, page_size, kv_heads, head_dim, k=fmt.split("-")[0], v=fmt.split("-")[1],
+                               scale=scale)
+    host = HostPagedCache.empty(fmt, num_pages, page_size, kv_heads, head_dim, scale)
+
+    def rows(n):  # [n, kv_heads, head_dim + 1]: the last channel pads the head stride to an odd count
+        x = rng.standard_normal((n, kv_heads, head_dim + 1)) * 2.0 ** rng.integers(lo, hi, (n, kv_heads, 1))
+        x[rng.random(x.shape) < 0.05] = 0.0
+        x[rng.random(x.shape) < 0.05] = -0.0
+        return x.astype(dtype)
+
+    prompt = np.arange(64, 64 + tokens, dtype=np.int64)  # pages 2 and 3, then a tail of 11 tokens on page 4
+    second = np.arange(5 * page_size, 6 * page_size, dtype=np.int64)
+    singles = rng.choice(np.arange(6 * page_size, num_pages * page_size), 6, replace=False).astype(np.int64)
+    for slots, odd_stride in ((prompt, False), (second, True), (singles, True)):
+        k, v = rows(len(slots)), rows(len(slots))
+        if odd_stride:
+            k_in, v_in = (cupy.asarray(x)[:, :, :head_dim] for x in (k, v))
+        else:
+            k_in, v_in = (cupy.asarray(np.ascontiguousarray(x[:, :, :head_dim])) for x in (k, v))
+        cache.write(k_in, v_in, cupy.asarray(slots))
+        host.write(k[:, :, :head_dim], v[:, :, :head_dim], slots, scale=scale)
+    got = cache.host()
+    for side in ("k", "v"):
+        np.testing.assert_array_equal(getattr(got, side), getattr(host, side), err_msg=side)
+        want = getattr(host, f"{side}_scale")
+        if want is not None:
+            np.testing.assert_array_equal(getattr(got, f"{side}_scale"), want, err_msg=f"{side}_scale")
+
+
 @pytest.mark.parametrize("fmt", ["f16-f16", "bf16-bf16", "e4m3-e4m3", "i8-i8", "e4m3-f16", "f16-e4m3", "i8-bf16",
                                  "bf16-i8"])
 @pytest.mark.parametrize("head_dim, group, lq, page_size", [(128, 4, 1, 32), (64, 8, 2, 16), (128, 1, 5, 64),
