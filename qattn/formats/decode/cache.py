@@ -68,7 +68,10 @@ from .quant import PageMeans, mean_record, mean_terms, mean_values
 from .rope import RoPE, constant_bias, rotated_bias
 from .recipes import EIGHT_BIT, FORMATS, HALF, HEAD_DIMS, K_MEANS, PAGE_SIZES, SCALE_MODES, resolve_qk
 
-WRITE_WARPS, WRITE_TOKENS = 8, 16  # the writer's block: 8 warps over 16 tokens of one kv head
+# The writer's block: 16 tokens of one kv head, over 4 warps of 4 tokens each on CUDA (more rows in flight
+# per warp) and 8 groups of 2 on HIP.
+WRITE_TOKENS = 16
+WRITE_THREADS = {"cuda": 128, "hip": 256}
 DTYPES = {"f16": "float16", "bf16": "bfloat16"}
 
 # Live caches by handle: an integer names a cache where an object cannot go (torch.ops.qattn.decode).
@@ -319,7 +322,8 @@ class PagedKVCache:
                   else ()),
                 np.int64(k.strides[0] // 2), np.int64(k.strides[1] // 2), np.int64(v.strides[0] // 2),
                 np.int64(v.strides[1] // 2), np.int32(tokens), np.int32(self.kv_heads))
-        return PackedLaunch(kernel.function(suffix), (-(-tokens // WRITE_TOKENS), self.kv_heads, 1), 32 * WRITE_WARPS, 0,
+        return PackedLaunch(kernel.function(suffix), (-(-tokens // WRITE_TOKENS), self.kv_heads, 1),
+                            WRITE_THREADS[kernel.spec.backend], 0,
                             args)
 
     def _mean_args(self) -> tuple:
