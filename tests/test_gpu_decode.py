@@ -109,6 +109,71 @@ def test_writer_codes_every_magnitude_as_the_host_model(fmt, head_dim, scale):
             np.testing.assert_array_equal(getattr(got, f"{side}_scale"), want, err_msg=f"{side}_scale")
 
 
+@pytest.mark.parametrize("fmt, k_mean", [("e4m3-e4m3", "off"), ("i8-i8", "page"), ("bf16-e4m3", "off"),
+                                         ("f16-f16", "off")])
+def test_writer_codes_a_long_prompt_with_broken_groups(fmt, k_mean):
+    """A write of 30005 tokens (far more blocks than the SMs hold at once): whole 16-token groups (a prompt,
+    pages shuffled) between broken ones (slots swapped or padded) and a tail; the bytes (and with page means
+    the sums and records) are the host model's."""
+    import cupy
+
+    rng = np.random.default_rng(11)
+    dtype, kv_heads, head_dim, page_size, tokens = _dtype(fmt), 8, 64, 32, 30005
+    num_pages = -(-tokens // page_size) + 1
+    k_side, v_side = fmt.split("-")
+    cache = qattn.PagedKVCache(num_pages, page_size, kv_heads, head_dim, k=k_side, v=v_side, k_mean=k_mean)
+    host = HostPagedCache.empty(fmt, num_pages, page_size, kv_heads, head_dim, "token", k_mean=k_mean)
+    order = rng.permutation(num_pages)[np.arange(tokens) // page_size]
+    slots = (order * page_size + np.arange(tokens) % page_size).astype(np.int64)
+    broken = 16 * rng.choice(tokens // 16, 40, replace=False)[:, None] + rng.choice(np.arange(1, 16), (40, 2))
+    if k_mean == "page":  # padding (never a page's first token: a write that starts a page holds it in order)
+        slots[broken.ravel()] = -1
+    else:  # two slots swapped, and padding anywhere
+        slots[broken] = slots[broken[:, ::-1]]
+        slots[rng.choice(tokens, 25, replace=False)] = -1
+    k = (rng.standard_normal((tokens, kv_heads, head_dim)) * 2.0 + 3.0).astype(dtype)
+    v = rng.standard_normal((tokens, kv_heads, head_dim)).astype(dtype)
+    cache.write(cupy.asarray(k), cupy.asarray(v), cupy.asarray(slots))
+    host.write(k, v, slots)
+    got = cache.host()
+    for side in ("k", "v", "k_scale", "v_scale"):
+        want = getattr(host, side)
+        if want is not None:
+            np.testing.assert_array_equal(getattr(got, side), want, err_msg=side)
+    if k_mean == "page":
+        for field in ("codes", "scale", "sums", "counts"):
+            np.testing.assert_array_equal(getattr(got.k_mean, field), getattr(host.k_mean, field), err_msg=field)
+
+
+@pytest.mark.parametrize("fmt", ["bf16-e4m3", "e4m3-bf16", "i8-bf16", "bf16-i8"])
+@pytest.mark.parametrize("given", [2.0 ** -64, float.fromhex("0x1.fffffep-64"), 1.1875 * 2.0 ** -40])
+def test_writer_codes_overflowing_quotients_under_a_given_head_scale(fmt, given):
+    """bf16 rows up to 2^127 over a tiny given head scale: quotients past the float range and just below it
+    (saturated: 448, 127) and ordinary ones in the same rows, a bf16 Inf among them (e4m3's NaN code)."""
+    import cupy
+
+    rng = np.random.default_rng(7)
+    dtype, kv_heads, head_dim, page_size, tokens = _dtype(fmt), 2, 128, 16, 40
+    side = "v" if fmt.startswith("bf16") else "k"  # the 8-bit side
+    cache = qattn.PagedKVCache(4, page_size, kv_heads, head_dim, k=fmt.split("-")[0], v=fmt.split("-")[1],
+                               scale="head", **{f"{side}_scale": given})
+    host = HostPagedCache.empty(fmt, 4, page_size, kv_heads, head_dim, "head",
+                                **{f"{side}_scale": [given] * kv_heads})
+    x = rng.standard_normal((2, tokens, kv_heads, head_dim)) * 2.0 ** rng.integers(-20, 124, (2, tokens, kv_heads, 1))
+    # next to the overflow threshold, and far past it
+    x[:, :, :, :4] = [1.9921875 * 2.0 ** 63, -1.9921875 * 2.0 ** 64, 1.9921875 * 2.0 ** 62, 2.0 ** 127]
+    x[:, 3, 1, 7] = -np.inf
+    k, v = x.astype(dtype)
+    others = np.setdiff1d(np.arange(4 * page_size), np.arange(page_size, 2 * page_size))
+    scattered = rng.choice(others, tokens - page_size, replace=False)
+    slots = np.concatenate([np.arange(page_size, 2 * page_size), scattered]).astype(np.int64)  # one aligned group
+    cache.write(cupy.asarray(k), cupy.asarray(v), cupy.asarray(slots))
+    host.write(k, v, slots, scale="head")
+    got = cache.host()
+    assert np.isinf(x.astype(dtype).astype(np.float32) / np.float32(given)).any()  # the case is exercised
+    np.testing.assert_array_equal(getattr(got, side), getattr(host, side))
+
+
 @pytest.mark.parametrize("fmt", ["f16-f16", "bf16-bf16", "e4m3-e4m3", "i8-i8", "e4m3-f16", "f16-e4m3", "i8-bf16",
                                  "bf16-i8"])
 @pytest.mark.parametrize("head_dim, group, lq, page_size", [(128, 4, 1, 32), (64, 8, 2, 16), (128, 1, 5, 64),

@@ -113,6 +113,10 @@ class PagedKVCache:
         for side, name in ((k, "k"), (v, "v")):
             if side not in HALF + EIGHT_BIT:
                 raise ValueError(f"{name}: expected one of {', '.join(HALF + EIGHT_BIT)}, got {side!r}")
+        # the writer indexes token rows (with the page-mean snapshot's) in 32 bits
+        if (self.num_pages + 1) * self.kv_heads * page_size >= 2**31:
+            raise ValueError(f"num_pages, kv_heads, page_size: at most 2^31 - 1 token rows ((num_pages + 1) * kv_heads "
+                             f"* page_size), got ({self.num_pages} + 1) * {self.kv_heads} * {page_size}")
         self.format = f"{k}-{v}"
         self.handle = next(_HANDLES)
         LIVE[self.handle] = self
@@ -323,8 +327,7 @@ class PagedKVCache:
                 np.int64(k.strides[0] // 2), np.int64(k.strides[1] // 2), np.int64(v.strides[0] // 2),
                 np.int64(v.strides[1] // 2), np.int32(tokens), np.int32(self.kv_heads))
         return PackedLaunch(kernel.function(suffix), (-(-tokens // WRITE_TOKENS), self.kv_heads, 1),
-                            WRITE_THREADS[kernel.spec.backend], 0,
-                            args)
+                            WRITE_THREADS[kernel.spec.backend], 0, args)
 
     def _mean_args(self) -> tuple:
         """The writer's page-mean pointers: sums, page records (codes, scales), the snapshot record."""

@@ -1,8 +1,8 @@
 """The decode cache on the host: its quantizer in NumPy, exactly as the GPU writer computes it, and a
 paged cache in natural layout that the emulator reads (DESIGN §2). An 8-bit
 side takes one fp32 scale per (token, kv head), s = max|x| / QMAX (127 for i8, 448 for e4m3), or a
-given scale per kv head, and codes rint(x / s) clamped to ±127 or e4m3(x / s) (RNE, saturating); a
-16-bit side is stored as given. A NaN or Inf in a token row makes its scale non-finite (int8 has no
+given scale per kv head, and codes rint(x / s) clamped to ±127 or e4m3(x / s) (RNE, saturating; an
+Inf value under a head scale codes NaN); a 16-bit side is stored as given. A NaN or Inf in a token row makes its scale non-finite (int8 has no
 NaN code), so the token dequantizes to non-finite values, as the kernel reads it.
 
 An 8-bit K may keep page means (k_mean "page", PageMeans): K - μ_page is stored, μ_page an int8 record
@@ -71,7 +71,9 @@ def quantize_tokens(x: np.ndarray, code: str, scale: np.ndarray | None = None) -
     safe = np.where(s > 0, s, np.float32(1))[..., None]  # NaN > 0 is False: a NaN scale divides by 1
     y = (x / safe).astype(np.float32)
     if code == "e4m3":
-        codes = to_e4m3(y)
+        codes = to_e4m3(y)  # a quotient beyond the range saturates
+        if scale is not None:  # an Inf value codes NaN under a head scale (a token's own scale is NaN already)
+            codes[np.isinf(x)] = np.nan
     else:  # fmax/fmin take the number over a NaN, as the kernel's fmaxf/fminf
         codes = np.rint(np.fmin(np.fmax(y, np.float32(-INT8_MAX)), np.float32(INT8_MAX))).astype(np.int8)
     return TokenCodes(codes, np.array(s, np.float32))
