@@ -196,6 +196,7 @@ def test_split_choice_fills_waves_and_fits_the_page_table():
     ({"scale": "channel"}, "^scale"),
     ({"k": "e4m3", "scale": "token", "k_scale": 0.1}, "^k_scale"),
     ({"num_pages": 0}, "^num_pages"),
+    ({"num_pages": 2**31 // 64, "kv_heads": 2}, "^num_pages, kv_heads, page_size: at most 2\\^31 - 1 token rows"),
     ({"k": "i8", "k_mean": "channel"}, "^k_mean: expected one of 'off', 'page'"),
     ({"k": "f16", "k_mean": "page"}, "^k_mean: page means are for an 8-bit K"),
 ])
