@@ -1,5 +1,6 @@
-"""A decode step (cache write + decode) captured once in a CUDA graph and replayed as tokens arrive,
-checked against a fresh call and the emulator: the GPU decode tests of each cache option share it."""
+"""What the GPU decode tests of each cache option share: decode over one, three and the planned splits
+checked against the emulator, and a decode step (cache write + decode) captured once in a CUDA graph and
+replayed as tokens arrive, checked against a fresh call and the emulator."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,6 +11,30 @@ from qattn.formats.decode import emulate as emu
 
 EMU_REL_L2 = 1e-3
 QUERY_HEADS = 8
+
+
+def decode_over_splits(q, cache, host, table, lens, *, qk: str = "auto", emu_qk: str | None = None,
+                       emu_rel_l2: float = EMU_REL_L2, lse_tol: float = 2e-3) -> list[tuple]:
+    """qattn.decode of q over splits 1, 3 and the planned count (QK path qk), each into a NaN-poisoned
+    output: every element written, within emu_rel_l2 of the emulator (path emu_qk, else qk) at the split
+    count used, the LSE within lse_tol (relative and absolute). Returns [(splits, output as fp32)] for the
+    caller's own checks."""
+    import cupy
+
+    qd, td, ld = cupy.asarray(q), cupy.asarray(table), cupy.asarray(lens)
+    outputs = []
+    for splits in (1, 3, None):
+        out = cupy.full(q.shape, np.nan, dtype=qd.dtype)
+        got, lse = qattn.decode(qd, cache, td, ld, splits=splits, out=out, return_lse=True, qk=qk)
+        got = cupy.asnumpy(got).astype(np.float32)
+        assert not np.isnan(got).any(), "an output element was left unwritten"
+        used = splits if splits is not None else qattn.formats.decode.host.splits_for(cache, *q.shape[:3],
+                                                                                       table.shape[1], qk=qk)
+        want, want_lse = emu.emulate(q, host, table, lens, splits=used, return_lse=True, qk=emu_qk or qk)
+        assert metrics.compare(got, want).rel_l2 <= emu_rel_l2, (splits, metrics.compare(got, want))
+        np.testing.assert_allclose(cupy.asnumpy(lse), want_lse, rtol=lse_tol, atol=lse_tol)
+        outputs.append((splits, got))
+    return outputs
 
 
 def replay_decode_steps(cache, host, table, lens, *, kv_heads: int, head_dim: int, qk: str, new_k, page_size: int,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import qattn
-from decode_steps import replay_decode_steps
+from decode_steps import decode_over_splits, replay_decode_steps
 from qattn.check import metrics
 from qattn.formats.decode import emulate as emu
 from qattn.formats.decode.quant import HostPagedCache
@@ -180,8 +180,6 @@ def test_writer_codes_overflowing_quotients_under_a_given_head_scale(fmt, given)
                                                             (256, 4, 1, 128), (128, 8, 4, 32)])
 @pytest.mark.parametrize("path", ["transform", "8-bit"])
 def test_decode_matches_emulator_and_fp64(fmt, head_dim, group, lq, page_size, path):
-    import cupy
-
     if path == "8-bit":
         if len(qk_paths(fmt)) == 1:
             pytest.skip("a 16-bit K has no 8-bit QK path")
@@ -192,21 +190,11 @@ def test_decode_matches_emulator_and_fp64(fmt, head_dim, group, lq, page_size, p
                                                page_size=page_size)
     rng = np.random.default_rng(1)
     q = rng.standard_normal((3, 2 * group, lq, head_dim)).astype(_dtype(fmt))
-    qd, td, ld = cupy.asarray(q), cupy.asarray(table), cupy.asarray(lens)
     tol = tolerance(fmt, path)
     ref = emu.reference(q, host, table, lens)
-    for splits in (1, 3, None):
-        out = cupy.full(q.shape, np.nan, dtype=qd.dtype)
-        got, lse = qattn.decode(qd, cache, td, ld, splits=splits, out=out, return_lse=True, qk=path)
-        got = cupy.asnumpy(got).astype(np.float32)
-        assert not np.isnan(got).any(), "an output element was left unwritten"
-        used = splits if splits is not None else qattn.formats.decode.host.splits_for(cache, 3, 2 * group, lq,
-                                                                                       table.shape[1], qk=path)
-        want, want_lse = emu.emulate(q, host, table, lens, splits=used, return_lse=True, qk=path)
-        assert metrics.compare(got, want).rel_l2 <= EMU_REL_L2, (splits, metrics.compare(got, want))
+    for splits, got in decode_over_splits(q, cache, host, table, lens, qk=path):
         err = metrics.compare(got, ref)
         assert err.rel_l2 <= tol.rel_l2 and err.max_rel <= tol.max_rel, (splits, err)
-        np.testing.assert_allclose(cupy.asnumpy(lse), want_lse, rtol=2e-3, atol=2e-3)
 
 
 def test_decode_format_cost_is_measured_against_the_original_kv():
@@ -453,26 +441,14 @@ def test_page_mean_decode_matches_emulator(fmt, path, head_dim, group, lq, page_
     too, within the format's rel_l2 of FP64 on the cache, and closer to the original K/V than the same
     cache without page means (its emulator: 1.4x to 5.5x here, the lag of the running mean on a mean
     that doubles over the sequence)."""
-    import cupy
-
     lens = [1 + lq, 777, 2100]
     cache, host, table, lens, ks, vs = _mean_filled(fmt, lens=lens, head_dim=head_dim, page_size=page_size)
     rng = np.random.default_rng(1)
     q = rng.standard_normal((3, 2 * group, lq, head_dim)).astype(_dtype(fmt))
-    qd, td, ld = cupy.asarray(q), cupy.asarray(table), cupy.asarray(lens)
     tol = tolerance(fmt, path)
     ref = emu.reference(q, host, table, lens)
-    for splits in (1, 3, None):
-        out = cupy.full(q.shape, np.nan, dtype=qd.dtype)
-        got, lse = qattn.decode(qd, cache, td, ld, splits=splits, out=out, return_lse=True, qk=path)
-        got = cupy.asnumpy(got).astype(np.float32)
-        assert not np.isnan(got).any(), "an output element was left unwritten"
-        used = splits if splits is not None else qattn.formats.decode.host.splits_for(cache, 3, 2 * group, lq,
-                                                                                       table.shape[1], qk=path)
-        want, want_lse = emu.emulate(q, host, table, lens, splits=used, return_lse=True, qk=path)
-        assert metrics.compare(got, want).rel_l2 <= EMU_REL_L2, (splits, metrics.compare(got, want))
+    for splits, got in decode_over_splits(q, cache, host, table, lens, qk=path):
         assert metrics.compare(got, ref).rel_l2 <= tol.rel_l2, (splits, metrics.compare(got, ref))
-        np.testing.assert_allclose(cupy.asnumpy(lse), want_lse, rtol=2e-3, atol=2e-3)
     plain = HostPagedCache.empty(fmt, host.k.shape[0], page_size, 2, head_dim)
     for b, n in enumerate(lens):
         slots = table[b, np.arange(n) // page_size] * page_size + np.arange(n) % page_size

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import qattn
-from decode_steps import replay_decode_steps
+from decode_steps import decode_over_splits, replay_decode_steps
 from qattn.check import metrics
 from qattn.formats.decode import emulate as emu
 from qattn.formats.decode.quant import HostPagedCache
@@ -102,26 +102,15 @@ def test_balanced_decode_matches_emulator(fmt, path, head_dim, group, lq, page_s
     """Balanced decode over tails (a sequence of 1 + lq keys, lengths off the page and step grid), one, three
     and automatic splits, into NaN-poisoned outputs, alone or with a K bias and page means: within rel_l2 1e-3
     of the emulator, its LSE too, and within the format's rel_l2 of FP64 on the cache."""
-    import cupy
-
     bias = (np.random.default_rng(6).standard_normal((2, head_dim)) * 20).astype(np.float32) if terms != "alone" else None
     cache, host, table, lens, *_ = _balanced(fmt, lens=[1 + lq, 777, 2100], head_dim=head_dim, page_size=page_size,
                                              k_bias=bias, k_mean="page" if terms != "alone" else "off")
     rng = np.random.default_rng(1)
     q = rng.standard_normal((3, 2 * group, lq, head_dim)).astype(_dtype(fmt))
-    qd, td, ld = cupy.asarray(q), cupy.asarray(table), cupy.asarray(lens)
     ref = emu.reference(q, host, table, lens)
-    for splits in (1, 3, None):
-        out = cupy.full(q.shape, np.nan, dtype=qd.dtype)
-        got, lse = qattn.decode(qd, cache, td, ld, splits=splits, out=out, return_lse=True, qk=path)
-        got = cupy.asnumpy(got).astype(np.float32)
-        assert not np.isnan(got).any(), "an output element was left unwritten"
-        used = splits if splits is not None else qattn.formats.decode.host.splits_for(cache, 3, 2 * group, lq,
-                                                                                       table.shape[1], qk=path)
-        want, want_lse = emu.emulate(q, host, table, lens, splits=used, return_lse=True, qk=path)
-        assert metrics.compare(got, want).rel_l2 <= _emu_rel_l2(path), (splits, metrics.compare(got, want))
-        lse_tol = 2e-3 * _emu_rel_l2(path) / EMU_REL_L2  # the LSE takes the scores' error too
-        np.testing.assert_allclose(cupy.asnumpy(lse), want_lse, rtol=lse_tol, atol=lse_tol)
+    lse_tol = 2e-3 * _emu_rel_l2(path) / EMU_REL_L2  # the LSE takes the scores' error too
+    for splits, got in decode_over_splits(q, cache, host, table, lens, qk=path, emu_rel_l2=_emu_rel_l2(path),
+                                          lse_tol=lse_tol):
         if path == "transform":  # the 8-bit paths' Q rounding grows with q·α's outlier channels
             assert metrics.compare(got, ref).rel_l2 <= tolerance(fmt, path).rel_l2, (splits, metrics.compare(got, ref))
 

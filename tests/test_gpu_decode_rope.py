@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import qattn
-from decode_steps import replay_decode_steps
+from decode_steps import decode_over_splits, replay_decode_steps
 import qattn.data
 from qattn.check import metrics
 from qattn.formats.decode import emulate as emu
@@ -107,25 +107,13 @@ def test_rope_decode_matches_emulator(fmt, path, head_dim, group, lq, page_size,
     and automatic splits, into NaN-poisoned outputs, alone or with page means and balancing: within rel_l2 1e-3
     of the emulator, its LSE too, and (int8 K, transform path) within rel_l2 2e-2 of FP64 on the original K/V
     (a plain int8 K: ~6e-2)."""
-    import cupy
-
     extra = {} if terms == "alone" else {"k_mean": "page", "k_balance": "calibrate"}
     cache, host, table, lens, ks, vs = _rope_filled(fmt, lens=[1 + lq, 777, 2100], rope=rope, head_dim=head_dim,
                                                     page_size=page_size, **extra)
     rng = np.random.default_rng(1)
     q = rng.standard_normal((3, 2 * group, lq, head_dim)).astype(_dtype(fmt))
-    qd, td, ld = cupy.asarray(q), cupy.asarray(table), cupy.asarray(lens)
     dense = emu.reference_dense(q, ks, vs)
-    for splits in (1, 3, None):
-        out = cupy.full(q.shape, np.nan, dtype=qd.dtype)
-        got, lse = qattn.decode(qd, cache, td, ld, splits=splits, out=out, return_lse=True, qk=path)
-        got = cupy.asnumpy(got).astype(np.float32)
-        assert not np.isnan(got).any(), "an output element was left unwritten"
-        used = splits if splits is not None else qattn.formats.decode.host.splits_for(cache, 3, 2 * group, lq,
-                                                                                       table.shape[1], qk=path)
-        want, want_lse = emu.emulate(q, host, table, lens, splits=used, return_lse=True, qk=path)
-        assert metrics.compare(got, want).rel_l2 <= EMU_REL_L2, (splits, metrics.compare(got, want))
-        np.testing.assert_allclose(cupy.asnumpy(lse), want_lse, rtol=2e-3, atol=2e-3)
+    for splits, got in decode_over_splits(q, cache, host, table, lens, qk=path):
         if path == "transform" and "i8" in fmt.split("-")[0]:
             assert metrics.compare(got, dense).rel_l2 < 2e-2, (splits, metrics.compare(got, dense))
 
@@ -145,19 +133,10 @@ def test_pre_rope_decode_matches_emulator(fmt, path, head_dim, group, lq, page_s
     np.testing.assert_array_equal(cache.host().k, host.k)
     rng = np.random.default_rng(2)
     q = rng.standard_normal((3, 2 * group, lq, head_dim)).astype(_dtype(fmt))
-    qd, td, ld = cupy.asarray(q), cupy.asarray(table), cupy.asarray(lens)
-    for splits in (1, 3, None):
-        out = cupy.full(q.shape, np.nan, dtype=qd.dtype)
-        got, lse = qattn.decode(qd, cache, td, ld, splits=splits, out=out, return_lse=True)
-        got = cupy.asnumpy(got).astype(np.float32)
-        assert not np.isnan(got).any(), "an output element was left unwritten"
-        used = splits if splits is not None else qattn.formats.decode.host.splits_for(cache, 3, 2 * group, lq,
-                                                                                       table.shape[1])
-        want, want_lse = emu.emulate(q, host, table, lens, splits=used, return_lse=True, qk=path)
-        assert metrics.compare(got, want).rel_l2 <= EMU_REL_L2, (splits, metrics.compare(got, want))
-        np.testing.assert_allclose(cupy.asnumpy(lse), want_lse, rtol=2e-3, atol=2e-3)
+    decode_over_splits(q, cache, host, table, lens, emu_qk=path)  # the call's default path
     with pytest.raises(ValueError, match="^qk: the pre-RoPE residual K"):
-        qattn.decode(qd, cache, td, ld, qk="int8" if fmt.startswith("i8") else "fp8")
+        qattn.decode(cupy.asarray(q), cache, cupy.asarray(table), cupy.asarray(lens),
+                     qk="int8" if fmt.startswith("i8") else "fp8")
 
 
 @pytest.mark.parametrize("fmt, control", [("i8-i8", "f16-i8"), ("e4m3-e4m3", "f16-e4m3")])
