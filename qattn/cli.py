@@ -296,8 +296,9 @@ def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page
                      decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope))
     report = inspect_spec(spec)
     named_tile = tile is not None or warps is not None or stages is not None
-    listed = () if named_tile or backend != "cuda" or spec.mma is not None else registry.launch_choices(
-        spec.recipe, spec.head_dim, spec.arch, spec.causal)
+    # prefill only: a decode kernel's tile is fixed by its format
+    listed = () if spec.kind != "prefill" or named_tile or backend != "cuda" or spec.mma is not None else \
+        registry.launch_choices(spec.recipe, spec.head_dim, spec.arch, spec.causal)
     if listed:  # what qattn.attention runs instead of the default shown here, by the call's query rows
         report["launch_tiles"] = [{"tile": c.tile.name, "least_queries": c.least_queries,
                                    "mma": c.mma or spec.family.values.get("mma_unit"), "options": dict(c.options)}

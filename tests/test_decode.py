@@ -207,6 +207,24 @@ def test_cache_arguments_are_checked_first(kwargs, words):
                            **args)
 
 
+def test_cli_inspects_a_decode_kernel():
+    """`qattn inspect decode` shows the decode module's resources (no prefill launch list for it)."""
+    import json
+
+    from qattn.cli import main
+
+    runner = CliRunner()
+    table = runner.invoke(main, ["inspect", "decode", "-f", "e4m3-e4m3", "--page-size", "16", "--arch", "sm_90a"])
+    assert table.exit_code == 0, table.output
+    assert "decode_e4m3-e4m3_d128" in table.output and "registers / thread" in table.output
+    report = json.loads(runner.invoke(main, ["inspect", "decode", "-f", "e4m3-e4m3", "-d", "64", "--arch", "sm_89",
+                                             "--json"]).output)
+    assert report["resources"]["spill_stores"] == 0 and report["resources"]["registers"] > 0
+    assert "launch_tiles" not in report
+    # the writer's e4m3 codes, counted with the kernel's (SASS, or PTX where no nvdisasm is found)
+    assert any("E4M3" in op.upper() and "SAT" in op.upper() for op in report["instructions"]["convert"])
+
+
 def test_cli_generates_and_lists_decode_kernels():
     from qattn.cli import main
 
