@@ -207,6 +207,20 @@ def test_cache_arguments_are_checked_first(kwargs, words):
                            **args)
 
 
+def test_cache_names_the_device_it_needs(monkeypatch):
+    """No GPU, or a device index the machine lacks: an error naming `device`, not the CUDA runtime's."""
+    import cupy
+
+    monkeypatch.setattr(cupy.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="^device: a PagedKVCache lives on a CUDA GPU"):
+        qattn.PagedKVCache(4, 32, 2, 128)
+    monkeypatch.setattr(cupy.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", lambda: 2)
+    for bad in (2, -1, 1.0, True, "0"):
+        with pytest.raises(ValueError, match="^device: expected a CUDA device index from 0 to 1"):
+            qattn.PagedKVCache(4, 32, 2, 128, device=bad)
+
+
 def test_cli_inspects_a_decode_kernel():
     """`qattn inspect decode` shows the decode module's resources (no prefill launch list for it)."""
     import json

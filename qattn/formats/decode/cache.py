@@ -94,6 +94,21 @@ def _positive(value, name: str) -> int:
     return int(value)
 
 
+def _cuda_device(device) -> int:
+    """The CUDA device a cache lives on: `device` (an index), or the current one."""
+    import cupy
+
+    if not cupy.cuda.is_available():
+        raise RuntimeError("device: a PagedKVCache lives on a CUDA GPU and none is available here "
+                           "(qattn.formats.decode.quant.HostPagedCache is its host model)")
+    count = cupy.cuda.runtime.getDeviceCount()
+    if device is None:
+        return cupy.cuda.Device().id
+    if isinstance(device, bool) or not isinstance(device, (int, np.integer)) or not 0 <= device < count:
+        raise ValueError(f"device: expected a CUDA device index from 0 to {count - 1}, got {device!r}")
+    return int(device)
+
+
 class PagedKVCache:
     """num_pages pages of page_size tokens for kv_heads heads of head_dim channels; k and v each one of
     "f16", "bf16", "e4m3", "i8" (a 16-bit side is the queries' type; both 16-bit sides alike)."""
@@ -150,7 +165,7 @@ class PagedKVCache:
         self.rope, self.k_bias_layout = rope, k_bias_layout
         self.page_size, self.head_dim, self.scale, self.k_mean = int(page_size), int(head_dim), scale, k_mean
         self.k_dtype, self.v_dtype = k, v
-        with cupy.cuda.Device(device if device is not None else cupy.cuda.Device().id) as dev:
+        with cupy.cuda.Device(_cuda_device(device)) as dev:
             self.device = dev.id
             shape = (self.num_pages, self.kv_heads, self.page_size, self.head_dim)
             self.k_pool = cupy.zeros(shape[:3] + (self.head_dim * (2 if k in HALF else 1),), dtype=cupy.uint8)
