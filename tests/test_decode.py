@@ -61,8 +61,11 @@ def test_spec_options_name_and_validate():
     with pytest.raises(ValueError, match="^arch: e4m3-e4m3 on cuda supports"):  # e4m3 conversions need sm_89
         KernelSpec(kind="decode", recipe="e4m3-e4m3", arch="sm_80")
     assert KernelSpec(kind="decode", recipe="i8-f16", arch="sm_80").arch == "sm_80"
-    with pytest.raises(ValueError, match="block_n must be 16 keys per warp"):
-        KernelSpec(kind="decode", recipe="f16-f16", arch="sm_90a", tile=qattn.Tile(8, 32, 4, 2))
+    for tile in (qattn.Tile(8, 32, 4, 2), qattn.Tile(8, 48, 3, 2), qattn.Tile(8, 16, 1, 2)):
+        with pytest.raises(ValueError, match=r"block_n must be 16 keys per warp \(16\*warps, warps 2, 4 or 8\)"):
+            KernelSpec(kind="decode", recipe="f16-f16", arch="sm_90a", tile=tile)
+    assert KernelSpec(kind="decode", recipe="i8-i8", head_dim=256, arch="sm_90a", tile=qattn.Tile(8, 32, 2, 2),
+                      options={"qk": "transform"}).tile.warps == 2
 
 
 def _qk_instruction(path: str, arch: str) -> str:
@@ -89,6 +92,16 @@ def test_every_format_compiles_without_spills(fmt):
             for entry in ("_f16", "_bf16", "_merge_f16", "_write_f16_i32", "_write_bf16_i64"):
                 assert f"qattn_{spec.name.replace('-', '_')}{entry}(" in binary.ptx or \
                     f".entry qattn_{spec.name.replace('-', '_')}{entry}" in binary.ptx
+
+
+def test_two_and_eight_warp_tiles_compile():
+    """A thread's stage copies keep their strides (compile-time checks) at every allowed warp count."""
+    for fmt, d, warps in (("i8-i8", 256, 2), ("e4m3-e4m3", 64, 8), ("f16-i8", 128, 2), ("f16-f16", 64, 8)):
+        options = {"qk": "transform"} if len(qk_paths(fmt)) > 1 else {}
+        spec = KernelSpec(kind="decode", recipe=fmt, head_dim=d, arch="sm_90a",
+                          tile=qattn.Tile(8, 16 * warps, warps, 2), options=options)
+        binary = compile_cuda(render(spec), "sm_90a", spec.name, entry=main_entry_name(spec))
+        assert f"qattn_{spec.name.replace('-', '_')}_f16" in binary.ptx, spec.name
 
 
 def test_quantize_tokens_int8_e4m3_and_non_finite_rows():

@@ -104,8 +104,10 @@ def _problem(fmt: str):
     def problem(tile: Tile, d: int) -> str | None:
         if tile.block_m != MAX_ROWS:
             return f"block_m must be {MAX_ROWS} (packed query rows per block), got {tile.block_m}"
-        if not 1 <= tile.warps <= 8 or tile.block_n != 16 * tile.warps:
-            return f"block_n must be 16 keys per warp (16*warps, 1..8 warps), got {tile.block_n} with {tile.warps} warps"
+        # a step's keys are whole runs of a page (a power of two) and a thread's copies keep their stride
+        if tile.warps not in (2, 4, 8) or tile.block_n != 16 * tile.warps:
+            return (f"block_n must be 16 keys per warp (16*warps, warps 2, 4 or 8), got {tile.block_n} with "
+                    f"{tile.warps} warps")
         if not 2 <= tile.stages <= 4:
             return f"stages must be 2..4 (K/V slots in the cp.async ring), got {tile.stages}"
         return smem_problem(smem_bytes(fmt)(tile, d), "cuda")
