@@ -129,7 +129,8 @@ def spec_options(repeatable: bool = False):
                      help="decode: scales of an 8-bit cache side, per token or per kv head (default token)"),
         click.option("--qk", type=click.Choice(("auto", "transform", "fp8", "int8")),
                      help="decode: the QK path over an 8-bit K: transform (codes converted on chip), fp8 / int8 "
-                          "(Q quantized, 8-bit MMA), or auto (the arch's pick; default)"),
+                          "(Q quantized, 8-bit MMA), or auto (the arch's pick for up to 8 query rows per kv head, GQA x "
+                          "new tokens; default)"),
         click.option("--k-mean", type=click.Choice(("off", "page")),
                      help="decode: an 8-bit K's page means (K - μ_page stored, q·μ_page added back) or off (default)"),
         click.option("--k-balance/--no-k-balance", "k_balance", default=None,
@@ -748,15 +749,6 @@ def _decode_variants(preset, formats, qk_paths):
         raise click.BadParameter(str(exc).removeprefix("qk: "), param_hint="'--qk'") from None
 
 
-def _stage_tiles(stages: int | None, runs) -> dict | None:
-    """{head_dim: the default decode tile with `stages` K/V slots} for --stages, else None."""
-    if stages is None:
-        return None
-    arch = device_arch()
-    return {d: make_spec("decode", None, d, None, None, stages, False, "cuda", arch).tile
-            for d in sorted({run.point.head_dim for run in runs})}
-
-
 def _command_line() -> str:
     """This command as typed (the program name as click knows it), for the markdown header."""
     import shlex
@@ -834,7 +826,7 @@ def bench_decode(shapes, batches, ctxs, preset, formats, qk_paths, k_terms, head
         raise click.BadParameter(f"every point's fp16 K/V exceeds {max_kv_gib:g} GiB", param_hint="'--max-kv-gib'")
     with _Progress("bench decode", len(runs)) as progress:
         records = timing.bench_sweep(runs, variants, queries=queries, scale=scale, rounds=rounds, splits=splits,
-                                     tiles=_stage_tiles(stages, runs),
+                                     stages=stages,
                                      progress=lambda run, recs: progress.done(
                                          f"{run.point.label} {'+'.join(run.modes)}: {len(recs)} records"))
     first = runs[0].point

@@ -274,7 +274,7 @@ def test_defaults_are_the_old_shapes_and_formats(fake_sweep):
     assert [(r.point.batch, r.point.ctx) for r in fake_sweep["runs"]] == list(bench.DEFAULT_SHAPES)
     assert all(r.modes == ("warm",) and r.point.kv_heads == 8 and r.point.heads == 32 for r in fake_sweep["runs"])
     assert fake_sweep["variants"] == [(f, "auto", "plain") for f in bench.DEFAULT_FORMATS]
-    assert fake_sweep["tiles"] is None and fake_sweep["rounds"] == 3
+    assert fake_sweep["stages"] is None and fake_sweep["rounds"] == 3
 
 
 def test_grid_options(fake_sweep):
@@ -288,11 +288,10 @@ def test_grid_options(fake_sweep):
     assert "│ cold" in result.output
 
 
-def test_stages_override_the_default_tile_per_head_dim(fake_sweep):
+def test_stages_reach_the_sweep(fake_sweep):
     result = run("--stages", "3", "-d", "64", "-d", "128", "--write-tokens", "0")
     assert result.exit_code == 0, result.output
-    assert {d: (t.block_m, t.block_n, t.warps, t.stages) for d, t in fake_sweep["tiles"].items()} == {
-        64: (8, 64, 4, 3), 128: (8, 64, 4, 3)}
+    assert fake_sweep["stages"] == 3 and "tiles" not in fake_sweep
 
 
 def test_qk_lists_skip_formats_without_the_path(fake_sweep):

@@ -15,6 +15,7 @@ from qattn.engine import registry
 from qattn.engine.compile import compile_cuda
 from qattn.engine.render import main_entry_name, render
 from qattn.engine.spec import KernelSpec
+from qattn.engine.tile import Tile
 from qattn.formats.decode import emulate as emu
 from qattn.formats.decode.host import auto_splits, keys_per_split, least_splits, workspace_bytes
 from qattn.formats.decode.quant import HostPagedCache, mean_record, mean_terms, page_starts, quantize_tokens
@@ -36,14 +37,14 @@ def test_spec_options_name_and_validate():
     spec = KernelSpec(kind="decode", recipe="e4m3-e4m3", head_dim=128, arch="sm_90a", options={"page_size": 16})
     assert spec.options == (("page_size", 16), ("scale_mode", "token"), ("k_mean", "off"), ("k_balance", "off"),
                             ("k_rope", "off"), ("qk", "transform"))
-    assert spec.name == "decode_e4m3-e4m3_d128_m8n64w4s2_p16_token_transform_sm90a"  # "off" stays out of the name
+    assert spec.name == "decode_e4m3-e4m3_d128_m8n32w2s3_p16_token_transform_sm90a"  # "off" stays out of the name
     assert spec.family.values["page_size"] == 16 and spec.as_dict()["options"] == {
         "page_size": 16, "scale_mode": "token", "k_mean": "off", "k_balance": "off", "k_rope": "off",
         "qk": "transform"}
     paged = spec.with_(options={"page_size": 16, "k_mean": "page"})
-    assert paged.name == "decode_e4m3-e4m3_d128_m8n64w4s2_p16_token_kmean-page_transform_sm90a"
+    assert paged.name == "decode_e4m3-e4m3_d128_m8n32w2s3_p16_token_kmean-page_transform_sm90a"
     # a 16-bit K has no QK paths; an 8-bit K has its own 8-bit MMA path only
-    assert KernelSpec(kind="decode", recipe="f16-e4m3", arch="sm_90a").name == "decode_f16-e4m3_d128_m8n64w4s2_p32_token_sm90a"
+    assert KernelSpec(kind="decode", recipe="f16-e4m3", arch="sm_90a").name == "decode_f16-e4m3_d128_m8n32w2s2_p32_token_sm90a"
     with pytest.raises(ValueError, match="^qk: i8-i8 takes one of transform, int8, got 'fp8'"):
         KernelSpec(kind="decode", recipe="i8-i8", arch="sm_90a", options={"qk": "fp8"})
     with pytest.raises(ValueError, match="^options: f16-f16 takes page_size, scale_mode, got qk"):
@@ -168,7 +169,10 @@ def test_qk_paths_and_the_auto_pick():
     assert qk_paths("e4m3-f16") == ("transform", "fp8") and qk_paths("i8-i8") == ("transform", "int8")
     assert qk_paths("f16-e4m3") == ("transform",)
     assert resolve_qk("f16-f16", "sm_90a") == "transform" and resolve_qk("e4m3-e4m3", "sm_89", "transform") == "transform"
-    assert resolve_qk("i8-i8", "sm_90a") == "int8" and resolve_qk("e4m3-e4m3", "sm_90a") == "transform"
+    assert resolve_qk("i8-i8", "sm_90a") == "transform" and resolve_qk("e4m3-e4m3", "sm_90a", rows=64) == "transform"
+    # on sm_90a the int8 path once a kv head's rows (GQA x new tokens) fill more than one block
+    assert resolve_qk("i8-i8", "sm_90a", rows=8) == "transform" and resolve_qk("i8-i8", "sm_90a", rows=9) == "int8"
+    assert resolve_qk("i8-i8", "sm_90a", "transform", rows=64) == "transform"
     assert resolve_qk("i8-i8", "sm_120") == "transform"  # not measured there: the path that keeps Q exact
     with pytest.raises(ValueError, match="^qk: f16-f16 takes 'auto' or one of transform, got 'int8'"):
         resolve_qk("f16-f16", "sm_90a", "int8")
@@ -252,13 +256,28 @@ def test_cli_inspects_a_decode_kernel():
     assert any("E4M3" in op.upper() and "SAT" in op.upper() for op in report["instructions"]["convert"])
 
 
+def test_default_tile_by_arch_and_qk_path():
+    """Two warps a block where the H200 measured them faster (on sm_90a: K16/V16 and K16/V8 on two slots, K8/V8
+    on the transform path on three); K8/V16, the 8-bit paths' wgmma there and other archs keep four warps."""
+    def tile(fmt, arch, **options):
+        return KernelSpec(kind="decode", recipe=fmt, head_dim=128, arch=arch, options=options).tile.name
+
+    assert tile("f16-f16", "sm_90a") == tile("bf16-e4m3", "sm_90a") == tile("f16-i8", "sm_90a") == "m8n32w2s2"
+    assert tile("e4m3-e4m3", "sm_90a", qk="transform") == tile("i8-i8", "sm_90a", qk="transform") == "m8n32w2s3"
+    assert tile("e4m3-e4m3", "sm_90a", qk="fp8") == tile("i8-i8", "sm_90a", qk="int8") == "m8n64w4s2"
+    assert tile("e4m3-f16", "sm_90a", qk="transform") == "m8n64w4s2"
+    assert tile("f16-f16", "sm_89") == tile("e4m3-e4m3", "sm_120", qk="fp8") == "m8n64w4s2"
+    given = KernelSpec(kind="decode", recipe="f16-f16", arch="sm_90a", tile=Tile(8, 64, 4, 2))
+    assert given.tile.name == "m8n64w4s2"  # a tile named is kept
+
+
 def test_cli_generates_and_lists_decode_kernels():
     from qattn.cli import main
 
     runner = CliRunner()
     out = runner.invoke(main, ["gen", "decode", "-f", "e4m3-e4m3", "-d", "128", "--page-size", "16", "--arch", "sm_90a"])
     auto = resolve_qk("e4m3-e4m3", "sm_90a")
-    assert out.exit_code == 0 and f"decode_e4m3-e4m3_d128_m8n64w4s2_p16_token_{auto}_sm90a" in out.output
+    assert out.exit_code == 0 and f"decode_e4m3-e4m3_d128_m8n32w2s3_p16_token_{auto}_sm90a" in out.output
     fp8 = runner.invoke(main, ["gen", "decode", "-f", "e4m3-e4m3", "--qk", "fp8", "--arch", "sm_90a"])
     assert fp8.exit_code == 0 and "_token_fp8_sm90a" in fp8.output and "wgmma.mma_async" in fp8.output
     refused = runner.invoke(main, ["gen", "-f", "f16", "--page-size", "16", "--arch", "sm_90a"])

@@ -293,7 +293,8 @@ def _time_mode(timed, mode: str, rounds: int, prelude, copy_gbs: float) -> list[
     return records
 
 
-def _bench_point(run: Run, variants, *, queries, scale, peers, rounds, splits, tile, copy_gbs, preludes, rng, crng):
+def _bench_point(run: Run, variants, *, queries, scale, peers, rounds, splits, tile, stages, copy_gbs, preludes, rng,
+                 crng):
     """The records of one point: peers and (format, QK path) variants on the same K/V, in each mode."""
     import cupy
 
@@ -317,8 +318,11 @@ def _bench_point(run: Run, variants, *, queries, scale, peers, rounds, splits, t
                 caches[fmt, term] = filled_cache(fmt, k, v, p.batch, p.ctx, p.kv_heads, p.head_dim, p.page_size,
                                                  scale, rng, **k_term_options(term, p.kv_heads, p.head_dim, p.ctx))
             cache, table = caches[fmt, term]
+            own = tile
+            if stages is not None:  # the variant's own default tile, with that many K/V slots
+                own = replace(cache.spec(qk=qk, rows=p.heads // p.kv_heads * queries).tile, stages=stages)
             out = cupy.empty_like(q)
-            call = functools.partial(decode, q, cache, table, lens, out=out, qk=qk, splits=splits, tile=tile)
+            call = functools.partial(decode, q, cache, table, lens, out=out, qk=qk, splits=splits, tile=own)
             call()
         except (ValueError, TypeError, RuntimeError) as exc:
             failed.append(dict(rec, error=_first_line(exc)))
@@ -334,13 +338,13 @@ def _bench_point(run: Run, variants, *, queries, scale, peers, rounds, splits, t
 
 
 def bench_sweep(runs, variants, *, queries: int = 1, scale: str = "token", peers=DECODE_PEERS, rounds: int = 3,
-                seed: int = 0, splits=None, tiles=None, progress=None) -> list[dict]:
+                seed: int = 0, splits=None, tiles=None, stages=None, progress=None) -> list[dict]:
     """One record per (run, L2 mode, implementation): median ms, GB/s, its fraction of the copy
     bandwidth, the ratio to each peer (vs_PEER) and to the faster one (vs_sdpa), rel_l2 against the
     fp16 SDPA answer on the same queries; a record with "error" where a peer or variant cannot run.
     runs: Run (point, modes); variants: (format, qk path) pairs or (format, qk path, K term) triples
-    (K_TERMS); tiles: {head_dim: Tile} to override
-    the formats' default tiles; progress(run, records) after each run."""
+    (K_TERMS); tiles: {head_dim: Tile} to override the formats' default tiles; stages: K/V slots in
+    flight on each variant's default tile instead; progress(run, records) after each run."""
     import cupy
 
     rng = np.random.default_rng(seed)
@@ -350,8 +354,8 @@ def bench_sweep(runs, variants, *, queries: int = 1, scale: str = "token", peers
     records = []
     for run in runs:
         point_records = _bench_point(run, variants, queries=queries, scale=scale, peers=peers, rounds=rounds,
-                                     splits=splits, tile=(tiles or {}).get(run.point.head_dim), copy_gbs=copy_gbs,
-                                     preludes=preludes, rng=rng, crng=crng)
+                                     splits=splits, tile=(tiles or {}).get(run.point.head_dim), stages=stages,
+                                     copy_gbs=copy_gbs, preludes=preludes, rng=rng, crng=crng)
         records += point_records
         cupy.get_default_memory_pool().free_all_blocks()  # the next point's caches may differ in size
         if progress is not None:

@@ -63,16 +63,20 @@ class Family:
     # why a spec's options do not build on its arch (a message that names the option), or None: for
     # option values that need an instruction only some of the family's archs have
     option_problem: Callable[[dict, str], str | None] | None = None
+    # the default tile where it depends on a spec's options (e.g. a QK path that runs a whole warpgroup):
+    # (head_dim, arch, options) -> Tile, or None for the tuned tile or the head dim's default
+    option_tile: Callable[[int, str, dict], Tile | None] | None = None
 
     def option_default(self, name: str, head_dim: int):
         """The value a spec at head_dim takes for option `name` where it names none."""
         return self.option_defaults.get(head_dim, {}).get(name, self.options[name][0])
 
-    def default_tile(self, head_dim: int, causal: bool, arch: str) -> Tile:
-        """The tuned tile for (head_dim, causal, arch), else the head dim's default; where the arch
-        has too little shared memory for it, the first of smaller_tiles that fits (or it, and the
-        spec's check says so)."""
-        tile = self.tuned.get((head_dim, causal, arch), self.default_tiles[head_dim])
+    def default_tile(self, head_dim: int, causal: bool, arch: str, options: dict | None = None) -> Tile:
+        """The options' tile (option_tile), else the tuned tile for (head_dim, causal, arch), else the
+        head dim's default; where the arch has too little shared memory for it, the first of
+        smaller_tiles that fits (or it, and the spec's check says so)."""
+        tile = (self.option_tile and self.option_tile(head_dim, arch, options or {})) or \
+            self.tuned.get((head_dim, causal, arch), self.default_tiles[head_dim])
         fits = [t for t in (tile, *self.smaller_tiles.get(head_dim, ()))
                 if self.smem_bytes(t, head_dim) <= SMEM_PER_BLOCK[arch]]
         return fits[0] if fits else tile

@@ -70,7 +70,8 @@ class KernelSpec:
         if problem:
             raise ValueError(problem)
         if self.tile is None:
-            object.__setattr__(self, "tile", fam.default_tile(self.head_dim, self.causal, self.arch))
+            object.__setattr__(self, "tile", fam.default_tile(self.head_dim, self.causal, self.arch,
+                                                                dict(self.options)))
         if not isinstance(self.tile, Tile):
             raise ValueError(f"tile: expected a qattn.Tile, got {self.tile!r}")
         problem = fam.tile_problem(self.tile, self.head_dim)

@@ -223,9 +223,9 @@ class PagedKVCache:
         return cupy.ascontiguousarray(bias)
 
     # ---- the kernel module -----------------------------------------------------------------------
-    def spec(self, arch: str | None = None, tile=None, qk: str = "auto"):
-        """The decode kernel spec of this cache on a QK path ("auto": the arch's pick); its module also
-        holds the writer."""
+    def spec(self, arch: str | None = None, tile=None, qk: str = "auto", rows: int = 1):
+        """The decode kernel spec of this cache on a QK path ("auto": the arch's pick for `rows` packed
+        query rows per kv head, GQA x new tokens); its module also holds the writer."""
         from ...engine.spec import KernelSpec, device_arch
 
         if arch is None:
@@ -234,7 +234,7 @@ class PagedKVCache:
             with cupy.cuda.Device(self.device):
                 arch = device_arch()
         options = {"page_size": self.page_size, "scale_mode": self.scale}
-        path = "transform" if self.pre_rope and qk == "auto" else resolve_qk(self.format, arch, qk)
+        path = "transform" if self.pre_rope and qk == "auto" else resolve_qk(self.format, arch, qk, rows)
         if self.k_dtype in EIGHT_BIT:
             options["qk"], options["k_mean"] = path, self.k_mean
             options["k_balance"] = "off" if self.k_balance is None else "on"
@@ -242,15 +242,15 @@ class PagedKVCache:
         return KernelSpec(kind="decode", recipe=self.format, head_dim=self.head_dim, arch=arch, options=options,
                           **({"tile": tile} if tile is not None else {}))
 
-    def kernel(self, tile=None, qk: str = "auto"):
-        """The decode kernel of this cache (built or loaded once per tile and QK path: every decode
-        call asks for it, and making its spec costs more host time than the launches)."""
+    def kernel(self, tile=None, qk: str = "auto", rows: int = 1):
+        """The decode kernel of this cache (built or loaded once per tile, QK path and row count: every
+        decode call asks for it, and making its spec costs more host time than the launches)."""
         from ...engine.kernel import build_kernel
 
         kernels = self.__dict__.setdefault("_kernels", {})
-        found = kernels.get((tile, qk))
+        found = kernels.get((tile, qk, rows))
         if found is None:
-            found = kernels[(tile, qk)] = build_kernel(self.spec(tile=tile, qk=qk))
+            found = kernels[(tile, qk, rows)] = build_kernel(self.spec(tile=tile, qk=qk, rows=rows))
         return found
 
     # ---- writing ---------------------------------------------------------------------------------

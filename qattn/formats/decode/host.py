@@ -145,7 +145,8 @@ def decode(q, cache: PagedKVCache, block_table, seq_lens, *, qk: str = "auto", s
     [B, Hq, Lq] fp32 when return_lse). splits: None picks from the shapes and the GPU (see the module
     docstring). qk, the QK path over an 8-bit K: "transform" (codes converted on chip to the query's
     type), "fp8" (e4m3 K) or "int8" (i8 K): Q quantized per row and S on the 8-bit MMA; "auto" picks by
-    arch (recipes.resolve_qk). lse: an fp32 [B, Hq, Lq] array to write the LSE to (implies return_lse).
+    arch and by the query rows of a kv head, GQA x Lq (recipes.resolve_qk). lse: an fp32 [B, Hq, Lq]
+    array to write the LSE to (implies return_lse).
     workspace: a qattn.Workspace (or a byte array of workspace_bytes(...)) for the split-K partials;
     with it and out= (and lse=) a call allocates nothing (see engine/memory.py)."""
     import cupy
@@ -162,7 +163,7 @@ def decode(q, cache: PagedKVCache, block_table, seq_lens, *, qk: str = "auto", s
     out_given = None if out is None else as_device_array(out, "out")
     if not isinstance(qk, str):
         raise ValueError(f"qk: expected 'auto', 'transform', 'fp8' or 'int8', got {qk!r}")
-    kernel = cache.kernel(tile, qk)
+    kernel = cache.kernel(tile, qk, max(1, q.shape[1] // cache.kv_heads) * q.shape[2])
     key = ("decode", cache.kv_heads, signature(q), signature(table), signature(lens),
            None if out_given is None else signature(out_given), scale, bool(return_lse), splits)
     plan = cached_plan(kernel, key, lambda: _plan(kernel, cache, q, table, lens, out_given, scale, return_lse, splits))
@@ -187,7 +188,7 @@ def decode(q, cache: PagedKVCache, block_table, seq_lens, *, qk: str = "auto", s
 def splits_for(cache: PagedKVCache, batch: int, heads: int, queries: int, max_pages: int, tile=None,
                qk: str = "auto") -> int:
     """The split count decode(...) picks for these shapes on the cache's GPU (for sizing a workspace)."""
-    kernel = cache.kernel(tile, qk)
+    kernel = cache.kernel(tile, qk, max(1, heads // cache.kv_heads) * queries)
     chunks = -(-(heads // cache.kv_heads * queries) // MAX_ROWS)
     step, bound = kernel.spec.tile.block_n, max_pages * cache.page_size
     shape = _occupancy(kernel, cache, "_f16" if "bf16" not in cache.format else "_bf16")

@@ -63,7 +63,7 @@ def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, hea
         from ...engine.spec import device_arch
 
         arch = device_arch()
-    qk = resolve_qk(fmt, arch or "sm_90a", qk)
+    qk = resolve_qk(fmt, arch or "sm_90a", qk, heads // kv_heads * queries)
     q, k, v, bias, theta, k_pre = _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, preset, seed)
     if k_rope not in ("off", "post", "pre"):
         raise ValueError(f"k_rope: expected 'off', 'post' or 'pre', got {k_rope!r}")

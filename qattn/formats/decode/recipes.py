@@ -60,17 +60,21 @@ def qk_paths(fmt: str) -> tuple[str, ...]:
     return ("transform",) + tuple(path for path, code in QK_CODE.items() if code == k)
 
 
-# qk="auto" per arch and format, from the H200 measurements (docs/notes/decode.md): the 8-bit MMA path
-# where it was faster at every contract shape; elsewhere, and on archs not measured, the transform
-# path (it adds no rounding of Q).
-AUTO_QK = {"sm_90a": {"i8-i8": "int8"}}
+# qk="auto" per arch and format, from the H200 measurements (docs/notes/decode.md): format -> (the 8-bit MMA
+# path, the fewest packed query rows of a kv head it is picked for). On sm_90a the int8 path wins once a kv
+# head's rows (GQA x new tokens) fill more than one block, each block converting the same K on the transform
+# path; up to one block, the transform path on two warps is faster. Elsewhere, and on archs not measured, the
+# transform path (it adds no rounding of Q).
+AUTO_QK = {"sm_90a": {"i8-i8": ("int8", MAX_ROWS + 1)}}
 
 
-def resolve_qk(fmt: str, arch: str | None, qk: str = "auto") -> str:
-    """The QK path a call runs: qk itself when the format has it, or the pick for "auto"."""
+def resolve_qk(fmt: str, arch: str | None, qk: str = "auto", rows: int = 1) -> str:
+    """The QK path a call runs: qk itself when the format has it, or the pick for "auto" on arch with
+    `rows` packed query rows per kv head (query heads per kv head x new tokens)."""
     paths = qk_paths(fmt)
     if qk == "auto":
-        return AUTO_QK.get(arch, {}).get(fmt, "transform")
+        path, least = AUTO_QK.get(arch, {}).get(fmt, ("transform", 1))
+        return path if rows >= least else "transform"
     if qk not in paths:
         raise ValueError(f"qk: {fmt} takes 'auto' or one of {', '.join(paths)}, got {qk!r}")
     return qk
@@ -137,6 +141,25 @@ def _pre_rope_problem(options: dict, arch: str) -> str | None:
     return None
 
 
+# The default tile by arch, format and QK path, where measured faster than four warps of 16 keys and two slots
+# (docs/notes/decode.md, H200): on sm_90a a block of two warps streams 16-bit K/V and K16/V8 faster on two
+# slots, and K8/V8 on the transform path on three (a smaller block in flight, more blocks per SM); K8/V16 keeps
+# four warps, and so do the 8-bit QK paths there, whose wgmma takes a warpgroup.
+WGMMA_QK = {"sm_90a": ("fp8", "int8")}
+SM90_TILES = {(16, 16): Tile(MAX_ROWS, 32, 2, 2), (16, 8): Tile(MAX_ROWS, 32, 2, 2), (8, 8): Tile(MAX_ROWS, 32, 2, 3)}
+
+
+def _option_tile(fmt: str):
+    bits = tuple(8 if side in EIGHT_BIT else 16 for side in sides(fmt))
+
+    def tile(head_dim: int, arch: str, options: dict) -> Tile | None:
+        if arch != "sm_90a" or options.get("qk", "transform") in WGMMA_QK[arch]:
+            return None
+        return SM90_TILES.get(bits)
+
+    return tile
+
+
 def family(fmt: str) -> Family:
     """The decode kernel family of a format; a spec picks its page size and scale granularity
     (KernelSpec.options: page_size, scale_mode)."""
@@ -149,6 +172,7 @@ def family(fmt: str) -> Family:
         # KB). Measured on the H200 (docs/notes/decode.md): e4m3-e4m3 at 64x4096 0.246 ms on two
         # slots, 0.302 ms on three (three blocks per SM).
         default_tiles={d: Tile(MAX_ROWS, 64, 4, 2) for d in HEAD_DIMS},
+        option_tile=_option_tile(fmt),
         tile_problem=_problem(fmt),
         smem_bytes=smem_bytes(fmt),
         # cvt.rn.f16x2.e4m3x2 needs sm_89
