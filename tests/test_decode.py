@@ -289,6 +289,7 @@ def test_cli_generates_and_lists_decode_kernels():
     listing = runner.invoke(main, ["list"])
     assert listing.exit_code == 0 and "e4m3-f16" in listing.output and "page_size" in listing.output
     assert "qk transform, fp8 (e4m3 K" in " ".join(listing.output.split())
+    assert "on sm_90a K16/V16 m8n32w2s2, K16/V8 m8n32w2s2, K8/V8 m8n32w2s3" in " ".join(listing.output.split())
     built = runner.invoke(main, ["compile", "decode", "-f", "i8-f16", "-d", "64", "--scale", "head", "--arch", "sm_80"])
     assert built.exit_code == 0 and "1 of 1 compiled" in built.output
     assert all(p in PAGE_SIZES for p in (16, 32, 64, 128))
