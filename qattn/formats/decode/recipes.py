@@ -169,8 +169,8 @@ def family(fmt: str) -> Family:
         template=TEMPLATE,
         head_dims=HEAD_DIMS,
         # Four warps of 16 keys a step, two slots: four blocks per SM at d128 (122-127 registers, 41-80
-        # KB). Measured on the H200 (docs/notes/decode.md): e4m3-e4m3 at 64x4096 0.246 ms on two
-        # slots, 0.302 ms on three (three blocks per SM).
+        # KB); on four warps three slots measured slower (e4m3-e4m3 at 64x4096 0.246 ms against 0.302). On
+        # sm_90a the option tile (two warps) replaces it where the H200 measured that faster.
         default_tiles={d: Tile(MAX_ROWS, 64, 4, 2) for d in HEAD_DIMS},
         option_tile=_option_tile(fmt),
         tile_problem=_problem(fmt),
