@@ -751,6 +751,16 @@ def _decode_variants(preset, formats, qk_paths):
         raise click.BadParameter(str(exc).removeprefix("qk: "), param_hint="'--qk'") from None
 
 
+def _parse_tile_name(ctx, param, value):
+    """--tile NAME -> Tile (None when not given)."""
+    if value is None:
+        return None
+    try:
+        return Tile.from_name(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc).removeprefix("tile: "), ctx=ctx, param=param) from None
+
+
 def _command_line() -> str:
     """This command as typed (the program name as click knows it), for the markdown header."""
     import shlex
@@ -797,6 +807,9 @@ def _command_line() -> str:
               help="skip points whose fp16 K and V exceed this (every format's cache of a point lives at once)")
 @click.option("--splits", type=click.IntRange(1, 128), help="split count [default: chosen per shape]")
 @click.option("--stages", type=click.IntRange(2, 4), help="K/V slots in flight [default: the format's tile]")
+@click.option("--tile", callback=_parse_tile_name, metavar="NAME",
+              help="run every variant on this tile, e.g. m8n32w2s3 (block_m 8, 16 keys a warp, 2-4 slots) "
+                   "[default: each format's own]")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True, help="interleaved timing rounds")
 @click.option("--write-tokens", type=click.IntRange(min=0), default=65536, show_default=True,
               help="tokens of the cache-write timing (0: skip it)")
@@ -805,7 +818,7 @@ def _command_line() -> str:
 @click.option("--markdown", is_flag=True, help="also print the table as markdown for BENCHMARKS.md")
 @user_errors
 def bench_decode(shapes, batches, ctxs, preset, formats, qk_paths, k_terms, heads, kv_heads, gqa, head_dims, page_sizes,
-                 queries, scale, cold, max_kv_gib, splits, stages, rounds, write_tokens, json_path, markdown):
+                 queries, scale, cold, max_kv_gib, splits, stages, tile, rounds, write_tokens, json_path, markdown):
     """Time the paged decode in each cache format and QK path beside torch SDPA (flash, cuDNN) on the
     same queries over the same K/V in fp16 and, where it is installed, FlashInfer's paged decode over
     the same pages (fp16, and e4m3 with one scale per tensor), L2-warm or HBM-cold, and the one-launch
@@ -814,6 +827,8 @@ def bench_decode(shapes, batches, ctxs, preset, formats, qk_paths, k_terms, head
     (its e4m3 cache for K8/V8 formats)."""
     from .bench import decode as timing
 
+    if tile is not None and stages is not None:
+        raise click.BadParameter("give --tile or --stages, not both (a tile names its slots)", param_hint="'--tile'")
     runs = _decode_runs(preset, shapes, batches, ctxs, heads, kv_heads, gqa, head_dims, page_sizes, cold)
     variants = timing.with_k_terms(_decode_variants(preset, formats, qk_paths), k_terms or ("plain",))
     if not variants:
@@ -829,6 +844,7 @@ def bench_decode(shapes, batches, ctxs, preset, formats, qk_paths, k_terms, head
     with _Progress("bench decode", len(runs)) as progress:
         records = timing.bench_sweep(runs, variants, queries=queries, scale=scale, rounds=rounds, splits=splits,
                                      stages=stages,
+                                     tiles=None if tile is None else {run.point.head_dim: tile for run in runs},
                                      progress=lambda run, recs: progress.done(
                                          f"{run.point.label} {'+'.join(run.modes)}: {len(recs)} records"))
     first = runs[0].point

@@ -288,10 +288,24 @@ def test_grid_options(fake_sweep):
     assert "│ cold" in result.output
 
 
+def test_a_named_tile_reaches_the_sweep_for_every_head_dim(fake_sweep):
+    result = run("--tile", "m8n32w2s3", "-d", "64", "-d", "128", "--write-tokens", "0")
+    assert result.exit_code == 0, result.output
+    assert {d: t.name for d, t in fake_sweep["tiles"].items()} == {64: "m8n32w2s3", 128: "m8n32w2s3"}
+    assert fake_sweep["stages"] is None
+
+
+def test_a_bad_tile_name_or_tile_with_stages_is_refused(fake_sweep):
+    bad = run("--tile", "8x32")
+    assert bad.exit_code == 2 and "--tile" in bad.output and "m128n64w4s2" in bad.output
+    both = run("--tile", "m8n32w2s3", "--stages", "2")
+    assert both.exit_code == 2 and "not both" in both.output and "runs" not in fake_sweep
+
+
 def test_stages_reach_the_sweep(fake_sweep):
     result = run("--stages", "3", "-d", "64", "-d", "128", "--write-tokens", "0")
     assert result.exit_code == 0, result.output
-    assert fake_sweep["stages"] == 3 and "tiles" not in fake_sweep
+    assert fake_sweep["stages"] == 3 and fake_sweep["tiles"] is None
 
 
 def test_qk_lists_skip_formats_without_the_path(fake_sweep):

@@ -19,7 +19,7 @@ from qattn.engine.tile import Tile
 from qattn.formats.decode import emulate as emu
 from qattn.formats.decode.host import auto_splits, keys_per_split, least_splits, workspace_bytes
 from qattn.formats.decode.quant import HostPagedCache, mean_record, mean_terms, page_starts, quantize_tokens
-from qattn.formats.decode.recipes import FORMATS, PAGE_SIZES, TABLE_SLOTS, qk_paths, resolve_qk, sides
+from qattn.formats.decode.recipes import FORMATS, PAGE_SIZES, TABLE_SLOTS, qk_paths, resolve_qk, sides, tile_path_problem
 
 
 def test_formats_live_in_their_own_kind():
@@ -269,6 +269,10 @@ def test_default_tile_by_arch_and_qk_path():
     assert tile("f16-f16", "sm_89") == tile("e4m3-e4m3", "sm_120", qk="fp8") == "m8n64w4s2"
     given = KernelSpec(kind="decode", recipe="f16-f16", arch="sm_90a", tile=Tile(8, 64, 4, 2))
     assert given.tile.name == "m8n64w4s2"  # a tile named is kept
+    two = Tile(8, 32, 2, 3)
+    assert tile_path_problem(two, "int8", "sm_90a") == (
+        "tile: the int8 QK path on sm_90a runs wgmma over one warpgroup (4 warps), got m8n32w2s3")
+    assert tile_path_problem(two, "transform", "sm_90a") is None and tile_path_problem(two, "fp8", "sm_89") is None
 
 
 def test_cli_generates_and_lists_decode_kernels():

@@ -66,7 +66,7 @@ from ...engine.packed import NULL, PackedLaunch, Pointer
 from .quant import QMAX, HostPagedCache, balance_factors, balance_inverse, checked_balance, checked_layout
 from .quant import PageMeans, mean_record, mean_terms, mean_values
 from .rope import RoPE, constant_bias, rotated_bias
-from .recipes import EIGHT_BIT, FORMATS, HALF, HEAD_DIMS, K_MEANS, PAGE_SIZES, SCALE_MODES, resolve_qk
+from .recipes import EIGHT_BIT, FORMATS, HALF, HEAD_DIMS, K_MEANS, PAGE_SIZES, SCALE_MODES, resolve_qk, tile_path_problem
 
 # The writer's block: 16 tokens of one kv head, over 4 warps of 4 tokens each on CUDA (more rows in flight
 # per warp) and 8 groups of 2 on HIP.
@@ -235,6 +235,9 @@ class PagedKVCache:
                 arch = device_arch()
         options = {"page_size": self.page_size, "scale_mode": self.scale}
         path = "transform" if self.pre_rope and qk == "auto" else resolve_qk(self.format, arch, qk, rows)
+        problem = tile is not None and tile_path_problem(tile, path, arch)
+        if problem:
+            raise ValueError(problem)
         if self.k_dtype in EIGHT_BIT:
             options["qk"], options["k_mean"] = path, self.k_mean
             options["k_balance"] = "off" if self.k_balance is None else "on"

@@ -149,6 +149,13 @@ WGMMA_QK = {"sm_90a": ("fp8", "int8")}
 SM90_TILES = {(16, 16): Tile(MAX_ROWS, 32, 2, 2), (16, 8): Tile(MAX_ROWS, 32, 2, 2), (8, 8): Tile(MAX_ROWS, 32, 2, 3)}
 
 
+def tile_path_problem(tile: Tile, qk: str, arch: str) -> str | None:
+    """Why a tile cannot run a QK path on arch (the wgmma paths take one warpgroup), or None."""
+    if qk in WGMMA_QK.get(arch, ()) and tile.warps != 4:
+        return f"tile: the {qk} QK path on {arch} runs wgmma over one warpgroup (4 warps), got {tile.name}"
+    return None
+
+
 def _option_tile(fmt: str):
     bits = tuple(8 if side in EIGHT_BIT else 16 for side in sides(fmt))
 
