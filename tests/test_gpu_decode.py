@@ -109,12 +109,14 @@ def test_writer_codes_every_magnitude_as_the_host_model(fmt, head_dim, scale):
             np.testing.assert_array_equal(getattr(got, f"{side}_scale"), want, err_msg=f"{side}_scale")
 
 
-@pytest.mark.parametrize("fmt, k_mean", [("e4m3-e4m3", "off"), ("i8-i8", "page"), ("bf16-e4m3", "off"),
-                                         ("f16-f16", "off")])
-def test_writer_codes_a_long_prompt_with_broken_groups(fmt, k_mean):
+@pytest.mark.parametrize("fmt, k_mean, odd_stride", [("e4m3-e4m3", "off", False), ("i8-i8", "page", False),
+                                                     ("bf16-e4m3", "off", True), ("f16-f16", "off", False),
+                                                     ("i8-f16", "off", True)])
+def test_writer_codes_a_long_prompt_with_broken_groups(fmt, k_mean, odd_stride):
     """A write of 30005 tokens (far more blocks than the SMs hold at once): whole 16-token groups (a prompt,
-    pages shuffled) between broken ones (slots swapped or padded) and a tail; the bytes (and with page means
-    the sums and records) are the host model's."""
+    pages shuffled) between broken ones (slots swapped or padded) and a tail, from contiguous inputs or inputs
+    whose head stride is odd (one load per channel); the bytes (and with page means the sums and records) are
+    the host model's."""
     import cupy
 
     rng = np.random.default_rng(11)
@@ -131,9 +133,11 @@ def test_writer_codes_a_long_prompt_with_broken_groups(fmt, k_mean):
     else:  # two slots swapped, and padding anywhere
         slots[broken] = slots[broken[:, ::-1]]
         slots[rng.choice(tokens, 25, replace=False)] = -1
-    k = (rng.standard_normal((tokens, kv_heads, head_dim)) * 2.0 + 3.0).astype(dtype)
-    v = rng.standard_normal((tokens, kv_heads, head_dim)).astype(dtype)
-    cache.write(cupy.asarray(k), cupy.asarray(v), cupy.asarray(slots))
+    width = head_dim + 1 if odd_stride else head_dim
+    k = (rng.standard_normal((tokens, kv_heads, width)) * 2.0 + 3.0).astype(dtype)
+    v = rng.standard_normal((tokens, kv_heads, width)).astype(dtype)
+    cache.write(cupy.asarray(k)[:, :, :head_dim], cupy.asarray(v)[:, :, :head_dim], cupy.asarray(slots))
+    k, v = k[:, :, :head_dim], v[:, :, :head_dim]
     host.write(k, v, slots)
     got = cache.host()
     for side in ("k", "v", "k_scale", "v_scale"):

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """A small decode workload for compute-sanitizer: every decode format's writer (prompt runs and
 scattered single tokens; with and without a pre-bias residual K, and with page means, Q/K channel
-balancing and post- and pre-RoPE keys where K is 8-bit) and decode kernel on each of its QK
-paths (GQA, speculative rows, short and empty sequences, one and several splits), each output checked
-against the emulator (rel_l2 1e-3; 4e-3 on sm_90a's fp8 path, recipes.emulator_rel_l2) so a silent
-corruption fails.
+balancing and post- and pre-RoPE keys where K is 8-bit; a long prompt, more writer blocks than the
+GPU holds at once) and decode kernel on each of its QK paths (GQA, speculative rows, short and empty
+sequences, one and several splits), each output checked against the emulator (rel_l2 1e-3; 4e-3 on
+sm_90a's fp8 path, recipes.emulator_rel_l2) and the long prompt's bytes against the host model, so a
+silent corruption fails.
 
     compute-sanitizer --tool memcheck python tools/sanitize_decode.py
     compute-sanitizer --tool racecheck python tools/sanitize_decode.py --format e4m3-e4m3
@@ -77,8 +78,35 @@ def main() -> int:
             failures += not ok
             print(f"{fmt:10} {path:9} {variant:5} lq={lq} splits={used}: "
                   f"rel_l2 vs emulator {err.rel_l2:.2e} {'ok' if ok else 'FAIL'}")
+    for fmt in args.format or FORMATS:
+        failures += not long_prompt_matches(fmt, d, rng)
     cupy.cuda.runtime.deviceSynchronize()
     return 1 if failures else 0
+
+
+def long_prompt_matches(fmt: str, d: int, rng) -> bool:
+    """A prompt of 40000 tokens over 2 kv heads (5000 writer blocks, several waves of them), pages shuffled, a
+    few slots padded: its bytes are the host model's."""
+    import cupy
+    import ml_dtypes
+
+    from qattn.formats.decode.quant import HostPagedCache
+
+    dtype = ml_dtypes.bfloat16 if "bf16" in fmt else np.float16
+    tokens, page, kv_heads = 40000, 32, 2
+    pages = -(-tokens // page)
+    cache = qattn.PagedKVCache(pages, page, kv_heads, d, k=fmt.split("-")[0], v=fmt.split("-")[1])
+    host = HostPagedCache.empty(fmt, pages, page, kv_heads, d, "token")
+    slots = (rng.permutation(pages)[np.arange(tokens) // page] * page + np.arange(tokens) % page).astype(np.int64)
+    slots[rng.choice(tokens, 30, replace=False)] = -1
+    k, v = (rng.standard_normal((tokens, kv_heads, d)).astype(dtype) for _ in range(2))
+    cache.write(cupy.asarray(k), cupy.asarray(v), cupy.asarray(slots))
+    host.write(k, v, slots)
+    got = cache.host()
+    same = all(getattr(host, side) is None or np.array_equal(getattr(got, side), getattr(host, side))
+               for side in ("k", "v", "k_scale", "v_scale"))
+    print(f"{fmt:10} writer, {tokens} tokens: {'same bytes as the host model' if same else 'FAIL'}")
+    return same
 
 
 if __name__ == "__main__":
