@@ -178,7 +178,7 @@ def list_():
                        f"{rec.tolerance.max_rel:g} / {rec.tolerance.rel_l2:g}")
     console.print(decode)
     if family is not None:
-        from .formats.decode.recipes import QK_CODE, SM90_TILES, tolerance
+        from .formats.decode.recipes import QK_CODE, SM90_TILES, TWO_WARP_PAGE, tolerance
 
         paths = ", ".join(f"{path} ({code} K; tolerance {tolerance('i8-i8', path).max_rel:g} / "
                           f"{tolerance('i8-i8', path).rel_l2:g})" for path, code in QK_CODE.items())
@@ -186,7 +186,8 @@ def list_():
         console.print(f"decode kernels: head dims {', '.join(map(str, family.head_dims))}; "
                       + "; ".join(f"{k} {', '.join(map(str, v))}" for k, v in family.options.items() if k != "qk")
                       + f"; qk transform, {paths}, auto (per arch, format and query rows of a kv head); tile "
-                        f"{family.default_tiles[128].name}, on sm_90a {sm90} (the 8-bit QK paths keep four warps); "
+                        f"{family.default_tiles[128].name}, on sm_90a {sm90} on pages of up to {TWO_WARP_PAGE} tokens (the "
+                        f"8-bit QK paths keep four warps); "
                         f"archs {', '.join(family.archs)} (e4m3 sides from sm_89)")
     # One row per Family object: formats share a row only where they share head dims, tiles and archs.
     # A family that some archs build instead of the backend's (Recipe.arch_families) lists those archs.

@@ -141,12 +141,14 @@ def _pre_rope_problem(options: dict, arch: str) -> str | None:
     return None
 
 
-# The default tile by arch, format and QK path, where measured faster than four warps of 16 keys and two slots
-# (docs/notes/decode.md, H200): on sm_90a a block of two warps streams 16-bit K/V and K16/V8 faster on two
-# slots, and K8/V8 on the transform path on three (a smaller block in flight, more blocks per SM); K8/V16 keeps
-# four warps, and so do the 8-bit QK paths there, whose wgmma takes a warpgroup.
+# The default tile by arch, format, QK path and page size, where measured faster than four warps of 16 keys and
+# two slots (docs/notes/decode.md, H200): on sm_90a a block of two warps streams 16-bit K/V and K16/V8 faster on
+# two slots, and K8/V8 on the transform path on three (a smaller block in flight, more blocks per SM), on pages of
+# up to TWO_WARP_PAGE tokens; on longer pages a two-warp step reads part of a page and four warps are faster. K8/V16
+# keeps four warps, and so do the 8-bit QK paths there, whose wgmma takes a warpgroup.
 WGMMA_QK = {"sm_90a": ("fp8", "int8")}
 SM90_TILES = {(16, 16): Tile(MAX_ROWS, 32, 2, 2), (16, 8): Tile(MAX_ROWS, 32, 2, 2), (8, 8): Tile(MAX_ROWS, 32, 2, 3)}
+TWO_WARP_PAGE = 32
 
 
 def tile_path_problem(tile: Tile, qk: str, arch: str) -> str | None:
@@ -160,7 +162,8 @@ def _option_tile(fmt: str):
     bits = tuple(8 if side in EIGHT_BIT else 16 for side in sides(fmt))
 
     def tile(head_dim: int, arch: str, options: dict) -> Tile | None:
-        if arch != "sm_90a" or options.get("qk", "transform") in WGMMA_QK[arch]:
+        if (arch != "sm_90a" or options.get("qk", "transform") in WGMMA_QK[arch]
+                or options.get("page_size", 32) > TWO_WARP_PAGE):
             return None
         return SM90_TILES.get(bits)
 
