@@ -8,6 +8,16 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
 import pytest  # noqa: E402
 
 
+@pytest.fixture
+def rng():
+    """Fresh inputs on every run; the seed is printed so that a failure can be replayed."""
+    import numpy as np
+
+    seed = np.random.SeedSequence().entropy % 2 ** 32
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
+
+
 def _has_gpu() -> bool:
     from qattn.engine.spec import device_arch
 

@@ -18,13 +18,6 @@ from qattn.formats.int8qk import quant as i8quant
 I8 = ("i8-f16", "i8-i8", "i8-f8")
 
 
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy % 2 ** 32
-    print(f"seed {seed}")
-    return np.random.default_rng(seed)
-
-
 def _seed(rng):
     return int(rng.integers(1 << 30))
 

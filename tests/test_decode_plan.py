@@ -1,16 +1,8 @@
 """qattn plan decode weighs Q/K channel balancing for an i8 K: on K with scale-type outlier channels the
 balanced i8 cache passes a gate its plain form fails, and a tie in time keeps the plain format."""
 import numpy as np
-import pytest
 
 from qattn.formats.decode import plan
-
-
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy % 2 ** 32
-    print(f"seed {seed}")
-    return np.random.default_rng(seed)
 
 
 HEADS, KV_HEADS = 32, 8

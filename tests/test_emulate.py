@@ -20,14 +20,6 @@ ALL = emulate.formats()
 EXACT = ("f32", "kv8-f32", "kv8-split", "kv8-imma")
 
 
-@pytest.fixture
-def rng():
-    """Fresh inputs on every run; the seed is printed so that a failure can be replayed."""
-    seed = np.random.SeedSequence().entropy % 2 ** 32
-    print(f"seed {seed}")
-    return np.random.default_rng(seed)
-
-
 def _inputs(rng, batch, hq, hkv, lq, lk, d):
     shapes = ((batch, hq, lq, d), (batch, hkv, lk, d), (batch, hkv, lk, d))
     return [rng.standard_normal(shape, dtype=np.float32) for shape in shapes]

@@ -14,14 +14,6 @@ from qattn.check.reference import attention
 INT32_MAX = 2 ** 31 - 1
 
 
-@pytest.fixture
-def rng():
-    """Fresh inputs on every run; the seed is printed so that a failure can be replayed."""
-    seed = np.random.SeedSequence().entropy % 2 ** 32
-    print(f"seed {seed}")
-    return np.random.default_rng(seed)
-
-
 # ---- K smoothing -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -14,14 +14,6 @@ from qattn.check import reference
 from qattn.check.reference import attention, check_shapes, softmax_rows, visible_keys
 
 
-@pytest.fixture
-def rng(request):
-    # fresh inputs per test (and per run), reproducible from the printed seed on failure
-    seed = np.random.SeedSequence().entropy % (1 << 32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
 def qkv(rng, b, hq, hkv, lq, lk, d, scale_k=1.0):
     q = rng.standard_normal((b, hq, lq, d))
     k = rng.standard_normal((b, hkv, lk, d)) * scale_k
