@@ -58,18 +58,26 @@ def normal(*, batch=1, heads=1, kv_heads=None, queries=128, ctx=1024, head_dim=1
     return dict(q=_normal(rng, q_shape), k=_normal(rng, kv_shape), v=_normal(rng, kv_shape))
 
 
+def _outlier_base(name, count, batch, heads, kv_heads, queries, ctx, head_dim, seed):
+    """The start of an outlier preset: its generator, N(0, 1) Q, K, V, `count` distinct K channels and
+    the median channel absmax of the others."""
+    q_shape, kv_shape = _shapes(batch, heads, kv_heads, queries, ctx, head_dim)
+    if head_dim < 2 * count:
+        raise ValueError(f"head_dim: the {name} preset needs at least {2 * count} channels")
+    rng = np.random.default_rng(seed)
+    q, k, v = _normal(rng, q_shape), _normal(rng, kv_shape), _normal(rng, kv_shape)
+    channels = rng.choice(head_dim, count, replace=False)
+    return rng, q, k, v, channels, _median_channel_absmax(k, channels)
+
+
 def outliers(*, batch=1, heads=1, kv_heads=None, queries=128, ctx=1024, head_dim=128, seed=0):
     """K with five outlier channels whose absmax is 12, 18.5, 26, 37 and 44× the median
     channel's, as measured on a 9B model. Most of each outlier is a per-channel offset shared by
     every token (so K smoothing brings the worst channel down to ≤ ~4×); the rest is a
     token-varying spread of 1.2–2.8× an ordinary channel's. Q and V are N(0, 1)."""
-    q_shape, kv_shape = _shapes(batch, heads, kv_heads, queries, ctx, head_dim)
-    if head_dim < 2 * len(OUTLIER_RATIOS):
-        raise ValueError(f"head_dim: the outliers preset needs at least {2 * len(OUTLIER_RATIOS)} channels")
-    rng = np.random.default_rng(seed)
-    q, k, v = _normal(rng, q_shape), _normal(rng, kv_shape), _normal(rng, kv_shape)
-    channels = rng.choice(head_dim, len(OUTLIER_RATIOS), replace=False)
-    median = _median_channel_absmax(k, channels)
+    rng, q, k, v, channels, median = _outlier_base("outliers", len(OUTLIER_RATIOS), batch, heads, kv_heads, queries,
+                                                   ctx, head_dim, seed)
+    kv_shape = k.shape
     signs = rng.choice(np.array([-1.0, 1.0], np.float32), size=kv_shape[:2] + (1, len(channels)))
     spread = k[..., channels] * np.asarray(OUTLIER_SPREADS, np.float32)
     # Offset o with |o| + max(sign·spread) = ratio·median: the channel's absmax hits the ratio exactly.
@@ -83,16 +91,11 @@ def _token_varying_outliers(name, ratios, gain_spread, batch, heads, kv_heads, q
     """N(0, 1) Q, K, V with len(ratios) zero-mean K channels, each N(0, 1) times a per-token
     log-normal gain exp(gain_spread·N(0, 1)) (none when gain_spread is 0), scaled so that its absmax
     is its ratio times the median channel's."""
-    q_shape, kv_shape = _shapes(batch, heads, kv_heads, queries, ctx, head_dim)
-    if head_dim < 2 * len(ratios):
-        raise ValueError(f"head_dim: the {name} preset needs at least {2 * len(ratios)} channels")
-    rng = np.random.default_rng(seed)
-    q, k, v = _normal(rng, q_shape), _normal(rng, kv_shape), _normal(rng, kv_shape)
-    channels = rng.choice(head_dim, len(ratios), replace=False)
-    median = _median_channel_absmax(k, channels)
+    rng, q, k, v, channels, median = _outlier_base(name, len(ratios), batch, heads, kv_heads, queries, ctx, head_dim,
+                                                   seed)
     raw = k[..., channels]
     if gain_spread:
-        raw = raw * np.exp(np.float32(gain_spread) * rng.standard_normal(kv_shape[:3] + (len(channels),),
+        raw = raw * np.exp(np.float32(gain_spread) * rng.standard_normal(k.shape[:3] + (len(channels),),
                                                                          dtype=np.float32))
     k[..., channels] = raw * (np.asarray(ratios, np.float32) * median / np.abs(raw).max(axis=-2, keepdims=True))
     return dict(q=q, k=k, v=v)
