@@ -178,16 +178,16 @@ def list_():
                        f"{rec.tolerance.max_rel:g} / {rec.tolerance.rel_l2:g}")
     console.print(decode)
     if family is not None:
-        from .formats.decode.recipes import QK_CODE, SM90_TILES, TWO_WARP_PAGE, tolerance
+        from .formats.decode.recipes import QK_CODE, SM90_TILES, TWO_WARP_PAGES, tolerance
 
         paths = ", ".join(f"{path} ({code} K; tolerance {tolerance('i8-i8', path).max_rel:g} / "
                           f"{tolerance('i8-i8', path).rel_l2:g})" for path, code in QK_CODE.items())
-        sm90 = ", ".join(f"K{k}/V{v} {tile.name}" for (k, v), tile in SM90_TILES.items())
+        sm90 = ", ".join(f"K{k}/V{v} {tile.name} on pages of {' and '.join(map(str, TWO_WARP_PAGES[k, v]))}"
+                         for (k, v), tile in SM90_TILES.items())
         console.print(f"decode kernels: head dims {', '.join(map(str, family.head_dims))}; "
                       + "; ".join(f"{k} {', '.join(map(str, v))}" for k, v in family.options.items() if k != "qk")
                       + f"; qk transform, {paths}, auto (per arch, format and query rows of a kv head); tile "
-                        f"{family.default_tiles[128].name}, on sm_90a {sm90} on pages of up to {TWO_WARP_PAGE} tokens (the "
-                        f"8-bit QK paths keep four warps); "
+                        f"{family.default_tiles[128].name}, on sm_90a {sm90} (the 8-bit QK paths keep four warps); "
                         f"archs {', '.join(family.archs)} (e4m3 sides from sm_89)")
     # One row per Family object: formats share a row only where they share head dims, tiles and archs.
     # A family that some archs build instead of the backend's (Recipe.arch_families) lists those archs.

@@ -37,12 +37,12 @@ def test_spec_options_name_and_validate():
     spec = KernelSpec(kind="decode", recipe="e4m3-e4m3", head_dim=128, arch="sm_90a", options={"page_size": 16})
     assert spec.options == (("page_size", 16), ("scale_mode", "token"), ("k_mean", "off"), ("k_balance", "off"),
                             ("k_rope", "off"), ("qk", "transform"))
-    assert spec.name == "decode_e4m3-e4m3_d128_m8n32w2s3_p16_token_transform_sm90a"  # "off" stays out of the name
+    assert spec.name == "decode_e4m3-e4m3_d128_m8n64w4s2_p16_token_transform_sm90a"  # "off" stays out of the name
     assert spec.family.values["page_size"] == 16 and spec.as_dict()["options"] == {
         "page_size": 16, "scale_mode": "token", "k_mean": "off", "k_balance": "off", "k_rope": "off",
         "qk": "transform"}
     paged = spec.with_(options={"page_size": 16, "k_mean": "page"})
-    assert paged.name == "decode_e4m3-e4m3_d128_m8n32w2s3_p16_token_kmean-page_transform_sm90a"
+    assert paged.name == "decode_e4m3-e4m3_d128_m8n64w4s2_p16_token_kmean-page_transform_sm90a"
     # a 16-bit K has no QK paths; an 8-bit K has its own 8-bit MMA path only
     assert KernelSpec(kind="decode", recipe="f16-e4m3", arch="sm_90a").name == "decode_f16-e4m3_d128_m8n32w2s2_p32_token_sm90a"
     with pytest.raises(ValueError, match="^qk: i8-i8 takes one of transform, int8, got 'fp8'"):
@@ -257,9 +257,9 @@ def test_cli_inspects_a_decode_kernel():
 
 
 def test_default_tile_by_arch_and_qk_path():
-    """Two warps a block where the H200 measured them faster (on sm_90a, pages of up to 32 tokens: K16/V16 and
-    K16/V8 on two slots, K8/V8 on the transform path on three); K8/V16, the 8-bit paths' wgmma there, longer pages
-    and other archs keep four warps."""
+    """Two warps a block where the H200 measured them faster (on sm_90a: K16/V16 on two slots on pages of 16 and
+    32 tokens, K16/V8 on two slots and K8/V8 on the transform path on three on pages of 32); K8/V16, the 8-bit
+    paths' wgmma there, 8-bit V on pages of 16, longer pages and other archs keep four warps."""
     def tile(fmt, arch, **options):
         return KernelSpec(kind="decode", recipe=fmt, head_dim=128, arch=arch, options=options).tile.name
 
@@ -269,7 +269,8 @@ def test_default_tile_by_arch_and_qk_path():
     assert tile("e4m3-f16", "sm_90a", qk="transform") == "m8n64w4s2"
     assert tile("f16-f16", "sm_89") == tile("e4m3-e4m3", "sm_120", qk="fp8") == "m8n64w4s2"
     assert tile("f16-f16", "sm_90a", page_size=16) == "m8n32w2s2"
-    assert tile("i8-i8", "sm_90a", qk="transform", page_size=16) == "m8n32w2s3"
+    assert tile("i8-i8", "sm_90a", qk="transform", page_size=16) == "m8n64w4s2"
+    assert tile("f16-e4m3", "sm_90a", page_size=16) == "m8n64w4s2"
     for page in (64, 128):
         assert tile("f16-f16", "sm_90a", page_size=page) == tile("e4m3-e4m3", "sm_90a", qk="transform",
                                                                   page_size=page) == "m8n64w4s2"
@@ -287,7 +288,7 @@ def test_cli_generates_and_lists_decode_kernels():
     runner = CliRunner()
     out = runner.invoke(main, ["gen", "decode", "-f", "e4m3-e4m3", "-d", "128", "--page-size", "16", "--arch", "sm_90a"])
     auto = resolve_qk("e4m3-e4m3", "sm_90a")
-    assert out.exit_code == 0 and f"decode_e4m3-e4m3_d128_m8n32w2s3_p16_token_{auto}_sm90a" in out.output
+    assert out.exit_code == 0 and f"decode_e4m3-e4m3_d128_m8n64w4s2_p16_token_{auto}_sm90a" in out.output
     fp8 = runner.invoke(main, ["gen", "decode", "-f", "e4m3-e4m3", "--qk", "fp8", "--arch", "sm_90a"])
     assert fp8.exit_code == 0 and "_token_fp8_sm90a" in fp8.output and "wgmma.mma_async" in fp8.output
     refused = runner.invoke(main, ["gen", "-f", "f16", "--page-size", "16", "--arch", "sm_90a"])
@@ -299,7 +300,8 @@ def test_cli_generates_and_lists_decode_kernels():
     listing = runner.invoke(main, ["list"])
     assert listing.exit_code == 0 and "e4m3-f16" in listing.output and "page_size" in listing.output
     assert "qk transform, fp8 (e4m3 K" in " ".join(listing.output.split())
-    assert ("on sm_90a K16/V16 m8n32w2s2, K16/V8 m8n32w2s2, K8/V8 m8n32w2s3 on pages of up to 32 tokens"
+    assert ("on sm_90a K16/V16 m8n32w2s2 on pages of 16 and 32, K16/V8 m8n32w2s2 on pages of 32, K8/V8 "
+            "m8n32w2s3 on pages of 32"
             in " ".join(listing.output.split()))
     built = runner.invoke(main, ["compile", "decode", "-f", "i8-f16", "-d", "64", "--scale", "head", "--arch", "sm_80"])
     assert built.exit_code == 0 and "1 of 1 compiled" in built.output
