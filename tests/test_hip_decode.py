@@ -7,10 +7,8 @@ writer's e4m3 encoder and gfx942's e4m3fn -> e4m3fnuz K remap are cut from the r
 compiled for the host and checked against ml_dtypes on every code. The sweep over every spec is
 tools/hip_decode_sweep.py."""
 import ctypes
-import functools
 import itertools
 import re
-import subprocess
 
 import ml_dtypes
 import numpy as np
@@ -18,16 +16,16 @@ import pytest
 
 import qattn
 from qattn.check.quant import to_e4m3
-from qattn.engine.compile import (compile_hip_offline, disassemble, find_tool, functions_by_symbol,
-                                  resource_remarks)
+from qattn.engine.compile import resource_remarks
 from qattn.engine.family import HIP_ARCHS
 from qattn.engine.fragments import pv_key_slot
 from qattn.engine.render import entry_name, render
 from qattn.engine.spec import KernelSpec
 from qattn.formats.decode.recipes import HEAD_DIMS, HIP_QK_ARCHS, PAGE_SIZES, SCALE_MODES
 
-CLANG = find_tool("clang++-19", "clang++-20", "clang++")
-pytestmark = pytest.mark.skipif(CLANG is None, reason="offline HIP compiles need clang-19 (.ci/run installs it)")
+from hip_offline import built, cut_function, host_library, needs_clang, op_count
+
+pytestmark = needs_clang
 
 QK_OP = {("fp8", "gfx942"): "v_mfma_f32_16x16x32_fp8_fp8", ("fp8", "gfx1201"): "v_wmma_f32_16x16x16_fp8_fp8",
          ("int8", "gfx90a"): "v_mfma_i32_16x16x16i8", ("int8", "gfx942"): "v_mfma_i32_16x16x32_i8",
@@ -54,16 +52,6 @@ def _subset() -> list[KernelSpec]:
 
 
 SPECS = _subset()
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled(spec: KernelSpec):
-    binary = compile_hip_offline(render(spec), spec.arch, spec.name)
-    return binary, functions_by_symbol(disassemble(binary.data, "hip"))
-
-
-def _count(op: str, text: str) -> int:
-    return len(re.findall(rf"\b{op}\b", text))
 
 
 # ---- options and refusals -----------------------------------------------------------------------
@@ -113,19 +101,19 @@ def test_cuda_family_takes_no_arch_refusal():
 def test_8bit_qk_compiles_to_8bit_matrix_ops(spec):
     source = render(spec)
     assert "mma.sync" not in source and "asm(" not in source  # no CUDA leaks in
-    binary, funcs = _compiled(spec)
+    binary, funcs = built(spec)
     qk = dict(spec.options)["qk"]
     name = entry_name(spec)
     main = funcs[name + "_f16"]
     mt, nt, dt = WAVE[spec.arch] // 32, spec.tile.block_n // 16, spec.head_dim // 16
-    qk_ops, f16_ops = _count(QK_OP[qk, spec.arch], main), _count(F16_OP[spec.arch], main)
+    qk_ops, f16_ops = op_count(QK_OP[qk, spec.arch], main), op_count(F16_OP[spec.arch], main)
     # S^T: the 8-bit op for every (query tile, key tile) of a k step (the channel loop stays rolled);
     # the fp16 op for PV alone: one per (query tile, key tile, 16 channels).
     assert qk_ops >= mt * nt and qk_ops % (mt * nt) == 0, (qk_ops, mt * nt)
     assert f16_ops == mt * nt * dt, (f16_ops, mt * nt * dt)
     assert ("v_wmma" if spec.arch.startswith("gfx9") else "v_mfma") not in "".join(funcs.values())
     others = [op for (path, arch), op in QK_OP.items() if arch == spec.arch and path != qk]
-    assert not any(_count(op, main) for op in others)
+    assert not any(op_count(op, main) for op in others)
     assert "v_div_fixup_f32" in main  # s_q and q / s_q: IEEE division
     if qk == "fp8":
         assert "v_cvt_pk_fp8_f32" in main  # Q's codes on the target's converter
@@ -146,7 +134,7 @@ def test_writer_entries_on_every_format_kind(fmt, arch, d, scale):
     """The transform-path modules carry the writer too; it encodes e4m3 in integer arithmetic (no fp8
     converter: gfx942's writes fnuz, gfx90a's and gfx11's do not exist) and runs no matrix op."""
     spec = _spec(fmt, arch, d, 32, scale)
-    binary, funcs = _compiled(spec)
+    binary, funcs = built(spec)
     remarks = resource_remarks(binary.log)
     for suffix in WRITERS:
         body = funcs[entry_name(spec) + suffix]
@@ -159,34 +147,19 @@ def test_writer_entries_on_every_format_kind(fmt, arch, d, scale):
 
 # ---- the encoders, cut from the source and run on the host ---------------------------------------
 
-def _cut(source: str, signature: str) -> str:
-    """One device function of the rendered source, from its signature to its closing brace."""
-    m = re.search(re.escape(signature) + r"( \{[^\n]*\}\n|.*?\n\}\n)", source, re.S)
-    assert m, signature
-    return m.group(0)
-
-
 @pytest.fixture(scope="module")
 def host_encoders(tmp_path_factory):
     source = render(_spec("e4m3-e4m3", "gfx942", qk="fp8"))
-    parts = [_cut(source, "QATTN_DEVICE u32 e4m3fn_code(float y)"), _cut(source, "QATTN_DEVICE u32 k_codes(u32 w)"),
-             _cut(source, "QATTN_DEVICE int group_slot(int k)")]
+    parts = [cut_function(source, signature) for signature in ("QATTN_DEVICE u32 e4m3fn_code(float y)",
+                                                                "QATTN_DEVICE u32 k_codes(u32 w)",
+                                                                "QATTN_DEVICE int group_slot(int k)")]
     text = ("#define QATTN_DEVICE static inline\ntypedef unsigned u32;\n" + "".join(parts) + """
 extern "C" void encode(const float* y, u32* out, int n) { for (int i = 0; i < n; ++i) out[i] = e4m3fn_code(y[i]); }
 extern "C" void remap(const u32* w, u32* out, int n) { for (int i = 0; i < n; ++i) out[i] = k_codes(w[i]); }
 extern "C" int slot(int k) { return group_slot(k); }
 """)
-    folder = tmp_path_factory.mktemp("encoders")
-    src, obj, lib = folder / "enc.cpp", folder / "enc.o", folder / "enc.so"
-    src.write_text(text)
     # __gfx942__ selects the fnuz remap, as on the target; -O2 without fast-math keeps IEEE rounding
-    run = subprocess.run([CLANG, "-x", "c++", "-std=c++17", "-O2", "-D__gfx942__=1", "-fPIC", "-c", str(src),
-                          "-o", str(obj)], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    run = subprocess.run([CLANG, "-shared", str(obj), "-o", str(lib)], capture_output=True, text=True)
-    if run.returncode != 0:
-        pytest.skip(f"no host linker: {run.stderr[-500:]}")
-    return ctypes.CDLL(str(lib))
+    return host_library(tmp_path_factory.mktemp("encoders"), text, ["-D__gfx942__=1"])
 
 
 def _encode(lib, y: np.ndarray) -> np.ndarray:

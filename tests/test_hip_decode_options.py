@@ -6,23 +6,22 @@ on the path's matrix ops (q·μ_page takes none), and no entry of the module tou
 fixed-point term and mean subtraction, cut from the rendered source and run on the host, match the host
 model (decode.quant) bit for bit."""
 import ctypes
-import functools
 import itertools
 import re
-import subprocess
 
 import numpy as np
 import pytest
 
-from qattn.engine.compile import compile_hip_offline, disassemble, find_tool, functions_by_symbol, resource_remarks
+from qattn.engine.compile import resource_remarks
 from qattn.engine.family import HIP_ARCHS
 from qattn.engine.render import entry_name, render
 from qattn.engine.spec import KernelSpec
 from qattn.formats.decode.quant import mean_terms, mean_values
 from qattn.formats.decode.recipes import HEAD_DIMS, HIP_QK_ARCHS, PAGE_SIZES, SCALE_MODES, qk_paths
 
-CLANG = find_tool("clang++-19", "clang++-20", "clang++")
-pytestmark = pytest.mark.skipif(CLANG is None, reason="offline HIP compiles need clang-19 (.ci/run installs it)")
+from hip_offline import built, cut_function, host_library, needs_clang, op_count
+
+pytestmark = needs_clang
 
 OPS = {("transform", "gfx90a"): "v_mfma_f32_16x16x16f16", ("transform", "gfx942"): "v_mfma_f32_16x16x16_f16",
        ("transform", "gfx1100"): "v_wmma_f32_16x16x16_f16", ("transform", "gfx1201"): "v_wmma_f32_16x16x16_f16",
@@ -57,16 +56,6 @@ def _cases() -> list[KernelSpec]:
 CASES = _cases()
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(spec: KernelSpec):
-    binary = compile_hip_offline(render(spec), spec.arch, spec.name)
-    return binary, functions_by_symbol(disassemble(binary.data, "hip"))
-
-
-def _count(op: str, text: str) -> int:
-    return len(re.findall(rf"\b{op}\b", text))
-
-
 def test_cases_cover_every_target_format_and_path():
     both = {(s.arch, s.recipe, dict(s.options)["qk"]) for s in CASES
             if dict(s.options)["k_mean"] == "page" and dict(s.options)["k_balance"] == "on"}
@@ -96,11 +85,11 @@ def test_option_kernels_compile_to_their_matrix_ops(spec):
     assert "mma.sync" not in source and "asm(" not in source
     assert ("k_unbalance[h * D" in source) == balance and ("alpha[c" in source) == balance
     assert ("plus_mean(x, mean_log2" in source) == mean and ("less_mean(kf" in source) == mean
-    binary, funcs = _compiled(spec)
+    binary, funcs = built(spec)
     name = entry_name(spec)
     main = funcs[name + "_f16"]
     mt, nt, dt = WAVE[spec.arch] // 32, spec.tile.block_n // 16, spec.head_dim // 16
-    qk_ops, f16_ops = _count(OPS[qk, spec.arch], main), _count(OPS["transform", spec.arch], main)
+    qk_ops, f16_ops = op_count(OPS[qk, spec.arch], main), op_count(OPS["transform", spec.arch], main)
     # S^T on the path's op (its channel loop rolled), PV on the fp16 op; q·μ_page on no matrix op
     assert qk_ops >= mt * nt and qk_ops % (mt * nt) == 0, (qk_ops, mt * nt)
     if qk != "transform":
@@ -125,17 +114,12 @@ def test_option_kernels_compile_to_their_matrix_ops(spec):
 
 # ---- the writer's page-mean arithmetic, cut from the source and run on the host ----------------------
 
-def _cut(source: str, signature: str) -> str:
-    m = re.search(re.escape(signature) + r"( \{[^\n]*\}\n|.*?\n\}\n)", source, re.S)
-    assert m, signature
-    return m.group(0)
-
-
 @pytest.fixture(scope="module")
 def host_mean(tmp_path_factory):
     source = render(_spec("i8-i8", "gfx1100", "int8", MEAN, d=128))  # EPL = 4
-    parts = [_cut(source, "QATTN_DEVICE u64 mean_term(float x)"),
-             _cut(source, "QATTN_DEVICE void less_mean(float (&x)[EPL], const unsigned char* codes, float scale)")]
+    parts = [cut_function(source, signature) for signature in (
+        "QATTN_DEVICE u64 mean_term(float x)",
+        "QATTN_DEVICE void less_mean(float (&x)[EPL], const unsigned char* codes, float scale)")]
     text = ("#define QATTN_DEVICE static inline\ntypedef long long i64;\ntypedef unsigned long long u64;\n"
             "constexpr int EPL = 4;\nconstexpr float MEAN_UNIT = 65536.f, MEAN_CLAMP = 16777216.f;\n" + "".join(parts) + """
 extern "C" void terms(const float* x, u64* out, int n) { for (int i = 0; i < n; ++i) out[i] = mean_term(x[i]); }
@@ -144,18 +128,9 @@ extern "C" void less(float* x, const unsigned char* codes, const float* scale, i
 }
 """)
     assert "MEAN_UNIT = 65536.f, MEAN_CLAMP = 16777216.f" in source
-    folder = tmp_path_factory.mktemp("mean")
-    src, obj, lib = folder / "mean.cpp", folder / "mean.o", folder / "mean.so"
-    src.write_text(text)
     # contraction as HIP compiles (fast, honoring pragmas) on a host with FMA: less_mean's pragma must keep
     # the product rounded on its own
-    run = subprocess.run([CLANG, "-x", "c++", "-std=c++17", "-O2", "-ffp-contract=fast-honor-pragmas", "-march=native",
-                          "-fPIC", "-c", str(src), "-o", str(obj)], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    run = subprocess.run([CLANG, "-shared", str(obj), "-o", str(lib)], capture_output=True, text=True)
-    if run.returncode != 0:
-        pytest.skip(f"no host linker: {run.stderr[-500:]}")
-    return ctypes.CDLL(str(lib))
+    return host_library(tmp_path_factory.mktemp("mean"), text, ["-ffp-contract=fast-honor-pragmas", "-march=native"])
 
 
 def _ptr(a: np.ndarray):
