@@ -79,3 +79,33 @@ def replay_decode_steps(cache, host, table, lens, *, kv_heads: int, head_dim: in
         want = emu.emulate(qq, host, table, n + 1, qk=qk)
         assert metrics.compare(fresh.astype(np.float32), want).rel_l2 <= EMU_REL_L2
     np.testing.assert_array_equal(cache.host().k, host.k)
+
+
+def write_in_parts(cache, host, ks, vs, slots, *, scale: str, positions: bool = False) -> None:
+    """Write each sequence's K, V [tokens, kv heads, D] to the GPU cache and its host model alike: every
+    sequence's prompt (its first quarter) in one write, then 64 tokens of each sequence a write; with
+    `positions`, each token's index in its sequence goes with it (post-RoPE keys)."""
+    import cupy
+
+    bounds = [[0, len(k) // 4] + list(range(len(k) // 4 + 64, len(k), 64)) + [len(k)] for k in ks]
+    for w in range(max(len(b) for b in bounds) - 1):
+        live = [i for i, b in enumerate(bounds) if w + 1 < len(b)]
+        parts = [slice(bounds[i][w], bounds[i][w + 1]) for i in live]
+        k = np.concatenate([ks[i][p] for i, p in zip(live, parts)])
+        v = np.concatenate([vs[i][p] for i, p in zip(live, parts)])
+        s = np.concatenate([slots[i][p] for i, p in zip(live, parts)])
+        if len(s) == 0:
+            continue
+        pos = np.concatenate([np.arange(p.start, p.stop) for p in parts]).astype(s.dtype) if positions else None
+        cache.write(cupy.asarray(k), cupy.asarray(v), cupy.asarray(s),
+                    positions=None if pos is None else cupy.asarray(pos))
+        host.write(k, v, s, scale=scale, positions=pos)
+
+
+def assert_stored_alike(got, host) -> None:
+    """A GPU cache's host copy holds the host model's K and V codes and scales bit for bit."""
+    np.testing.assert_array_equal(got.k, host.k)
+    np.testing.assert_array_equal(got.v, host.v)
+    for side in ("k_scale", "v_scale"):
+        if getattr(host, side) is not None:
+            np.testing.assert_array_equal(getattr(got, side), getattr(host, side))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import qattn
-from decode_steps import decode_over_splits, replay_decode_steps
+from decode_steps import assert_stored_alike, decode_over_splits, replay_decode_steps, write_in_parts
 from qattn.check import metrics
 from qattn.formats.decode import emulate as emu
 from qattn.formats.decode.quant import HostPagedCache
@@ -385,8 +385,6 @@ def _mean_filled(fmt, *, lens, kv_heads=2, head_dim=128, page_size=16, scale="to
     """A page-mean GPU cache and its host model written alike with K whose large channel mean drifts
     over the positions: every sequence's prompt (its first quarter) in one write, then 64 tokens of
     each sequence a write (pages shuffled); plus the table and the original K/V per sequence."""
-    import cupy
-
     rng = np.random.default_rng(seed)
     k_side, v_side = fmt.split("-")
     max_pages = max(-(-int(n) // page_size) for n in lens) + 1
@@ -405,17 +403,7 @@ def _mean_filled(fmt, *, lens, kv_heads=2, head_dim=128, page_size=16, scale="to
         ks.append((rng.standard_normal((n, kv_heads, head_dim)) + mean[None] * growth + bias).astype(dtype))
         vs.append(rng.standard_normal((n, kv_heads, head_dim)).astype(dtype))
         slots.append((table[b, np.arange(n) // page_size] * page_size + np.arange(n) % page_size).astype(np.int32))
-    bounds = [[0, n // 4] + list(range(n // 4 + 64, n, 64)) + [n] for n in lens]
-    for w in range(max(len(b) for b in bounds) - 1):
-        parts = [slice(b[w], b[w + 1]) for b in bounds if w + 1 < len(b)]
-        live = [i for i, b in enumerate(bounds) if w + 1 < len(b)]
-        k = np.concatenate([ks[i][p] for i, p in zip(live, parts)])
-        v = np.concatenate([vs[i][p] for i, p in zip(live, parts)])
-        s = np.concatenate([slots[i][p] for i, p in zip(live, parts)])
-        if len(s) == 0:
-            continue
-        cache.write(cupy.asarray(k), cupy.asarray(v), cupy.asarray(s))
-        host.write(k, v, s, scale=scale)
+    write_in_parts(cache, host, ks, vs, slots, scale=scale)
     return (cache, host, table, np.asarray(lens, np.int32), [k.astype(np.float64).transpose(1, 0, 2) for k in ks],
             [v.astype(np.float64).transpose(1, 0, 2) for v in vs])
 
@@ -427,10 +415,7 @@ def test_page_mean_writer_stores_what_the_host_model_stores(fmt, scale):
     snapshot are the host model's bit for bit (integer sums: no order dependence)."""
     cache, host, *_ = _mean_filled(fmt, lens=[45, 300, 130], head_dim=64, scale=scale)
     got = cache.host()
-    np.testing.assert_array_equal(got.k, host.k)
-    np.testing.assert_array_equal(got.v, host.v)
-    if host.k_scale is not None:
-        np.testing.assert_array_equal(got.k_scale, host.k_scale)
+    assert_stored_alike(got, host)
     for field in ("codes", "scale", "sums", "counts"):
         np.testing.assert_array_equal(getattr(got.k_mean, field), getattr(host.k_mean, field), err_msg=field)
 
