@@ -872,6 +872,48 @@ def bench_decode(shapes, batches, ctxs, preset, formats, qk_paths, k_terms, head
         write_json(json_path, {"meta": meta, "decode": records, "write": writes})
 
 
+@bench.command("paged-read")
+@click.option("--format", "-f", "formats", multiple=True, type=click.Choice(list(registry.recipes("decode"))),
+              help="cache format K-V (its K and V^T piece sizes); repeatable [default: e4m3-e4m3, f16-f16]")
+@click.option("--page-size", "page_sizes", multiple=True, type=click.Choice(["16", "32", "64", "128"]),
+              help="tokens per page; repeatable [default: 16, 32, 64, 128]")
+@click.option("--head-dim", "-d", "head_dims", multiple=True, type=click.Choice(["64", "128"]),
+              help="head dimension; repeatable [default: 128]")
+@click.option("--kv-heads", type=click.IntRange(min=1), default=8, show_default=True,
+              help="kv heads (the blocks streaming one page side by side)")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, path_type=Path),
+              callback=_json_path, help="also write the records as JSON to FILE")
+@user_errors
+def bench_paged_read(formats, page_sizes, head_dims, kv_heads, json_path):
+    """What a plain reader of a paged cache attains on this GPU: a kernel that only streams the pools'
+    pages, in the decode kernel's pattern and piece sizes, at several depths of its copy ring; GB/s of
+    the fastest depth and of each, as a fraction of the copy bandwidth measured in the same run (the
+    reference for `qattn bench decode`'s "of copy": a decode well below it is bound by its own work)."""
+    from .bench import paged_read as reader
+
+    if device_arch() is None:
+        raise click.ClickException("bench paged-read: no CUDA GPU found; timing needs one")
+    points = list(itertools.product(formats or ("e4m3-e4m3", "f16-f16"), map(int, page_sizes or (16, 32, 64, 128)),
+                                    map(int, head_dims or (128,))))
+    table = _table(f"paged read: a reader that only streams the pages, {kv_heads} kv heads", "format", "page", "D", "pieces", "GB/s",
+                   "of copy", "slots x blocks/SM", "each depth (of copy)",
+                   right=("page", "D", "GB/s", "of copy"))
+    records = []
+    with _Progress("bench paged-read", len(points)) as progress:
+        for fmt, page, d in points:
+            found = reader.paged_read(fmt, page, d, kv_heads=kv_heads)
+            best = reader.fastest(found)
+            table.add_row(fmt, str(page), str(d), f"{best['k_piece']} + {best['v_piece']} B", f"{best['gbs']:.0f}",
+                          f"{best['of_copy']:.3f}", f"{best['stages']} x {best['blocks_per_sm']}",
+                          "  ".join(f"{r['stages']}x{r['blocks_per_sm']} {r['of_copy']:.2f}" for r in found))
+            records += found
+            progress.done(f"{fmt} pages of {page}, D{d}: {best['of_copy']:.3f} of copy")
+    _console().print(table)
+    if json_path is not None:
+        write_json(json_path, {"meta": {"date": time.strftime("%Y-%m-%d"), "command": _command_line()},
+                               "paged_read": records})
+
+
 # ---- plan -------------------------------------------------------------------------------------
 
 @main.group()
