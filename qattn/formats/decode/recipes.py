@@ -142,14 +142,15 @@ def _pre_rope_problem(options: dict, arch: str) -> str | None:
 
 
 # The default tile by arch, format, QK path and page size, where measured faster than four warps of 16 keys and
-# two slots (docs/notes/decode.md, H200): on sm_90a a block of two warps streams 16-bit K/V and K16/V8 faster on
-# two slots, and K8/V8 on the transform path on three (a smaller block in flight, more blocks per SM), on the pages
-# of TWO_WARP_PAGES; on longer pages a two-warp step reads part of a page and four warps are faster, and so are they
-# on pages of 16 for K8/V8 (1.05x) and K16/V8 (1.01-1.04x). K8/V16 keeps four warps, and so do the 8-bit QK paths
-# there, whose wgmma takes a warpgroup.
+# two slots (docs/notes/decode.md, H200): on sm_90a a block of two warps streams 16-bit K/V, K16/V8 and K8/V16 faster
+# on two slots, and K8/V8 on the transform path on three (a smaller block in flight, more blocks per SM), on the
+# pages of TWO_WARP_PAGES; on longer pages a two-warp step reads part of a page and four warps are faster, and so
+# are they on pages of 16 for K8/V8 (the same for e4m3, 2% for int8) and on pages of 32 for K8/V16. The 8-bit QK
+# paths keep four warps, whose wgmma takes a warpgroup.
 WGMMA_QK = {"sm_90a": ("fp8", "int8")}
-SM90_TILES = {(16, 16): Tile(MAX_ROWS, 32, 2, 2), (16, 8): Tile(MAX_ROWS, 32, 2, 2), (8, 8): Tile(MAX_ROWS, 32, 2, 3)}
-TWO_WARP_PAGES = {(16, 16): (16, 32), (16, 8): (32,), (8, 8): (32,)}
+SM90_TILES = {(16, 16): Tile(MAX_ROWS, 32, 2, 2), (16, 8): Tile(MAX_ROWS, 32, 2, 2), (8, 16): Tile(MAX_ROWS, 32, 2, 2),
+              (8, 8): Tile(MAX_ROWS, 32, 2, 3)}
+TWO_WARP_PAGES = {(16, 16): (16, 32), (16, 8): (16, 32), (8, 16): (16,), (8, 8): (32,)}
 
 
 def tile_path_problem(tile: Tile, qk: str, arch: str) -> str | None:
