@@ -52,6 +52,8 @@ K16_CSV = raw_csv(K16_NAME, {
     "launch__shared_mem_per_block_dynamic": ("49.15", "Kbyte"),
     "smsp__inst_executed.sum": ("600,000,000", "inst"),
     "smsp__issue_active.avg.pct_of_peak_sustained_active": ("40.0", "%"),
+    "lts__t_sectors_srcunit_tex_op_read.sum": ("37,500,000", "sector"),
+    "lts__t_requests_srcunit_tex_op_read.sum": ("9,375,000", "request"),
     "sass__inst_executed_per_opcode": ("60,000,000 (HMMA: 10,000,000; F2FP: 20,000,000; LDS: 30,000,000)", "inst"),
     **stalls("12.0"),
 })
@@ -65,6 +67,8 @@ K8_CSV = raw_csv(K8_NAME, {
     "launch__shared_mem_per_block_dynamic": ("40,960", "byte"),
     "smsp__inst_executed.sum": ("700,000,000", "inst"),
     "smsp__issue_active.avg.pct_of_peak_sustained_active": ("55.0", "%"),
+    "lts__t_sectors_srcunit_tex_op_read.sum": ("37,000,000", "sector"),
+    "lts__t_requests_srcunit_tex_op_read.sum": ("27,500,000", "request"),
     "sass__inst_executed_per_opcode": ("85,000,000 (HMMA.16816.F32: 10,000,000; F2FP.F16.E4M3.UNPACK_B: 40,000,000; "
                                        "LDS: 30,000,000; PRMT: 5,000,000)", "inst"),
     **stalls("9.0"),
@@ -104,6 +108,9 @@ def test_kernel_profile_from_row():
     assert k16.smem_bytes == pytest.approx(49150) and k8.smem_bytes == pytest.approx(41984)
     assert (k8.registers, k8.occupancy_pct, k8.theoretical_occupancy_pct) == (128, 40.0, 50.0)
     assert k8.stalls == {"long_scoreboard": 9.0, "barrier": 1.5}
+    # K16/V8 reads each DRAM sector once from the L2; the K8/V8 row asks for its 25 M sectors 37 M times
+    assert k16.l2_sectors_per_dram_sector == pytest.approx(1.0) and k8.l2_sectors_per_dram_sector == pytest.approx(1.48)
+    assert k8.l2_read_requests == 27.5e6
     assert k8.categories == {"convert": 4e7, "mma": 1e7, "fp": 0.0, "int": 5e6, "memory": 3e7, "other": 0.0}
 
 
@@ -140,6 +147,8 @@ def test_report_table():
     assert rows["DRAM read (GB/s)"][-3:] == ["2286", "3000", "-714"]
     assert rows["convert instructions (M)"][-3:] == ["40.000", "20.000", "+20.000"]
     assert rows["stall long_scoreboard (cycles / issue)"][-3:] == ["9.00", "12.00", "-3.00"]
+    assert rows["L2 sectors / DRAM sector"][-3:] == ["1.48", "1.00", "+0.48"]
+    assert rows["L2 read requests (M)"][-3:] == ["27.500", "9.375", "+18.125"]
     assert "(M): F2FP +20.000, PRMT +5.000\n" in text  # by opcode without modifiers; HMMA unchanged
     assert "T(K8/V8) - T(K16/V8) = -50.00 us:" in text
     assert re.search(r"\(a\) K bytes saved: 400\.0 MB at 3000 GB/s\s+-133\.33 us", text)
@@ -179,6 +188,7 @@ def test_profile_command_targets_one_launch_after_the_warmups(tmp_path):
     assert cmd[cmd.index("--clock-control") + 1] == "base" and cmd[cmd.index("--cache-control") + 1] == "all"
     metrics = cmd[cmd.index("--metrics") + 1].split(",")
     assert "sass__inst_executed_per_opcode" in metrics and "dram__bytes_read.sum" in metrics
+    assert "lts__t_sectors_srcunit_tex_op_read.sum" in metrics
     target = cmd[cmd.index(sys.executable):]
     assert target[1].endswith("ncu_decode.py") and target[2:4] == ["--run-one", "e4m3-e4m3"]
     again = ncu_decode.parse_args(target[4:])  # the target parses the shape it is given

@@ -6,7 +6,9 @@ saved (the DRAM bytes difference at the K16/V8 kernel's DRAM read bandwidth: a n
 the unhidden K preparation (the extra conversion and MMA instructions at the K8/V8 kernel's rate of
 instructions) and (c) the pipeline and occupancy penalty (what remains). Both kernels are profiled
 HBM-cold (ncu flushes the caches before each replay pass), at the GPU's own clocks unless
---clock-control says otherwise.
+--clock-control says otherwise. Beside them, the L2 sectors the SMs read per DRAM sector: a streaming
+kernel reads each sector once (1.0); more means copies that reach the L2 in pieces, a sector asked for
+twice (the V^T copies of pages of 16 once read 1.48).
 
     tools/ncu_decode.py                               # B8 L32K, GQA 32/8, D128: e4m3-e4m3 vs f16-e4m3
     tools/ncu_decode.py --code i8 --qk int8 --json ncu_i8.json
@@ -45,7 +47,10 @@ METRICS = {
     "smem_dynamic": "launch__shared_mem_per_block_dynamic",
     "instructions": "smsp__inst_executed.sum",
     "issue_busy": "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    "l2_sectors": "lts__t_sectors_srcunit_tex_op_read.sum",
+    "l2_requests": "lts__t_requests_srcunit_tex_op_read.sum",
 }
+SECTOR_BYTES = 32
 OPCODES = "sass__inst_executed_per_opcode"  # warp instructions executed, per SASS opcode
 STALL_REASONS = ("long_scoreboard", "short_scoreboard", "barrier", "math_pipe_throttle", "mio_throttle",
                  "lg_throttle", "not_selected", "selected", "wait", "dispatch_stall", "no_instruction",
@@ -214,6 +219,8 @@ class KernelProfile:
     smem_bytes: float | None = None
     instructions: float | None = None
     issue_busy_pct: float | None = None
+    l2_read_sectors: float | None = None  # sectors the SMs read from the L2
+    l2_read_requests: float | None = None
     opcodes: dict = field(default_factory=dict)
     stalls: dict = field(default_factory=dict)
 
@@ -231,9 +238,17 @@ class KernelProfile:
                    theoretical_occupancy_pct=metric(METRICS["theoretical_occupancy"]),
                    registers=metric(METRICS["registers"]),
                    smem_bytes=None if None in smem else sum(smem), instructions=metric(METRICS["instructions"]),
-                   issue_busy_pct=metric(METRICS["issue_busy"]),
+                   issue_busy_pct=metric(METRICS["issue_busy"]), l2_read_sectors=metric(METRICS["l2_sectors"]),
+                   l2_read_requests=metric(METRICS["l2_requests"]),
                    opcodes=opcode_counts(row[OPCODES][0]) if OPCODES in row else {},
                    stalls={r: v for r in STALL_REASONS if (v := metric(stall_metric(r))) is not None})
+
+    @property
+    def l2_sectors_per_dram_sector(self) -> float | None:
+        """L2 sectors read per DRAM sector read: 1.0 when every sector streamed is asked for once."""
+        if self.l2_read_sectors is None or not self.dram_read_bytes:
+            return None
+        return self.l2_read_sectors * SECTOR_BYTES / self.dram_read_bytes
 
     @property
     def categories(self) -> dict[str, float]:
@@ -292,7 +307,10 @@ def comparison_rows(k8: KernelProfile, k16: KernelProfile) -> list[tuple[str, st
             row("registers / thread", lambda p: p.registers, 1.0, ".0f"),
             row("shared memory / block (KB)", lambda p: p.smem_bytes, 1e-3),
             row("warp instructions (M)", lambda p: p.instructions, 1e-6, ".3f"),
-            row("issue slots busy (%)", lambda p: p.issue_busy_pct)]
+            row("issue slots busy (%)", lambda p: p.issue_busy_pct),
+            row("L2 read sectors (M)", lambda p: p.l2_read_sectors, 1e-6, ".3f"),
+            row("L2 read requests (M)", lambda p: p.l2_read_requests, 1e-6, ".3f"),
+            row("L2 sectors / DRAM sector", lambda p: p.l2_sectors_per_dram_sector, 1.0, ".2f")]
     if k8.opcodes or k16.opcodes:
         rows += [row(f"  {name} instructions (M)", lambda p, n=name: p.categories[n], 1e-6, ".3f")
                  for name in (*CATEGORIES, "other")]
