@@ -1,0 +1,95 @@
+"""tools/ab_trees.py without a GPU: the trees' order, the records matched across trees, the summary, and a
+whole run over two stand-in trees whose qattn.cli writes known records. CPU only."""
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+
+import ab_trees  # noqa: E402
+
+
+def _record(impl, ms, page=16, of_copy=None):
+    rec = {"batch": 8, "ctx": 32768, "page_size": page, "impl": impl, "ms": ms, "round_ms": [ms], "gbs": 1.0,
+           "vs_sdpa_cudnn": 1.5, "copy_gbs": 4000.0}
+    if of_copy is not None:
+        rec["of_copy"] = of_copy
+    return rec
+
+
+def _tree(root: Path, name: str, ms: dict) -> Path:
+    """A stand-in source tree whose `python -m qattn.cli ... --json FILE` writes records of these times."""
+    package = root / name / "qattn"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "cli.py").write_text(textwrap.dedent(f"""
+        import json, sys
+        args = sys.argv[1:]
+        assert args[:2] == ["bench", "decode"], args
+        records = [{{"impl": impl, "batch": 8, "ctx": 4096, "ms": ms, "of_copy": 0.5 / ms}}
+                   for impl, ms in {ms!r}.items()]
+        open(args[args.index("--json") + 1], "w").write(json.dumps({{"meta": {{"tree": {name!r}}}, "decode": records}}))
+    """))
+    return root / name
+
+
+def test_round_orders_alternate():
+    assert ab_trees.round_orders(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+
+
+def test_record_key_leaves_out_measurements():
+    a, b = _record("qattn:e4m3-e4m3", 0.13, of_copy=0.9), _record("qattn:e4m3-e4m3", 0.17)
+    assert ab_trees.record_key(a) == ab_trees.record_key(b)
+    assert ab_trees.record_key(a) != ab_trees.record_key(_record("qattn:e4m3-e4m3", 0.13, page=32))
+    assert dict(ab_trees.record_key(a)) == {"batch": 8, "ctx": 32768, "page_size": 16, "impl": "qattn:e4m3-e4m3"}
+
+
+def test_summary_takes_medians_and_ratios_against_the_first_tree():
+    runs = {"base": [{"decode": [_record("x", ms, of_copy=0.8)]} for ms in (0.20, 0.22, 0.21)],
+            "new": [{"decode": [_record("x", ms, of_copy=0.95), _record("y", 1.0)], "meta": {"gpu": "H200"}}
+                    for ms in (0.16, 0.17, 0.18)]}
+    rows = ab_trees.summary_rows(ab_trees.collect(runs), ["base", "new"])
+    x, y = rows
+    assert x["label"] == "x 8x32768 page_size 16" and x["ms"] == {"base": 0.21, "new": 0.17}
+    assert x["ratio"]["new"] == pytest.approx(0.17 / 0.21) and x["of_copy"] == {"base": 0.8, "new": 0.95}
+    assert x["rounds"] == {"base": 3, "new": 3}
+    assert y["ms"] == {"new": 1.0} and y["ratio"] == {} and y["of_copy"] == {}  # only one tree has it
+
+
+def test_a_run_over_two_trees(tmp_path, capsys, monkeypatch):
+    base = _tree(tmp_path, "base", {"qattn:f16-f16": 0.25, "sdpa_cudnn": 0.24})
+    new = _tree(tmp_path, "new", {"qattn:f16-f16": 0.20, "sdpa_cudnn": 0.24})
+    monkeypatch.setenv("COLUMNS", "200")
+    out = tmp_path / "ab.json"
+    assert ab_trees.main(["--tree", f"base={base}", "--tree", f"new={new}", "--rounds", "2", "--json", str(out),
+                          "--", "bench", "decode", "--shape", "8x4096"]) == 0
+    err = capsys.readouterr().err
+    assert err.index("round 1/2: base") < err.index("round 1/2: new") < err.index("round 2/2: new") \
+        < err.index("round 2/2: base")
+    data = json.loads(out.read_text())
+    assert [r["meta"]["tree"] for r in data["runs"]["new"]] == ["new", "new"]  # each tree imports its own qattn
+    rows = {row["label"]: row for row in data["summary"]}
+    assert rows["qattn:f16-f16 8x4096"]["ratio"]["new"] == pytest.approx(0.8)
+    assert rows["sdpa_cudnn 8x4096"]["ratio"]["new"] == pytest.approx(1.0)
+    assert data["command"] == ["bench", "decode", "--shape", "8x4096"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tree", "a=.", "--", "bench", "decode"], "two or more trees"),
+    (["--tree", "a=.", "--tree", "a=.", "--", "bench", "decode"], "names must differ"),
+    (["--tree", "a=.", "--tree", "b=."], "give the qattn command"),
+    (["--tree", "a=.", "--tree", "b=.", "--", "bench", "decode", "--json", "x"], "the command's --json"),
+    (["--tree", "a", "--tree", "b=.", "--", "bench"], "expected NAME=DIR"),
+    (["--tree", "a=/nonexistent", "--tree", "b=.", "--", "bench"], "holds no qattn package"),
+    (["--tree", "a=.", "--tree", "b=.", "--rounds", "0", "--", "bench"], "--rounds"),
+])
+def test_usage_errors(argv, message, capsys, monkeypatch):
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    with pytest.raises(SystemExit) as exit_info:
+        ab_trees.parse_args(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
