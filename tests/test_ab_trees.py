@@ -31,7 +31,7 @@ def _tree(root: Path, name: str, ms: dict) -> Path:
         import json, sys
         args = sys.argv[1:]
         assert args[:2] == ["bench", "decode"], args
-        records = [{{"impl": impl, "batch": 8, "ctx": 4096, "ms": ms, "of_copy": 0.5 / ms}}
+        records = [{{"impl": impl, "batch": 8, "ctx": 4096, "ms": ms, "of_copy": ms and 0.5 / ms}}
                    for impl, ms in {ms!r}.items()]
         open(args[args.index("--json") + 1], "w").write(json.dumps({{"meta": {{"tree": {name!r}}}, "decode": records}}))
     """))
@@ -47,6 +47,12 @@ def test_record_key_leaves_out_measurements():
     assert ab_trees.record_key(a) == ab_trees.record_key(b)
     assert ab_trees.record_key(a) != ab_trees.record_key(_record("qattn:e4m3-e4m3", 0.13, page=32))
     assert dict(ab_trees.record_key(a)) == {"batch": 8, "ctx": 32768, "page_size": 16, "impl": "qattn:e4m3-e4m3"}
+
+
+def test_records_of_a_list_or_an_object():
+    rec = _record("x", 0.1)
+    assert ab_trees.records_of([rec, "note"]) == [rec]  # `qattn parity --json` writes a list
+    assert ab_trees.records_of({"meta": {"gpu": "H200"}, "decode": [rec], "write": []}) == [rec]
 
 
 def test_summary_takes_medians_and_ratios_against_the_first_tree():
@@ -77,6 +83,13 @@ def test_a_run_over_two_trees(tmp_path, capsys, monkeypatch):
     assert rows["qattn:f16-f16 8x4096"]["ratio"]["new"] == pytest.approx(0.8)
     assert rows["sdpa_cudnn 8x4096"]["ratio"]["new"] == pytest.approx(1.0)
     assert data["command"] == ["bench", "decode", "--shape", "8x4096"]
+
+
+def test_a_run_without_times_says_so(tmp_path, capsys):
+    base, new = (_tree(tmp_path, name, {"qattn:f16-f16": None}) for name in ("base", "new"))
+    assert ab_trees.main(["--tree", f"base={base}", "--tree", f"new={new}", "--rounds", "1", "--", "bench",
+                          "decode"]) == 1
+    assert "hold no times" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -53,12 +53,13 @@ def record_key(record: dict) -> tuple:
                         and not isinstance(v, bool)))
 
 
-def records_of(result: dict) -> list[dict]:
-    """Every record in a --json result: the dicts of its list-valued entries."""
-    return [r for value in result.values() if isinstance(value, list) for r in value if isinstance(r, dict)]
+def records_of(result) -> list[dict]:
+    """Every record in a --json result: a list of records, or the dicts of an object's list-valued entries."""
+    lists = [result] if isinstance(result, list) else [v for v in result.values() if isinstance(v, list)]
+    return [r for records in lists for r in records if isinstance(r, dict)]
 
 
-def collect(runs: dict[str, list[dict]]) -> dict[tuple, dict[str, list[dict]]]:
+def collect(runs: dict[str, list]) -> dict[tuple, dict[str, list[dict]]]:
     """{record key: {tree: [the record of each round]}} from {tree: [each round's --json result]}."""
     table: dict[tuple, dict[str, list[dict]]] = {}
     for tree, results in runs.items():
@@ -160,6 +161,10 @@ def main(argv=None) -> int:
                 print(f"round {r + 1}/{args.rounds}: {name} ({folders[name]})", file=sys.stderr, flush=True)
                 runs[name].append(run_once(folders[name], args.command, Path(scratch) / f"{name}-{r}.json"))
     rows = summary_rows(collect(runs), names)
+    if not rows:
+        print("ab_trees: the command's --json records hold no times (no record with an 'ms'): nothing to compare",
+              file=sys.stderr)
+        return 1
     print_table(rows, names)
     if args.json:
         args.json.write_text(json.dumps({"trees": {n: str(f) for n, f in folders.items()}, "command": args.command,
