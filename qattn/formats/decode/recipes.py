@@ -91,7 +91,8 @@ def stage_bytes(fmt: str, tile: Tile, d: int) -> int:
     """One pipeline slot: K rows, V^T channel rows and the 8-bit sides' token scales."""
     k, v = sides(fmt)
     kb, vb = (2 if side in HALF else 1 for side in (k, v))
-    k_tile = tile.block_n * (d * kb + (32 if kb == 2 else 0))  # 8-bit rows swizzled, 16-bit padded
+    padded = kb == 2 and 32 * tile.warps // (d * kb // 16) < 4  # 16-bit rows as the template's K_PITCH
+    k_tile = tile.block_n * (d * kb + (32 if padded else 0))
     v_tile = d * tile.block_n * vb
     return k_tile + v_tile + 4 * tile.block_n * sum(side in EIGHT_BIT for side in (k, v))
 
@@ -145,12 +146,12 @@ def _pre_rope_problem(options: dict, arch: str) -> str | None:
 # two slots (docs/notes/decode.md, H200): on sm_90a a block of two warps streams 16-bit K/V, K16/V8 and K8/V16 faster
 # on two slots, and K8/V8 on the transform path on three (a smaller block in flight, more blocks per SM), on the
 # pages of TWO_WARP_PAGES; on longer pages a two-warp step reads part of a page and four warps are faster, and so
-# are they on pages of 16 for K8/V8 (the same for e4m3, 2% for int8) and on pages of 32 for K8/V16. The 8-bit QK
-# paths keep four warps, whose wgmma takes a warpgroup.
+# are they on pages of 16 for K8/V8 (the same for e4m3, 2% for int8). The 8-bit QK paths keep four warps, whose
+# wgmma takes a warpgroup.
 WGMMA_QK = {"sm_90a": ("fp8", "int8")}
 SM90_TILES = {(16, 16): Tile(MAX_ROWS, 32, 2, 2), (16, 8): Tile(MAX_ROWS, 32, 2, 2), (8, 16): Tile(MAX_ROWS, 32, 2, 2),
               (8, 8): Tile(MAX_ROWS, 32, 2, 3)}
-TWO_WARP_PAGES = {(16, 16): (16, 32), (16, 8): (16, 32), (8, 16): (16,), (8, 8): (32,)}
+TWO_WARP_PAGES = {(16, 16): (16, 32), (16, 8): (16, 32), (8, 16): (16, 32), (8, 8): (32,)}
 
 
 def tile_path_problem(tile: Tile, qk: str, arch: str) -> str | None:
