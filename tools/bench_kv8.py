@@ -49,8 +49,8 @@ def main() -> int:
 
     import qattn
     from qattn.formats.kv8 import host as kv8
-    from qattn.api import default_spec
     from qattn.engine.kernel import build_kernel
+    from qattn.engine.spec import call_spec, default_spec
 
     shapes = [tuple(int(x) for x in s.split("/")) for s in (args.shape or ["32768/2048", "1500/1500"])]
     hkv = args.kv_heads or args.heads
