@@ -807,6 +807,9 @@ def _command_line() -> str:
 @click.option("--max-kv-gib", type=click.FloatRange(min=0, min_open=True), default=8.0, show_default=True,
               help="skip points whose fp16 K and V exceed this (every format's cache of a point lives at once)")
 @click.option("--splits", type=click.IntRange(1, 128), help="split count [default: chosen per shape]")
+@click.option("--page-order", type=click.Choice(("shuffled", "in-order")), default="shuffled", show_default=True,
+              help="the block table: the pool's pages shuffled (as an engine's allocator leaves them) or each "
+                   "sequence's pages in order (a fresh cache); qattn and the paged peers read the same pages")
 @click.option("--stages", type=click.IntRange(2, 4), help="K/V slots in flight [default: the format's tile]")
 @click.option("--tile", callback=_parse_tile_name, metavar="NAME",
               help="run every variant on this tile, e.g. m8n32w2s3 (block_m 8, 16 keys a warp, 2-4 slots) "
@@ -819,7 +822,8 @@ def _command_line() -> str:
 @click.option("--markdown", is_flag=True, help="also print the table as markdown for BENCHMARKS.md")
 @user_errors
 def bench_decode(shapes, batches, ctxs, preset, formats, qk_paths, k_terms, heads, kv_heads, gqa, head_dims, page_sizes,
-                 queries, scale, cold, max_kv_gib, splits, stages, tile, rounds, write_tokens, json_path, markdown):
+                 queries, scale, cold, max_kv_gib, splits, page_order, stages, tile, rounds, write_tokens, json_path,
+                 markdown):
     """Time the paged decode in each cache format and QK path beside torch SDPA (flash, cuDNN) on the
     same queries over the same K/V in fp16 and, where it is installed, FlashInfer's paged decode over
     the same pages (fp16, and e4m3 with one scale per tensor), L2-warm or HBM-cold, and the one-launch
@@ -844,7 +848,7 @@ def bench_decode(shapes, batches, ctxs, preset, formats, qk_paths, k_terms, head
         raise click.BadParameter(f"every point's fp16 K/V exceeds {max_kv_gib:g} GiB", param_hint="'--max-kv-gib'")
     with _Progress("bench decode", len(runs)) as progress:
         records = timing.bench_sweep(runs, variants, queries=queries, scale=scale, rounds=rounds, splits=splits,
-                                     stages=stages,
+                                     stages=stages, page_order=page_order,
                                      tiles=None if tile is None else {run.point.head_dim: tile for run in runs},
                                      progress=lambda run, recs: progress.done(
                                          f"{run.point.label} {'+'.join(run.modes)}: {len(recs)} records"))

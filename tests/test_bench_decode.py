@@ -137,6 +137,8 @@ def test_row_cells():
     assert bench.row_cells(error) == ["8x32768", "32/8", "128", "32", "-", "qattn:i8-i8/int8", "qk: not built | yet",
                                       "", "", "", "", ""]
     assert len(bench.row_cells(rec)) == len(bench.COLUMNS)
+    assert bench.row_cells(dict(rec, page_order="in-order"))[3] == "32 in order"
+    assert bench.row_cells(dict(rec, page_order="shuffled"))[3] == "32"
 
 
 def test_markdown_table():
@@ -171,6 +173,33 @@ def test_flashinfer_page_table_and_pages():
     assert np.array_equal(paged_peers.paged(y, 2, 64, 32).reshape(-1, 2, 4), y)
     with pytest.raises(ValueError, match="page_size"):
         paged_peers.page_table(1, 10, 0)
+
+
+def test_flashinfer_reads_qattns_shuffled_pages():
+    """With qattn's block table the peer's CSR indices are its page ids, and page j of sequence b sits at
+    table[b, j] of the NHD pages, so both read the same pages in the same order."""
+    rng = np.random.default_rng()
+    table = bench.page_ids(3, 70, 32, "shuffled", rng)
+    _, indices, _ = paged_peers.page_table(3, 70, 32, table)
+    assert indices.tolist() == table.reshape(-1).tolist() and indices.dtype == np.int32
+    x = rng.standard_normal((3 * 70, 2, 4)).astype(np.float16) + 5
+    pages = paged_peers.paged(x, 3, 70, 32, table)
+    in_order = paged_peers.paged(x, 3, 70, 32)
+    for b in range(3):
+        for j in range(3):
+            assert np.array_equal(pages[table[b, j]], in_order[3 * b + j])
+    with pytest.raises(ValueError, match="table"):
+        paged_peers.page_table(3, 70, 32, table[:, :2])
+
+
+def test_page_ids_shuffled_or_in_order():
+    rng = np.random.default_rng()
+    shuffled = bench.page_ids(4, 100, 32, "shuffled", rng)  # 4 pages a sequence
+    assert shuffled.shape == (4, 4) and shuffled.dtype == np.int32
+    assert sorted(shuffled.reshape(-1).tolist()) == list(range(16)) and shuffled.reshape(-1).tolist() != list(range(16))
+    assert bench.page_ids(4, 100, 32, "in-order", rng).reshape(-1).tolist() == list(range(16))
+    with pytest.raises(ValueError, match="page order"):
+        bench.page_ids(1, 32, 32, "reversed", rng)
 
 
 def test_flashinfer_e4m3_scale_fills_the_format():
@@ -300,6 +329,14 @@ def test_a_bad_tile_name_or_tile_with_stages_is_refused(fake_sweep):
     assert bad.exit_code == 2 and "--tile" in bad.output and "m128n64w4s2" in bad.output
     both = run("--tile", "m8n32w2s3", "--stages", "2")
     assert both.exit_code == 2 and "not both" in both.output and "runs" not in fake_sweep
+
+
+def test_page_order_reaches_the_sweep(fake_sweep):
+    assert run("--write-tokens", "0").exit_code == 0 and fake_sweep["page_order"] == "shuffled"
+    result = run("--page-order", "in-order", "--write-tokens", "0")
+    assert result.exit_code == 0, result.output
+    assert fake_sweep["page_order"] == "in-order"
+    assert_usage_error(run("--page-order", "reversed"), "--page-order")
 
 
 def test_stages_reach_the_sweep(fake_sweep):

@@ -83,7 +83,7 @@ def run_one(fmt: str, args) -> None:
     import cupy
     import numpy as np
 
-    from qattn.bench.decode import filled_cache
+    from qattn.bench.decode import filled_cache, page_ids
     from qattn.formats.decode import decode
 
     crng, rng = cupy.random.default_rng(args.seed), np.random.default_rng(args.seed)
@@ -91,7 +91,7 @@ def run_one(fmt: str, args) -> None:
             .astype(cupy.float16) for _ in range(2))
     q = crng.standard_normal((args.batch, args.heads, 1, args.head_dim), dtype=cupy.float32).astype(cupy.float16)
     cache, table = filled_cache(fmt, k, v, args.batch, args.ctx, args.kv_heads, args.head_dim, args.page_size,
-                                args.scale, rng)
+                                args.scale, page_ids(args.batch, args.ctx, args.page_size, "shuffled", rng))
     del k, v
     lens = cupy.full(args.batch, args.ctx, dtype=cupy.int32)
     out = cupy.empty_like(q)

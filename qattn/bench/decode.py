@@ -179,18 +179,31 @@ def k_term_options(term: str, kv_heads: int, head_dim: int, ctx: int) -> dict:
     return {"k_bias": bias, "rope": RoPE(max_positions=ctx), "k_bias_layout": term.replace("rope-", "") + "-rope"}
 
 
-def filled_cache(fmt, k, v, batch, ctx, kv_heads, head_dim, page_size, scale, rng, **options):
-    """A cache holding k, v [batch * ctx, kv_heads, head_dim] in shuffled pages (with the PagedKVCache
-    options given; post-RoPE keys written at their index in the sequence); returns it and its table."""
+PAGE_ORDERS = ("shuffled", "in-order")
+
+
+def page_ids(batch: int, ctx: int, page_size: int, order: str, rng) -> np.ndarray:
+    """The block table [batch, pages a sequence] int32 of `batch` sequences of `ctx` tokens: a permutation
+    of the pool's pages (as a serving engine's allocator leaves them after a while; rng draws it) or the
+    pages in order (a fresh cache, each sequence's pages contiguous)."""
+    if order not in PAGE_ORDERS:
+        raise ValueError(f"page order: expected one of {', '.join(PAGE_ORDERS)}, got {order!r}")
+    pages_per_seq = -(-ctx // page_size)
+    ids = np.arange(batch * pages_per_seq) if order == "in-order" else rng.permutation(batch * pages_per_seq)
+    return ids.reshape(batch, pages_per_seq).astype(np.int32)
+
+
+def filled_cache(fmt, k, v, batch, ctx, kv_heads, head_dim, page_size, scale, table, **options):
+    """A cache holding k, v [batch * ctx, kv_heads, head_dim] in the pages of table (numpy, page_ids;
+    with the PagedKVCache options given; post-RoPE keys written at their index in the sequence);
+    returns it and the table on the device."""
     import cupy
 
     from ..formats.decode import PagedKVCache
 
-    pages_per_seq = -(-ctx // page_size)
-    num_pages = batch * pages_per_seq
+    num_pages = table.size
     k_side, v_side = fmt.split("-")
     cache = PagedKVCache(num_pages, page_size, kv_heads, head_dim, k=k_side, v=v_side, scale=scale, **options)
-    table = rng.permutation(num_pages).reshape(batch, pages_per_seq).astype(np.int32)
     tokens = np.arange(ctx)
     slots = (table[:, tokens // page_size] * page_size + tokens % page_size).reshape(-1).astype(np.int64)
     post_rope = options.get("rope") is not None and options.get("k_bias_layout") == "post-rope"
@@ -203,10 +216,11 @@ def _first_line(exc: Exception) -> str:
     return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
-def _peer_calls(point: Point, q, k, v, peers, base: dict):
+def _peer_calls(point: Point, q, k, v, peers, base: dict, table):
     """The peers' (record, call) pairs, their error records, and the first SDPA peer's output (the
     fp16 reference), or None where none runs: the SDPA peers on dense fp16 copies of k, v; the
-    paged peers on pages of k, v (their rel_l2 against the reference where there is one)."""
+    paged peers on pages of k, v at qattn's page ids (table; their rel_l2 against the reference where
+    there is one)."""
     import cupy
 
     fns = [(name, fn) for name in peers if name in SDPA_PEERS and (fn := peer(name)) is not None]
@@ -228,7 +242,7 @@ def _peer_calls(point: Point, q, k, v, peers, base: dict):
         timed.append((dict(base, impl=name, bytes=point.fp16_kv_bytes), call))
     for name in (n for n in peers if n in PAGED_PEERS):
         try:
-            built = paged_peer(name, q, k, v, batch=point.batch, ctx=point.ctx, page_size=point.page_size)
+            built = paged_peer(name, q, k, v, batch=point.batch, ctx=point.ctx, page_size=point.page_size, table=table)
             if built is None:  # FlashInfer is not installed
                 continue
             call, nbytes = built
@@ -294,20 +308,22 @@ def _time_mode(timed, mode: str, rounds: int, prelude, copy_gbs: float) -> list[
 
 
 def _bench_point(run: Run, variants, *, queries, scale, peers, rounds, splits, tile, stages, copy_gbs, preludes, rng,
-                 crng):
-    """The records of one point: peers and (format, QK path) variants on the same K/V, in each mode."""
+                 crng, page_order):
+    """The records of one point: peers and (format, QK path) variants on the same K/V in the same pages,
+    in each mode."""
     import cupy
 
     from ..formats.decode import decode
 
     p = run.point
     base = {"batch": p.batch, "ctx": p.ctx, "heads": p.heads, "kv_heads": p.kv_heads, "head_dim": p.head_dim,
-            "queries": queries, "page_size": p.page_size, "scale": scale, "copy_gbs": copy_gbs}
+            "queries": queries, "page_size": p.page_size, "page_order": page_order, "scale": scale, "copy_gbs": copy_gbs}
     k, v = (crng.standard_normal((p.batch * p.ctx, p.kv_heads, p.head_dim), dtype=cupy.float32).astype(cupy.float16)
             for _ in range(2))
     q = crng.standard_normal((p.batch, p.heads, queries, p.head_dim), dtype=cupy.float32).astype(cupy.float16)
     lens = cupy.full(p.batch, p.ctx, dtype=cupy.int32)
-    timed, failed, reference = _peer_calls(p, q, k, v, peers, base) if queries == 1 else ([], [], None)
+    table = page_ids(p.batch, p.ctx, p.page_size, page_order, rng)
+    timed, failed, reference = _peer_calls(p, q, k, v, peers, base, table) if queries == 1 else ([], [], None)
     caches = {}
     for fmt, qk, *rest in variants:
         term = rest[0] if rest else "plain"
@@ -316,7 +332,7 @@ def _bench_point(run: Run, variants, *, queries, scale, peers, rounds, splits, t
         try:  # a path, option or spec this build or GPU lacks is recorded, not raised
             if (fmt, term) not in caches:
                 caches[fmt, term] = filled_cache(fmt, k, v, p.batch, p.ctx, p.kv_heads, p.head_dim, p.page_size,
-                                                 scale, rng, **k_term_options(term, p.kv_heads, p.head_dim, p.ctx))
+                                                 scale, table, **k_term_options(term, p.kv_heads, p.head_dim, p.ctx))
             cache, table = caches[fmt, term]
             own = tile
             if stages is not None:  # the variant's own default tile, with that many K/V slots
@@ -338,13 +354,15 @@ def _bench_point(run: Run, variants, *, queries, scale, peers, rounds, splits, t
 
 
 def bench_sweep(runs, variants, *, queries: int = 1, scale: str = "token", peers=DECODE_PEERS, rounds: int = 3,
-                seed: int = 0, splits=None, tiles=None, stages=None, progress=None) -> list[dict]:
+                seed: int = 0, splits=None, tiles=None, stages=None, page_order: str = "shuffled",
+                progress=None) -> list[dict]:
     """One record per (run, L2 mode, implementation): median ms, GB/s, its fraction of the copy
     bandwidth, the ratio to each peer (vs_PEER) and to the faster one (vs_sdpa), rel_l2 against the
     fp16 SDPA answer on the same queries; a record with "error" where a peer or variant cannot run.
     runs: Run (point, modes); variants: (format, qk path) pairs or (format, qk path, K term) triples
     (K_TERMS); tiles: {head_dim: Tile} to override the formats' default tiles; stages: K/V slots in
-    flight on each variant's default tile instead; progress(run, records) after each run."""
+    flight on each variant's default tile instead; page_order: each point's block table, "shuffled" or
+    "in-order" (page_ids), the same for qattn and the paged peers; progress(run, records) after each run."""
     import cupy
 
     rng = np.random.default_rng(seed)
@@ -355,7 +373,7 @@ def bench_sweep(runs, variants, *, queries: int = 1, scale: str = "token", peers
     for run in runs:
         point_records = _bench_point(run, variants, queries=queries, scale=scale, peers=peers, rounds=rounds,
                                      splits=splits, tile=(tiles or {}).get(run.point.head_dim), stages=stages,
-                                     copy_gbs=copy_gbs, preludes=preludes, rng=rng, crng=crng)
+                                     copy_gbs=copy_gbs, preludes=preludes, rng=rng, crng=crng, page_order=page_order)
         records += point_records
         cupy.get_default_memory_pool().free_all_blocks()  # the next point's caches may differ in size
         if progress is not None:
@@ -388,7 +406,8 @@ def _cell(value, spec: str) -> str:
 def row_cells(record: dict) -> list[str]:
     """A record's cells under COLUMNS; an error record carries its message in the ms column."""
     head = [f"{record['batch']}x{record['ctx']}", f"{record['heads']}/{record['kv_heads']}", str(record["head_dim"]),
-            str(record["page_size"]), record.get("l2", "-"), record["impl"]]
+            str(record["page_size"]) + (" in order" if record.get("page_order") == "in-order" else ""),
+            record.get("l2", "-"), record["impl"]]
     if "error" in record:
         return head + [record["error"], "", "", "", "", ""]
     return head + [_cell(record["ms"], ".4f"), _cell(record["gbs"], ".0f"), _cell(record["of_copy"], ".2f"),

@@ -12,29 +12,39 @@ E4M3_MAX = 448.0
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace for split-KV partials
 
 
-def page_table(batch: int, ctx: int, page_size: int):
-    """FlashInfer's CSR page table of `batch` sequences of `ctx` tokens each, page-major and in order:
-    indptr [batch + 1], indices [pages], last_page_len [batch] (1 .. page_size), all int32."""
+def page_table(batch: int, ctx: int, page_size: int, table=None):
+    """FlashInfer's CSR page table of `batch` sequences of `ctx` tokens each: indptr [batch + 1], indices
+    [pages], last_page_len [batch] (1 .. page_size), all int32. table: the page ids [batch, pages a
+    sequence] (numpy; qattn's block table) where the pages are not in order."""
     if min(batch, ctx, page_size) < 1:
         raise ValueError(f"batch, ctx, page_size: expected positive sizes, got {batch}, {ctx}, {page_size}")
     pages = -(-ctx // page_size)
     indptr = np.arange(batch + 1, dtype=np.int32) * pages
     indices = np.arange(batch * pages, dtype=np.int32)
+    if table is not None:
+        if table.shape != (batch, pages):
+            raise ValueError(f"table: expected [{batch}, {pages}] page ids, got {tuple(table.shape)}")
+        indices = np.ascontiguousarray(table, dtype=np.int32).reshape(-1)
     last = np.full(batch, ctx - (pages - 1) * page_size, dtype=np.int32)
     return indptr, indices, last
 
 
-def paged(x, batch: int, ctx: int, page_size: int):
+def paged(x, batch: int, ctx: int, page_size: int, table=None):
     """x [batch * ctx, kv_heads, head_dim] (tokens of each sequence in order; an array module's array)
     as FlashInfer's NHD pages [batch * pages, page_size, kv_heads, head_dim], the last page of each
-    sequence zero-padded."""
+    sequence zero-padded; page j of sequence b at table[b, j] where a table is given (else in order)."""
     xp = _array_module(x)
     pages = -(-ctx // page_size)
     per_seq = x.reshape(batch, ctx, *x.shape[1:])
     if pages * page_size != ctx:
         pad = xp.zeros((batch, pages * page_size - ctx, *x.shape[1:]), dtype=x.dtype)
         per_seq = xp.concatenate([per_seq, pad], axis=1)
-    return xp.ascontiguousarray(per_seq.reshape(batch * pages, page_size, *x.shape[1:]))
+    in_order = per_seq.reshape(batch * pages, page_size, *x.shape[1:])
+    if table is None:
+        return xp.ascontiguousarray(in_order)
+    placed = xp.empty_like(in_order)
+    placed[xp.asarray(np.asarray(table).reshape(-1))] = in_order
+    return placed
 
 
 def e4m3_tensor_scale(x) -> float:
@@ -50,10 +60,10 @@ def _array_module(x):
     return importlib.import_module("cupy") if type(x).__module__.startswith("cupy") else np
 
 
-def paged_peer(name: str, q, k, v, *, batch: int, ctx: int, page_size: int):
+def paged_peer(name: str, q, k, v, *, batch: int, ctx: int, page_size: int, table=None):
     """(call, bytes read) of the named FlashInfer peer on q [batch, heads, 1, head_dim] (fp16, cupy) and
-    k, v [batch * ctx, kv_heads, head_dim] (fp16, cupy), or None where FlashInfer or torch is
-    missing. call() returns the output [batch, heads, head_dim] as a torch tensor. The cache,
+    k, v [batch * ctx, kv_heads, head_dim] (fp16, cupy) in the pages of `table` (numpy [batch, pages a
+    sequence]; None: in order), or None where FlashInfer or torch is missing. call() returns the output [batch, heads, head_dim] as a torch tensor. The cache,
     page table and plan are built once, outside the timed call."""
     if name not in PAGED_PEERS:
         raise ValueError(f"peer: expected one of {', '.join(PAGED_PEERS)}, got {name!r}")
@@ -63,13 +73,13 @@ def paged_peer(name: str, q, k, v, *, batch: int, ctx: int, page_size: int):
     except ImportError:
         return None
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], k.shape[2]
-    pages = [torch.from_dlpack(paged(x, batch, ctx, page_size)) for x in (k, v)]
+    pages = [torch.from_dlpack(paged(x, batch, ctx, page_size, table)) for x in (k, v)]
     scales = {}
     if name == "flashinfer_e4m3":
         scales = {"k_scale": e4m3_tensor_scale(k), "v_scale": e4m3_tensor_scale(v)}
         pages = [(p.float() / s).to(torch.float8_e4m3fn) for p, s in zip(pages, scales.values())]
     device = pages[0].device
-    indptr, indices, last = (torch.from_numpy(a).to(device) for a in page_table(batch, ctx, page_size))
+    indptr, indices, last = (torch.from_numpy(a).to(device) for a in page_table(batch, ctx, page_size, table))
     workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
     wrapper.plan(indptr, indices, last, heads, kv_heads, head_dim, page_size, q_data_type=torch.float16,
