@@ -484,10 +484,11 @@ def test_cuda_graph_capture_of_a_page_mean_decode_step():
 @pytest.mark.parametrize("name,tol", [("flashinfer", 2e-3), ("flashinfer_e4m3", 6e-2)])
 def test_flashinfer_peers_agree_with_fp64(name, tol):
     """The benchmark's FlashInfer peers (bench/paged_peers.py), where FlashInfer is installed: pages of
-    the same tokens, a last page part full, GQA; the fp16 cache within fp16's error of FP64, the e4m3
+    the same tokens in shuffled pages, a last page part full, GQA; the fp16 cache within fp16's error of FP64, the e4m3
     one (one scale per tensor) within e4m3's."""
     import cupy
 
+    from qattn.bench import decode as bench_decode
     from qattn.bench import paged_peers
     from qattn.check import reference
 
@@ -497,11 +498,30 @@ def test_flashinfer_peers_agree_with_fp64(name, tol):
     batch, ctx, heads, kv_heads, d = 3, 1000, 16, 4, 128
     k, v = (rng.standard_normal((batch * ctx, kv_heads, d)).astype(np.float16) for _ in range(2))
     q = rng.standard_normal((batch, heads, 1, d)).astype(np.float16)
+    table = bench_decode.page_ids(batch, ctx, 32, "shuffled", rng)  # the pages qattn reads in the benchmark
     call, nbytes = paged_peers.paged_peer(name, cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), batch=batch,
-                                          ctx=ctx, page_size=32)
+                                          ctx=ctx, page_size=32, table=table)
     assert nbytes == batch * 32 * 32 * kv_heads * d * 2 * (1 if name.endswith("e4m3") else 2)  # 32 pages a sequence
     out = cupy.asnumpy(cupy.from_dlpack(call().contiguous())).reshape(batch, heads, 1, d)
     per_seq = [x.reshape(batch, ctx, kv_heads, d).transpose(0, 2, 1, 3) for x in (k, v)]
     ref = reference.attention(q, *per_seq)
     err = metrics.compare(out, ref)
     assert err.nonfinite == 0 and err.rel_l2 <= tol, err
+
+
+@pytest.mark.parametrize("page_order", ["shuffled", "in-order"])
+def test_bench_sweep_times_every_format_on_one_block_table(page_order):
+    """`qattn bench decode`'s sweep: every format of a point is filled into the same pages and timed,
+    none recorded as an error, and (where torch's SDPA runs) each agrees with the fp16 answer within its
+    format's error."""
+    from qattn.bench import decode as bench
+
+    formats = ("f16-f16", "e4m3-e4m3", "i8-i8", "f16-e4m3")
+    run = bench.Run(bench.Point(2, 200, heads=8, kv_heads=2, head_dim=64, page_size=16), ("warm",))
+    records = bench.bench_sweep([run], [(f, "auto") for f in formats], rounds=1, page_order=page_order)
+    ours = {r["format"]: r for r in records if r["impl"].startswith("qattn:")}
+    assert set(ours) == set(formats), records
+    for fmt, rec in ours.items():
+        assert "error" not in rec and rec["ms"] > 0 and rec["page_order"] == page_order, rec
+        if "rel_l2_vs_fp16" in rec:
+            assert rec["rel_l2_vs_fp16"] < (1e-3 if fmt == "f16-f16" else 6e-2), rec

@@ -333,12 +333,12 @@ def _bench_point(run: Run, variants, *, queries, scale, peers, rounds, splits, t
             if (fmt, term) not in caches:
                 caches[fmt, term] = filled_cache(fmt, k, v, p.batch, p.ctx, p.kv_heads, p.head_dim, p.page_size,
                                                  scale, table, **k_term_options(term, p.kv_heads, p.head_dim, p.ctx))
-            cache, table = caches[fmt, term]
+            cache, block_table = caches[fmt, term]
             own = tile
             if stages is not None:  # the variant's own default tile, with that many K/V slots
                 own = replace(cache.spec(qk=qk, rows=p.heads // p.kv_heads * queries).tile, stages=stages)
             out = cupy.empty_like(q)
-            call = functools.partial(decode, q, cache, table, lens, out=out, qk=qk, splits=splits, tile=own)
+            call = functools.partial(decode, q, cache, block_table, lens, out=out, qk=qk, splits=splits, tile=own)
             call()
         except (ValueError, TypeError, RuntimeError) as exc:
             failed.append(dict(rec, error=_first_line(exc)))
