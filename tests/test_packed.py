@@ -141,5 +141,20 @@ def test_a_failed_programmatic_launch_raises(monkeypatch):
 
     monkeypatch.setattr(packed, "_launch_kernel_ex", lambda: lambda *args: 1)  # CUDA_ERROR_INVALID_VALUE
     launch = PackedLaunch(SimpleNamespace(ptr=7), (1, 1, 1), 32, 0, (), programmatic=True)
-    with pytest.raises(packed.LaunchError, match="CUresult 1"):
+    with pytest.raises(packed.LaunchError, match=r"cuLaunchKernelEx: .*1.*grid \(1, 1, 1\), 32 threads, 0 B"):
+        launch({}, 0)
+
+
+def test_a_failed_plain_launch_names_its_shape(monkeypatch):
+    from cupy.cuda import driver
+
+    from qattn.engine import packed
+
+    def refuse(*args):
+        raise RuntimeError("CUDA_ERROR_INVALID_VALUE: invalid argument")  # as CuPy's CUDADriverError reads
+
+    monkeypatch.setattr(driver, "launchKernel", refuse)
+    launch = PackedLaunch(SimpleNamespace(ptr=7), (4, 2, 1), 256, 222336, ())
+    with pytest.raises(packed.LaunchError, match=r"cuLaunchKernel: CUDA_ERROR_INVALID_VALUE.*grid \(4, 2, 1\), "
+                                                r"256 threads, 222336 B of dynamic shared memory"):
         launch({}, 0)

@@ -93,7 +93,17 @@ _PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 class LaunchError(RuntimeError):
-    """A programmatic launch the driver refused (the CUresult is in the message)."""
+    """A launch the driver refused: its error, grid, block and shared memory are in the message."""
+
+
+def _status_text(status: int) -> str:
+    """A CUresult as the driver names it (CuPy's text), or its number where the driver cannot say."""
+    try:
+        from cupy.cuda import driver
+
+        return str(driver.CUDADriverError(status))
+    except Exception:  # no driver to ask
+        return f"CUresult {status}"
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte value union
@@ -192,10 +202,16 @@ class PackedLaunch:
                     ctypes.memmove(address, value, size)
                     self._blob_bytes[name] = value
             if self._ex is None:
-                self._launch(self._function_ptr, *self._dims, stream_ptr, self._params_ptr, 0)
+                try:
+                    self._launch(self._function_ptr, *self._dims, stream_ptr, self._params_ptr, 0)
+                except RuntimeError as exc:  # CuPy's CUDADriverError
+                    raise self._refused(f"cuLaunchKernel: {exc}") from exc
                 return
             self._config.stream = stream_ptr
             status = self._ex(self._config_ref, self._function_ptr, self._params_ptr, None)
         if status:
-            raise LaunchError(f"cuLaunchKernelEx returned CUresult {status} for grid {self._dims[:3]}, "
-                              f"{self._dims[3]} threads, {self._dims[6]} B of shared memory")
+            raise self._refused(f"cuLaunchKernelEx: {_status_text(status)}")
+
+    def _refused(self, what: str) -> LaunchError:
+        return LaunchError(f"{what} (grid {self._dims[:3]}, {self._dims[3]} threads, {self._dims[6]} B of dynamic "
+                           "shared memory)")
