@@ -356,3 +356,41 @@ def test_content_key_covers_every_input():
                 ("src", ["-a", "-b"], "nvrtc-13.1", "sm_80"), ("src", ["-a", "-b"], "nvrtc-13.0", "sm_90a"),
                 ("src", ["-a-b"], "nvrtc-13.0", "sm_80")]
     assert len({content_key(*v) for v in variants} | {k}) == len(variants) + 1
+
+
+def test_entries_ask_for_no_more_dynamic_shared_memory_than_they_can_take(monkeypatch):
+    """A module's entries all get the main kernel's dynamic shared memory figure, capped per entry at the
+    block's limit less its static arrays: a quantizer entry with 13 KB of static arrays beside a 217 KB
+    attention kernel (i8-f16 m64n128w4s4) made the driver refuse the attribute, and so the call."""
+    cupy = pytest.importorskip("cupy")
+    from types import SimpleNamespace
+
+    from cupy.cuda import driver, runtime
+
+    from qattn.engine.tile import Tile
+
+    spec = KernelSpec(kind="prefill", recipe="i8-f16", head_dim=128, arch="sm_90a", mma="wgmma",
+                      tile=Tile(64, 128, 4, 4))
+    kernel = kernel_module.Kernel(spec, "", b"", {})
+    assert kernel.shared_bytes == 222336
+    statics = {"": 0, "_stats_f16": 13312}
+    ptrs = {}
+
+    class Module:
+        def load(self, binary):
+            pass
+
+        def get_function(self, name):
+            suffix = name.removeprefix(kernel_module.entry_name(spec))
+            ptrs[len(ptrs) + 1] = suffix
+            return SimpleNamespace(ptr=len(ptrs))
+
+    limits = {}
+    monkeypatch.setattr(cupy.cuda.function, "Module", Module)
+    monkeypatch.setattr(driver, "funcGetAttribute", lambda attr, ptr: statics[ptrs[ptr]])
+    monkeypatch.setattr(driver, "funcSetAttribute", lambda ptr, attr, value: limits.update({ptrs[ptr]: value}))
+    monkeypatch.setattr(runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(runtime, "deviceGetAttribute", lambda attr, device: 232448)  # the H200's per-block opt-in
+    kernel.function()
+    kernel.function("_stats_f16")
+    assert limits == {"": 222336, "_stats_f16": 232448 - 13312}

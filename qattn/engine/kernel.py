@@ -63,9 +63,20 @@ class Kernel:
             fn = self._module.get_function(entry_name(self.spec) + suffix)
             if self.shared_bytes > 48 * 1024:
                 driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                        self.shared_bytes)
+                                        self._dynamic_limit(fn))
             self._functions[suffix] = fn
         return fn
+
+    def _dynamic_limit(self, fn) -> int:
+        """The dynamic shared memory entry fn may ask for: the spec's, at most what a block can take beside
+        fn's static arrays. A module's other entries (quantizers, merges, writers) launch with none of
+        their own and may hold static arrays that the main kernel's figure would push over the limit (the
+        driver then refuses the attribute)."""
+        from cupy.cuda import driver, runtime
+
+        static = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn.ptr)
+        optin = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, runtime.getDevice())
+        return min(self.shared_bytes, optin - static)
 
     def resident(self, device_id: int, suffix: str = "") -> tuple[int, int]:
         """The device's SM count and how many blocks of entry `suffix` one SM holds (the driver's
