@@ -3,8 +3,8 @@ that enforces it, and the split count that fills one wave."""
 import pytest
 
 from qattn.engine.tile import Tile
-from qattn.formats.decode.schedule import (IN_FLIGHT_BYTES, auto_splits, capped_shared_bytes, key_bytes,
-                                           target_blocks_per_sm)
+from qattn.formats.decode.schedule import (CLUSTER_SPLITS, IN_FLIGHT_BYTES, auto_splits, capped_shared_bytes,
+                                           cluster_merge, key_bytes, target_blocks_per_sm)
 
 H200_SM_BYTES, RESERVED, BLOCK_LIMIT = 233472, 1024, 232448
 
@@ -37,3 +37,14 @@ def test_splits_fill_one_wave_when_the_grid_fits_in_one():
     assert auto_splits(512, 64, 132, 2) == 1  # two waves of 264, the last 94% full
     assert auto_splits(3, 2048, 132, 4, least=5) == 128  # as many as allowed: 384 of 528 slots
     assert auto_splits(4, 7, 132, 4) == 1  # too few steps to split
+
+
+def test_splits_merge_in_a_cluster_only_where_it_costs_no_wave():
+    assert cluster_merge(8, 64, 528, 64)  # 8x32768 K8/V8: 64 clusters of 8 in one wave
+    assert not cluster_merge(8, 64, 528, 63)  # one cluster short: a second wave the plain grid does not take
+    assert cluster_merge(4, 64, 264, 64)
+    assert cluster_merge(8, 200, 528, 60)  # four waves either way (1600 blocks over 528 slots)
+    assert not cluster_merge(8, 200, 528, 40)  # five against four
+    assert not cluster_merge(1, 64, 528, 528)  # nothing to merge
+    assert not cluster_merge(CLUSTER_SPLITS + 1, 8, 528, 66)  # larger than a portable cluster
+    assert not cluster_merge(2, 8, 528, 0)  # the driver cannot launch the cluster

@@ -201,6 +201,49 @@ def test_decode_matches_emulator_and_fp64(fmt, head_dim, group, lq, page_size, p
         assert err.rel_l2 <= tol.rel_l2 and err.max_rel <= tol.max_rel, (splits, err)
 
 
+@pytest.mark.parametrize("fmt, qk", [("f16-f16", "transform"), ("e4m3-e4m3", "transform"), ("i8-i8", "int8"),
+                                     ("bf16-e4m3", "transform")])
+def test_splits_merged_in_a_cluster_match_the_merge_kernel(monkeypatch, fmt, qk):
+    """From sm_90 the splits of a (kv head, row chunk, sequence) of at most CLUSTER_SPLITS run as one
+    cluster and merge in it, no merge launch: the output (into a view only 2-byte aligned) and the LSE
+    agree with the merge kernel's within rounding and with the emulator; every element is written."""
+    import cupy
+
+    from qattn.engine.packed import programmatic
+    from qattn.formats.decode import schedule
+
+    lq, group = 2, 4
+    cache, host, table, lens, *_ = _filled(fmt, batch=3, kv_heads=2, head_dim=128, lens=[1 + lq, 1900, 3001])
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((3, 2 * group, lq, 128)).astype(_dtype(fmt))
+    qd, td, ld = cupy.asarray(q), cupy.asarray(table), cupy.asarray(lens)
+    kernel = cache.kernel(None, qk, group * lq)
+    if not programmatic(kernel.spec):
+        pytest.skip("thread-block clusters are sm_90 and newer")
+
+    def run(splits):
+        kernel.plans.clear()
+        buffer = cupy.full(q.shape[:3] + (129,), np.nan, dtype=qd.dtype)
+        out = buffer[..., 1:]  # 2 bytes past an 8-byte boundary
+        got, lse = qattn.decode(qd, cache, td, ld, splits=splits, out=out, return_lse=True, qk=qk)
+        plan = next(reversed(kernel.plans.values()))
+        got = cupy.asnumpy(got).astype(np.float32)
+        assert not np.isnan(got).any(), "an output element was left unwritten"
+        return got, cupy.asnumpy(lse), plan
+
+    for splits in (2, 5, schedule.CLUSTER_SPLITS):
+        clustered, clustered_lse, plan = run(splits)
+        assert plan.merge is None and plan.decode.cluster == splits and plan.ws_bytes == 0
+        with monkeypatch.context() as m:
+            m.setattr(schedule, "CLUSTER_SPLITS", 1)
+            merged, merged_lse, plan = run(splits)
+        assert plan.merge is not None and plan.decode.cluster == 1
+        np.testing.assert_allclose(clustered, merged, rtol=2e-3, atol=2e-3)
+        np.testing.assert_allclose(clustered_lse, merged_lse, rtol=1e-5, atol=1e-5)
+        want = emu.emulate(q, host, table, lens, splits=splits, qk=qk)
+        assert metrics.compare(clustered, want).rel_l2 <= 1e-3, (splits, metrics.compare(clustered, want))
+
+
 def test_decode_format_cost_is_measured_against_the_original_kv():
     """The K8/V8 format's own error (the cache's rounding) against FP64 on the original fp16 K/V:
     e4m3 costs a few percent, int8 with token scales about 1%."""

@@ -106,7 +106,7 @@ def test_a_programmatic_launch_passes_the_attribute_and_the_same_parameters(monk
         config = config_ref._obj
         attr = config.attrs[0]
         seen.append(dict(grid=tuple(config.grid), block=tuple(config.block), smem=config.shared_mem,
-                         stream=config.stream, attrs=config.num_attrs, attr=(attr.id, attr.value), f=function,
+                         stream=config.stream, attrs=config.num_attrs, attr=(attr.id, attr.value[0]), f=function,
                          params=params, extra=extra))
         return 0
 
@@ -124,6 +124,35 @@ def test_a_programmatic_launch_passes_the_attribute_and_the_same_parameters(monk
         assert got["attrs"] == 1 and got["attr"] == (packed._PROGRAMMATIC_STREAM_SERIALIZATION, 1)
         assert read_params(got["params"], (ctypes.c_uint64, ctypes.c_int32)) == [base + 256 * call + 16, n32]
     assert launches == []  # never the plain launch
+
+
+def test_a_cluster_launch_passes_its_dimension_beside_the_programmatic_attribute(monkeypatch, launches):
+    from qattn.engine import packed
+
+    seen = []
+
+    def fake_ex(config_ref, function, params, extra):
+        config = config_ref._obj
+        seen.append([(config.attrs[i].id, tuple(config.attrs[i].value[:3])) for i in range(config.num_attrs)])
+        return 0
+
+    monkeypatch.setattr(packed, "_launch_kernel_ex", lambda: fake_ex)
+    cluster = int(np.random.default_rng().integers(2, 9))
+    for programmatic in (True, False):
+        launch = PackedLaunch(SimpleNamespace(ptr=3), (3 * cluster, 5, 2), 64, 0, (), programmatic=programmatic,
+                              cluster=cluster)
+        assert launch.programmatic == programmatic and launch.cluster == cluster
+        launch({}, 0)
+        want = [(packed._CLUSTER_DIMENSION, (cluster, 1, 1))]
+        if programmatic:
+            want.insert(0, (packed._PROGRAMMATIC_STREAM_SERIALIZATION, (1, 0, 0)))
+        assert seen[-1] == want
+    assert launches == []
+    with pytest.raises(ValueError, match="not a multiple of the cluster's"):
+        PackedLaunch(SimpleNamespace(ptr=3), (cluster + 1, 1, 1), 64, 0, (), cluster=cluster)
+    monkeypatch.setattr(packed, "_launch_kernel_ex", lambda: None)
+    with pytest.raises(packed.LaunchError, match="cuLaunchKernelEx"):
+        PackedLaunch(SimpleNamespace(ptr=3), (cluster, 1, 1), 64, 0, (), cluster=cluster)
 
 
 def test_a_programmatic_launch_without_the_driver_entry_is_a_plain_one(monkeypatch, launches):

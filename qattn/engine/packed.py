@@ -88,7 +88,9 @@ def programmatic(spec) -> bool:
     templates' entries all pass grid_dependency_wait (common.cuh.j2) before touching memory."""
     return spec.backend == "cuda" and int(spec.arch[3:].rstrip("a")) >= 90
 
-# cuda.h: CUlaunchAttributeID CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION.
+# cuda.h: CUlaunchAttributeIDs CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION and
+# CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION.
+_CLUSTER_DIMENSION = 4
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
@@ -107,7 +109,17 @@ def _status_text(status: int) -> str:
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte value union
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+
+
+def _attributes(programmatic: bool, cluster: int):
+    """The launch attributes of a programmatic launch and of a cluster of `cluster` blocks along x."""
+    chosen = []
+    if programmatic:
+        chosen.append(_LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=(ctypes.c_uint * 16)(1)))
+    if cluster > 1:
+        chosen.append(_LaunchAttribute(id=_CLUSTER_DIMENSION, value=(ctypes.c_uint * 16)(cluster, 1, 1)))
+    return (_LaunchAttribute * max(1, len(chosen)))(*chosen), len(chosen)
 
 
 class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
@@ -127,12 +139,40 @@ def _launch_kernel_ex():
     return fn
 
 
+@functools.lru_cache(maxsize=1)
+def _max_active_clusters():
+    """The driver's cuOccupancyMaxActiveClusters (CUDA 12+), or None."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
+    return fn
+
+
+def max_active_clusters(function, grid, block: int, shared_mem: int, cluster: int) -> int:
+    """How many clusters of `cluster` blocks (along x) of this kernel the GPU runs at once with this grid,
+    block and dynamic shared memory; 0 where the driver cannot launch such clusters (or has no
+    cuOccupancyMaxActiveClusters)."""
+    fn = _max_active_clusters()
+    if fn is None or cluster < 2 or int(grid[0]) % cluster:
+        return 0
+    attrs, count = _attributes(False, cluster)
+    config = _LaunchConfig((ctypes.c_uint * 3)(*(int(g) for g in grid)), (ctypes.c_uint * 3)(int(block), 1, 1),
+                           int(shared_mem), None, attrs, count)
+    found = ctypes.c_int(0)
+    return found.value if fn(ctypes.byref(found), function.ptr, ctypes.byref(config)) == 0 else 0
+
+
 class PackedLaunch:
     """One kernel launch with its grid, block, shared memory and parameters fixed: args are numpy
     scalars (np.int32, np.int64, np.float32, np.uintp: written once), Pointers or Blobs (written per
-    call)."""
+    call). cluster > 1: the blocks run as thread-block clusters of that many along x (sm_90 and newer;
+    grid x a multiple of it)."""
 
-    def __init__(self, function, grid, block: int, shared_mem: int, args, programmatic: bool = False):
+    def __init__(self, function, grid, block: int, shared_mem: int, args, programmatic: bool = False,
+                 cluster: int = 1):
         if len(grid) != 3:
             raise ValueError(f"grid: expected 3 dimensions, got {tuple(grid)}")
         self._function = function  # held: its module must outlive the launches
@@ -175,17 +215,23 @@ class PackedLaunch:
         from cupy.cuda import driver
 
         self._launch = driver.launchKernel
-        self._ex = _launch_kernel_ex() if programmatic else None
+        if cluster > 1 and self._dims[0] % cluster:
+            raise ValueError(f"grid {tuple(grid)}: x is not a multiple of the cluster's {cluster} blocks")
+        self._ex = _launch_kernel_ex() if programmatic or cluster > 1 else None
+        if self._ex is None and cluster > 1:
+            raise LaunchError("a cluster launch needs the driver's cuLaunchKernelEx (CUDA 12 or newer)")
+        self._programmatic = programmatic and self._ex is not None
+        self.cluster = int(cluster)
         if self._ex is not None:
-            self._attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+            self._attrs, count = _attributes(programmatic, cluster)
             self._config = _LaunchConfig((ctypes.c_uint * 3)(*self._dims[:3]), (ctypes.c_uint * 3)(*self._dims[3:6]),
-                                         self._dims[6], None, ctypes.pointer(self._attr), 1)
+                                         self._dims[6], None, self._attrs, count)
             self._config_ref = ctypes.byref(self._config)
 
     @property
     def programmatic(self) -> bool:
         """Whether the launch lets the GPU start the kernel before its predecessor has drained."""
-        return self._ex is not None
+        return self._programmatic
 
     def __call__(self, pointers: dict, stream_ptr: int) -> None:
         """Launch with each Pointer's pointers[name] + offset and each Blob's bytes pointers[name] (the

@@ -1,5 +1,6 @@
 """Decode over a paged K-V cache on the GPU: ``qattn.decode`` checks a call, picks the split of the
-keys, and launches the decode kernel (and, with splits, the merge) on the caller's stream.
+keys, and launches the decode kernel (and, with splits that do not merge inside a thread-block
+cluster, the merge) on the caller's stream.
 
 A call never synchronizes the host, so a decode step (cache writes and decode) can be captured in a
 CUDA graph: torch callers as they are, CuPy callers with ``out=`` (``lse=``) and, with more than one
@@ -17,11 +18,11 @@ import numpy as np
 
 from ...engine.arrays import as_device_array, signature
 from ...engine.memory import CallMemory, lse_output
-from ...engine.packed import NULL, PackedLaunch, Pointer, cached_plan, programmatic
+from ...engine.packed import NULL, PackedLaunch, Pointer, cached_plan, max_active_clusters, programmatic
 from ...engine.registry import recipe
 from .cache import PagedKVCache
 from .recipes import EIGHT_BIT, MAX_ROWS, TABLE_SLOTS
-from .schedule import MAX_SPLITS, auto_splits, key_bytes, occupancy
+from .schedule import MAX_SPLITS, auto_splits, cluster_merge, key_bytes, occupancy
 
 MAX_QUERIES = 16  # new tokens per sequence and step (speculative decoding)
 
@@ -104,25 +105,29 @@ def _plan(kernel, cache: PagedKVCache, q, table, lens, out, scale, return_lse, s
         raise ValueError(f"splits: a table of {table.shape[1]} pages of {cache.page_size} needs at least {least} "
                          f"splits (each split stages at most {TABLE_SLOTS} page ids), got {splits}")
     kps = keys_per_split(bound, splits, step)
+    grid = (splits, cache.kv_heads * chunks, b)
+    fast = programmatic(spec)
+    function = kernel.function(_entry(q))
+    clustered = fast and cluster_merge(splits, blocks, shape.sms * shape.blocks_per_sm,
+                                       max_active_clusters(function, grid, kernel.threads, shape.shared_bytes, splits))
+    merged = splits > 1 and not clustered  # the partials go through the workspace to the merge kernel
     o_strides = (out.strides if out is not None else
                  tuple(int(np.prod(q.shape[i + 1:])) * 2 for i in range(4)))
     ws_rows = splits * b * hq * lq
     args = (Pointer("q"), Pointer("kp"), Pointer("vp"), Pointer("ks"), Pointer("vs"), Pointer("table"), Pointer("kbq"),
-            Pointer("mc"), Pointer("ms"), Pointer("lens"), *cache.decode_term_args(), Pointer("out"), Pointer("lse") if return_lse and splits == 1 else NULL,
-            Pointer("ws") if splits > 1 else NULL, Pointer("ws", ws_rows * d * 4) if splits > 1 else NULL,
+            Pointer("mc"), Pointer("ms"), Pointer("lens"), *cache.decode_term_args(), Pointer("out"), Pointer("lse") if return_lse and not merged else NULL,
+            Pointer("ws") if merged else NULL, Pointer("ws", ws_rows * d * 4) if merged else NULL,
             *(np.int64(s // 2) for s in q.strides[:3]), *(np.int64(s // 2) for s in o_strides[:3]),
             np.int32(b), np.int32(hq), np.int32(cache.kv_heads), np.int32(lq), np.int32(table.strides[0] // 4),
             np.int32(kps), np.float32(scale * math.log2(math.e)))
-    fast = programmatic(spec)
-    decode = PackedLaunch(kernel.function(_entry(q)), (splits, cache.kv_heads * chunks, b), kernel.threads,
-                          shape.shared_bytes, args, fast)
+    decode = PackedLaunch(function, grid, kernel.threads, shape.shared_bytes, args, fast, splits if clustered else 1)
     merge = None
-    if splits > 1:
+    if merged:
         merge_args = (Pointer("ws"), Pointer("ws", ws_rows * d * 4), Pointer("out"),
                       Pointer("lse") if return_lse else NULL, *(np.int64(s // 2) for s in o_strides[:3]),
                       np.int32(b), np.int32(hq), np.int32(lq), np.int32(splits))
         merge = PackedLaunch(kernel.function(f"_merge{_entry(q)}"), (b * hq * lq, 1, 1), d, 0, merge_args, fast)
-    return _Plan(decode, merge, splits, workspace_bytes(b, hq, lq, d, splits), (b, hq, lq))
+    return _Plan(decode, merge, splits, workspace_bytes(b, hq, lq, d, splits if merged else 1), (b, hq, lq))
 
 
 def _entry(q) -> str:

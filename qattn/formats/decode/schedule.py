@@ -7,12 +7,16 @@ kernel, three of K8/V16 or K16/V8, four of K8/V8. More in flight than that slows
 16-bit kernel at three blocks per SM: 0.75-0.82 of copy bandwidth against 0.93 at two), fewer
 leaves it short. So a call caps the blocks per SM at that target (by asking for more dynamic shared
 memory than the kernel needs, which is what the occupancy calculator counts) and splits the keys
-so that its blocks make one full wave of the capped slots.
+so that its blocks make one full wave of the capped slots. From sm_90 the splits of a group of at most
+CLUSTER_SPLITS run as one thread-block cluster and merge their partials through distributed shared
+memory, where the GPU holds as many such clusters at once as the grid needs waves (cluster_merge); the
+merge kernel takes the rest.
 """
 from __future__ import annotations
 
 from .recipes import EIGHT_BIT, sides
 
+CLUSTER_SPLITS = 8  # the most splits merged inside a thread-block cluster (the portable cluster size)
 IN_FLIGHT_BYTES = 128 * 1024  # K/V bytes in flight per SM at which the measured stream is fastest
 MAX_SPLITS = 128
 MIN_STEPS_PER_SPLIT = 4  # each split pays its Q load, pipeline fill and partial: keep it a few steps long
@@ -57,6 +61,16 @@ def auto_splits(blocks: int, key_steps: int, sms: int, blocks_per_sm: int, least
         return max(one_wave, key=lambda s: (blocks * s, -s))
     good = [s for s in candidates if filled(s) >= FULL_WAVE]
     return good[0] if good else max(candidates, key=filled)
+
+
+def cluster_merge(splits: int, blocks: int, slots: int, active_clusters: int) -> bool:
+    """Whether the `splits` blocks of each of `blocks` groups run as one thread-block cluster that merges
+    their partials itself (no merge launch): 2..CLUSTER_SPLITS splits, and the clusters the GPU holds at
+    once (`active_clusters`: a cluster's blocks must share one GPC) take no more waves than the plain
+    grid over `slots` resident blocks."""
+    if not 2 <= splits <= CLUSTER_SPLITS or active_clusters < 1:
+        return False
+    return -(-blocks // active_clusters) <= -(-(blocks * splits) // slots)
 
 
 class Occupancy:
