@@ -47,6 +47,9 @@ def test_record_key_leaves_out_measurements():
     assert ab_trees.record_key(a) == ab_trees.record_key(b)
     assert ab_trees.record_key(a) != ab_trees.record_key(_record("qattn:e4m3-e4m3", 0.13, page=32))
     assert dict(ab_trees.record_key(a)) == {"batch": 8, "ctx": 32768, "page_size": 16, "impl": "qattn:e4m3-e4m3"}
+    # how a tree ran the record (its split and merge) is no part of what the record is
+    ran = dict(a, kernel="decode_e4m3-e4m3_d128", splits=8, merge="cluster")
+    assert ab_trees.record_key(ran) == ab_trees.record_key(dict(a, splits=4, merge="kernel"))
 
 
 def test_records_of_a_list_or_an_object():

@@ -126,16 +126,18 @@ BASE = {"batch": 8, "ctx": 32768, "heads": 32, "kv_heads": 8, "head_dim": 128, "
 
 def test_row_cells():
     rec = dict(BASE, impl="qattn:e4m3-e4m3/fp8", format="e4m3-e4m3", l2="cold", ms=0.25, gbs=2300.4, of_copy=0.55,
-               vs_sdpa=1.19, vs_flashinfer=1.6, vs_flashinfer_e4m3=1.05, rel_l2_vs_fp16=3.7e-2)
-    assert bench.row_cells(rec) == ["8x32768", "32/8", "128", "32", "cold", "qattn:e4m3-e4m3/fp8", "0.2500", "2300",
-                                    "0.55", "1.19", "1.05", "3.70e-02"]  # K8/V8 against FlashInfer's e4m3 cache
+               vs_sdpa=1.19, vs_flashinfer=1.6, vs_flashinfer_e4m3=1.05, rel_l2_vs_fp16=3.7e-2, splits=8, merge="kernel")
+    assert bench.row_cells(rec) == ["8x32768", "32/8", "128", "32", "cold", "qattn:e4m3-e4m3/fp8", "8 (kernel)", "0.2500",
+                                    "2300", "0.55", "1.19", "1.05", "3.70e-02"]  # K8/V8 against FlashInfer's e4m3 cache
+    assert bench.row_cells(dict(rec, splits=2, merge="cluster"))[6] == "2 (cluster)"
+    assert bench.row_cells(dict(rec, splits=1, merge="none"))[6] == "1"
     k8v16 = dict(rec, impl="qattn:e4m3-f16", format="e4m3-f16")
     assert bench.row_cells(k8v16)[-2] == "1.60"  # against its fp16 cache
     peer = dict(BASE, impl="sdpa_flash", l2="warm", ms=0.3, gbs=3600.0, of_copy=0.86, vs_sdpa=None)
-    assert bench.row_cells(peer)[-3:] == ["-", "-", "-"]
+    assert bench.row_cells(peer)[-3:] == ["-", "-", "-"] and bench.row_cells(peer)[6] == "-"
     error = dict(BASE, impl="qattn:i8-i8/int8", error="qk: not built | yet")
-    assert bench.row_cells(error) == ["8x32768", "32/8", "128", "32", "-", "qattn:i8-i8/int8", "qk: not built | yet",
-                                      "", "", "", "", ""]
+    assert bench.row_cells(error) == ["8x32768", "32/8", "128", "32", "-", "qattn:i8-i8/int8", "-",
+                                      "qk: not built | yet", "", "", "", "", ""]
     assert len(bench.row_cells(rec)) == len(bench.COLUMNS)
     assert bench.row_cells(dict(rec, page_order="in-order"))[3] == "32 in order"
     assert bench.row_cells(dict(rec, page_order="shuffled"))[3] == "32"
@@ -150,7 +152,7 @@ def test_markdown_table():
     assert lines[0] == "2026-12-03, NVIDIA H200, copy bandwidth 4200 GB/s, `qattn bench decode --preset x`"
     assert lines[2] == "| " + " | ".join(bench.COLUMNS) + " |"
     assert lines[3].count("|") == len(bench.COLUMNS) + 1 and "---:" in lines[3]
-    assert lines[5] == "| 8x32768 | 32/8 | 128 | 32 | warm | qattn:e4m3-e4m3 | 0.2400 | 2299 | 0.55 | 1.19 | - | - |"
+    assert lines[5] == "| 8x32768 | 32/8 | 128 | 32 | warm | qattn:e4m3-e4m3 | - | 0.2400 | 2299 | 0.55 | 1.19 | - | - |"
     assert "a \\| b" in lines[6] and len(re.split(r"(?<!\\)\|", lines[6])) == len(bench.COLUMNS) + 2  # one cell
 
 
@@ -375,7 +377,7 @@ def test_preset_contract(fake_sweep, tmp_path, monkeypatch):
     command = "`qattn bench decode --preset contract`"
     header = next(line for line in result.output.splitlines() if line.endswith(command))
     assert "NVIDIA H200, copy bandwidth 4000 GB/s" in header
-    assert "| 1x1024 | 32/8 | 128 | 32 | cold | qattn:e4m3-e4m3/fp8 | 0.2500 |" in result.output
+    assert "| 1x1024 | 32/8 | 128 | 32 | cold | qattn:e4m3-e4m3/fp8 | - | 0.2500 |" in result.output
 
 
 @pytest.mark.parametrize("args, option", [

@@ -566,5 +566,7 @@ def test_bench_sweep_times_every_format_on_one_block_table(page_order):
     assert set(ours) == set(formats), records
     for fmt, rec in ours.items():
         assert "error" not in rec and rec["ms"] > 0 and rec["page_order"] == page_order, rec
+        assert rec["splits"] >= 1 and (rec["splits"] == 1) == (rec["merge"] == "none"), rec
+        assert rec["merge"] in ("none", "kernel", "cluster") and rec["kernel"].startswith(f"decode_{fmt}_"), rec
         if "rel_l2_vs_fp16" in rec:
             assert rec["rel_l2_vs_fp16"] < (1e-3 if fmt == "f16-f16" else 6e-2), rec

@@ -27,6 +27,8 @@ from pathlib import Path
 
 # the fields a record is measured in; every other str or int field identifies it
 MEASURED = ("ms", "round_ms", "gbs", "of_copy", "copy_gbs", "rel_l2_vs_fp16")
+# the fields that say how a record ran (a kernel, its split and merge), which trees may choose differently
+HOW = ("kernel", "splits", "merge")
 
 
 def parse_tree(text: str) -> tuple[str, Path]:
@@ -49,7 +51,7 @@ def round_orders(names: list[str], rounds: int) -> list[list[str]]:
 def record_key(record: dict) -> tuple:
     """What identifies a record across runs: its str and int fields, measurements excluded."""
     return tuple(sorted((k, v) for k, v in record.items()
-                        if k not in MEASURED and not k.startswith("vs_") and isinstance(v, (str, int))
+                        if k not in MEASURED and k not in HOW and not k.startswith("vs_") and isinstance(v, (str, int))
                         and not isinstance(v, bool)))
 
 

@@ -313,7 +313,7 @@ def _bench_point(run: Run, variants, *, queries, scale, peers, rounds, splits, t
     in each mode."""
     import cupy
 
-    from ..formats.decode import decode
+    from ..formats.decode import decode, launch_shape
 
     p = run.point
     base = {"batch": p.batch, "ctx": p.ctx, "heads": p.heads, "kv_heads": p.kv_heads, "head_dim": p.head_dim,
@@ -340,6 +340,7 @@ def _bench_point(run: Run, variants, *, queries, scale, peers, rounds, splits, t
             out = cupy.empty_like(q)
             call = functools.partial(decode, q, cache, block_table, lens, out=out, qk=qk, splits=splits, tile=own)
             call()
+            rec.update(launch_shape(q, cache, block_table, lens, qk=qk, splits=splits, tile=own))
         except (ValueError, TypeError, RuntimeError) as exc:
             failed.append(dict(rec, error=_first_line(exc)))
             continue
@@ -394,7 +395,7 @@ def bench_decode(shapes, formats=("f16-f16", "e4m3-e4m3", "i8-i8"), *, heads: in
 
 # ---- tables ------------------------------------------------------------------------------------
 
-COLUMNS = ("B x L", "heads", "D", "page", "L2", "impl", "ms", "GB/s", "of copy", "vs SDPA", "vs FlashInfer",
+COLUMNS = ("B x L", "heads", "D", "page", "L2", "impl", "splits", "ms", "GB/s", "of copy", "vs SDPA", "vs FlashInfer",
            "rel_l2 vs fp16")
 NUMERIC_COLUMNS = ("D", "page", "ms", "GB/s", "of copy", "vs SDPA", "vs FlashInfer", "rel_l2 vs fp16")
 
@@ -407,12 +408,19 @@ def row_cells(record: dict) -> list[str]:
     """A record's cells under COLUMNS; an error record carries its message in the ms column."""
     head = [f"{record['batch']}x{record['ctx']}", f"{record['heads']}/{record['kv_heads']}", str(record["head_dim"]),
             str(record["page_size"]) + (" in order" if record.get("page_order") == "in-order" else ""),
-            record.get("l2", "-"), record["impl"]]
+            record.get("l2", "-"), record["impl"], _splits_cell(record)]
     if "error" in record:
         return head + [record["error"], "", "", "", "", ""]
     return head + [_cell(record["ms"], ".4f"), _cell(record["gbs"], ".0f"), _cell(record["of_copy"], ".2f"),
                    _cell(record.get("vs_sdpa"), ".2f"), _cell(flashinfer_ratio(record), ".2f"),
                    _cell(record.get("rel_l2_vs_fp16"), ".2e")]
+
+
+def _splits_cell(record: dict) -> str:
+    """A qattn record's split count and where its splits merge (a merge kernel, or in clusters)."""
+    if "splits" not in record:
+        return "-"
+    return str(record["splits"]) + ("" if record.get("merge", "none") == "none" else f" ({record['merge']})")
 
 
 def flashinfer_ratio(record: dict) -> float | None:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from ...engine import registry
 from .cache import PagedKVCache
-from .host import decode, launch, workspace_bytes
+from .host import decode, launch, launch_shape, workspace_bytes
 from .parity import check
 from .recipes import LAUNCHER, RECIPES
 from .rope import RoPE

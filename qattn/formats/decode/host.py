@@ -56,8 +56,10 @@ def _check_splits(splits) -> int | None:
 class _Plan:
     """A call signature's launches: the decode kernel and, with splits, the merge."""
 
-    def __init__(self, decode: PackedLaunch, merge: PackedLaunch | None, splits: int, ws_bytes: int, lse_shape):
+    def __init__(self, decode: PackedLaunch, merge: PackedLaunch | None, splits: int, ws_bytes: int, lse_shape,
+                 kernel_name: str):
         self.decode, self.merge, self.splits, self.ws_bytes, self.lse_shape = decode, merge, splits, ws_bytes, lse_shape
+        self.kernel_name = kernel_name
 
 
 def _plan(kernel, cache: PagedKVCache, q, table, lens, out, scale, return_lse, splits) -> _Plan:
@@ -127,7 +129,7 @@ def _plan(kernel, cache: PagedKVCache, q, table, lens, out, scale, return_lse, s
                       Pointer("lse") if return_lse else NULL, *(np.int64(s // 2) for s in o_strides[:3]),
                       np.int32(b), np.int32(hq), np.int32(lq), np.int32(splits))
         merge = PackedLaunch(kernel.function(f"_merge{_entry(q)}"), (b * hq * lq, 1, 1), d, 0, merge_args, fast)
-    return _Plan(decode, merge, splits, workspace_bytes(b, hq, lq, d, splits if merged else 1), (b, hq, lq))
+    return _Plan(decode, merge, splits, workspace_bytes(b, hq, lq, d, splits if merged else 1), (b, hq, lq), spec.name)
 
 
 def _entry(q) -> str:
@@ -157,21 +159,10 @@ def decode(q, cache: PagedKVCache, block_table, seq_lens, *, qk: str = "auto", s
     import cupy
 
     return_lse = return_lse or lse is not None
-    if not isinstance(cache, PagedKVCache):
-        raise TypeError(f"cache: expected a qattn.PagedKVCache, got {type(cache).__name__}")
-    splits = _check_splits(splits)
     example = q
-    q = as_device_array(q, "q")
-    if q.ndim != 4:
-        raise ValueError(f"q: expected [batch, heads, new tokens, head_dim], got shape {q.shape}")
-    table, lens = as_device_array(block_table, "block_table"), as_device_array(seq_lens, "seq_lens")
+    q, table, lens, splits = _call_inputs(cache, q, block_table, seq_lens, qk, splits)
     out_given = None if out is None else as_device_array(out, "out")
-    if not isinstance(qk, str):
-        raise ValueError(f"qk: expected 'auto', 'transform', 'fp8' or 'int8', got {qk!r}")
-    kernel = cache.kernel(tile, qk, max(1, q.shape[1] // cache.kv_heads) * q.shape[2])
-    key = ("decode", cache.kv_heads, signature(q), signature(table), signature(lens),
-           None if out_given is None else signature(out_given), scale, bool(return_lse), splits)
-    plan = cached_plan(kernel, key, lambda: _plan(kernel, cache, q, table, lens, out_given, scale, return_lse, splits))
+    plan = _call_plan(cache, q, table, lens, out_given, qk, splits, scale, return_lse, tile)
     lse_output(lse, plan.lse_shape)
     with cupy.cuda.Device(cache.device):
         memory = CallMemory(example, stream, workspace, cache.device)
@@ -188,6 +179,39 @@ def decode(q, cache: PagedKVCache, block_table, seq_lens, *, qk: str = "auto", s
     if plan.merge is not None:
         plan.merge(pointers, memory.stream_ptr)
     return (out_result, lse_result) if return_lse else out_result
+
+
+def _call_inputs(cache, q, block_table, seq_lens, qk, splits):
+    """A call's cache, q, block_table, seq_lens, qk and splits checked: (q, table, lens) as device arrays
+    and the split count (None: automatic)."""
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache: expected a qattn.PagedKVCache, got {type(cache).__name__}")
+    splits = _check_splits(splits)
+    q = as_device_array(q, "q")
+    if q.ndim != 4:
+        raise ValueError(f"q: expected [batch, heads, new tokens, head_dim], got shape {q.shape}")
+    if not isinstance(qk, str):
+        raise ValueError(f"qk: expected 'auto', 'transform', 'fp8' or 'int8', got {qk!r}")
+    return q, as_device_array(block_table, "block_table"), as_device_array(seq_lens, "seq_lens"), splits
+
+
+def _call_plan(cache: PagedKVCache, q, table, lens, out, qk, splits, scale, return_lse, tile) -> _Plan:
+    """The launches of a call (device arrays), built once per call signature on the kernel it runs."""
+    kernel = cache.kernel(tile, qk, max(1, q.shape[1] // cache.kv_heads) * q.shape[2])
+    key = ("decode", cache.kv_heads, signature(q), signature(table), signature(lens),
+           None if out is None else signature(out), scale, bool(return_lse), splits)
+    return cached_plan(kernel, key, lambda: _plan(kernel, cache, q, table, lens, out, scale, return_lse, splits))
+
+
+def launch_shape(q, cache: PagedKVCache, block_table, seq_lens, *, qk: str = "auto", splits: int | None = None,
+                 tile=None) -> dict:
+    """How decode(q, cache, block_table, seq_lens, ...) runs on the cache's GPU, without running it: the
+    kernel's spec name, the split count, and where the splits' partials merge: "cluster" (inside
+    thread-block clusters, schedule.cluster_merge), "kernel" (a merge launch) or "none" (one split)."""
+    q, table, lens, splits = _call_inputs(cache, q, block_table, seq_lens, qk, splits)
+    plan = _call_plan(cache, q, table, lens, None, qk, splits, None, False, tile)
+    merge = "none" if plan.splits == 1 else "kernel" if plan.merge is not None else "cluster"
+    return {"kernel": plan.kernel_name, "splits": plan.splits, "merge": merge}
 
 
 def splits_for(cache: PagedKVCache, batch: int, heads: int, queries: int, max_pages: int, tile=None,
