@@ -187,3 +187,28 @@ def test_a_failed_plain_launch_names_its_shape(monkeypatch):
     with pytest.raises(packed.LaunchError, match=r"cuLaunchKernel: CUDA_ERROR_INVALID_VALUE.*grid \(4, 2, 1\), "
                                                 r"256 threads, 222336 B of dynamic shared memory"):
         launch({}, 0)
+
+
+def test_max_active_clusters_asks_the_driver_with_the_cluster_attribute(monkeypatch):
+    from qattn.engine import packed
+
+    seen = []
+
+    def fake(count, function, config_ref):
+        config = config_ref._obj
+        seen.append((function, tuple(config.grid), tuple(config.block), config.shared_mem, config.num_attrs,
+                     config.attrs[0].id, tuple(config.attrs[0].value[:3])))
+        count._obj.value = 62
+        return 0
+
+    monkeypatch.setattr(packed, "_max_active_clusters", lambda: fake)
+    fn = SimpleNamespace(ptr=0xC0DE)
+    assert packed.max_active_clusters(fn, (16, 8, 8), 64, 57216, 8) == 62
+    assert seen == [(0xC0DE, (16, 8, 8), (64, 1, 1), 57216, 1, packed._CLUSTER_DIMENSION, (8, 1, 1))]
+    assert packed.max_active_clusters(fn, (12, 8, 8), 64, 0, 8) == 0  # x not a multiple of the cluster
+    assert packed.max_active_clusters(fn, (8, 8, 8), 64, 0, 1) == 0  # no cluster
+    assert len(seen) == 1
+    monkeypatch.setattr(packed, "_max_active_clusters", lambda: lambda *args: 1)  # the driver refuses
+    assert packed.max_active_clusters(fn, (16, 8, 8), 64, 0, 8) == 0
+    monkeypatch.setattr(packed, "_max_active_clusters", lambda: None)  # no such entry
+    assert packed.max_active_clusters(fn, (16, 8, 8), 64, 0, 8) == 0

@@ -23,11 +23,12 @@ offset aligned as the kernel's parameter is.
 from __future__ import annotations
 
 import ctypes
-import functools
 import threading
 from dataclasses import dataclass
 
 import numpy as np
+
+from .driver_api import driver_entry
 
 
 @dataclass(frozen=True)
@@ -127,28 +128,16 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
-@functools.lru_cache(maxsize=1)
 def _launch_kernel_ex():
     """The driver's cuLaunchKernelEx (CUDA 12+), or None."""
-    try:
-        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    return fn
+    return driver_entry("cuLaunchKernelEx", (ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
+                                             ctypes.c_void_p))
 
 
-@functools.lru_cache(maxsize=1)
 def _max_active_clusters():
     """The driver's cuOccupancyMaxActiveClusters (CUDA 12+), or None."""
-    try:
-        fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
-    return fn
+    return driver_entry("cuOccupancyMaxActiveClusters", (ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
+                                                         ctypes.POINTER(_LaunchConfig)))
 
 
 def max_active_clusters(function, grid, block: int, shared_mem: int, cluster: int) -> int:

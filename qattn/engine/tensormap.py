@@ -22,9 +22,10 @@ bounds and land as zeros.
 from __future__ import annotations
 
 import ctypes
-import functools
 import threading
 from typing import NamedTuple
+
+from .driver_api import driver_entry
 
 MAP_BYTES = 128  # sizeof(CUtensorMap)
 MAP_ALIGN = 64  # its alignment, on the host (encode) and as a kernel parameter
@@ -110,18 +111,12 @@ def swizzled_rows(name: str, shape, strides, dtype_name: str, rows: int) -> Tile
                     (LINE_ELEMENTS, rows, lines, 1, 1), (1, 1, 1, 1, 1), swizzle=SWIZZLE_128B)
 
 
-@functools.lru_cache(maxsize=1)
 def _encode_tiled():
     """The driver's cuTensorMapEncodeTiled (CUDA 12+), or None."""
-    try:
-        fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
-    except (OSError, AttributeError):
-        return None
     u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    return fn
+    return driver_entry("cuTensorMapEncodeTiled", (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p,
+                                                   u64p, u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                                   ctypes.c_int))
 
 
 class MapEncoder:
