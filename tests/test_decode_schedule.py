@@ -3,8 +3,9 @@ that enforces it, and the split count that fills one wave."""
 import pytest
 
 from qattn.engine.tile import Tile
-from qattn.formats.decode.schedule import (CLUSTER_SPLITS, IN_FLIGHT_BYTES, auto_splits, capped_shared_bytes,
-                                           cluster_merge, key_bytes, target_blocks_per_sm)
+from qattn.formats.decode.schedule import (CLUSTER_SPLITS, IN_FLIGHT_BYTES, SHARED_GRANULE, auto_splits,
+                                           capped_shared_bytes, cluster_merge, key_bytes, most_blocks_per_sm,
+                                           target_blocks_per_sm)
 
 H200_SM_BYTES, RESERVED, BLOCK_LIMIT = 233472, 1024, 232448
 
@@ -19,14 +20,25 @@ def test_the_target_holds_about_the_measured_bytes_in_flight(fmt, want):
     assert abs(want * per_block - IN_FLIGHT_BYTES) < per_block
 
 
+@pytest.mark.parametrize("fmt, block_n, stages, want", [("e4m3-e4m3", 32, 3, 4), ("i8-i8", 32, 3, 4),
+                                                        ("e4m3-e4m3", 64, 2, 4), ("f16-e4m3", 32, 2, 5),
+                                                        ("e4m3-f16", 32, 2, 5), ("f16-f16", 32, 2, 4)])
+def test_k8v8_takes_at_most_its_measured_blocks_per_sm(fmt, block_n, stages, want):
+    """The two-warp tiles of pages of 32: 25 KB in flight a block makes five by the bytes; K8/V8 keeps four."""
+    per_block = stages * block_n * key_bytes(fmt, 128)
+    assert target_blocks_per_sm(per_block, resident=7, most=most_blocks_per_sm(fmt)) == want
+    assert target_blocks_per_sm(per_block, resident=3, most=most_blocks_per_sm(fmt)) == min(want, 3)
+
+
 def test_the_shared_memory_cap_admits_exactly_the_target():
     for need in (20_000, 36_000, 71_000):
-        for static in (0, 4096):
-            for target in (1, 2, 3, 4):
+        for static in (0, 128, 4096, 4100):
+            for target in (1, 2, 3, 4, 5, 6, 7):
                 ask = capped_shared_bytes(need, target, H200_SM_BYTES, RESERVED, BLOCK_LIMIT, static)
                 assert need <= ask <= BLOCK_LIMIT - static
-                fits = H200_SM_BYTES // (ask + static + RESERVED)
-                assert fits == target or (ask == need and fits < target)
+                allocated = -(-(ask + static) // SHARED_GRANULE) * SHARED_GRANULE  # as the driver counts a block
+                fits = H200_SM_BYTES // (allocated + RESERVED)
+                assert fits == target or (ask == need and fits < target), (need, static, target, ask, fits)
 
 
 def test_splits_fill_one_wave_when_the_grid_fits_in_one():

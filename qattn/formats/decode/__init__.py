@@ -18,4 +18,4 @@ FAMILY = registry.register(registry.FormatFamily(
     parity=check,
 ))
 
-__all__ = ["FAMILY", "PagedKVCache", "RoPE", "decode", "workspace_bytes"]
+__all__ = ["FAMILY", "PagedKVCache", "RoPE", "decode", "launch_shape", "workspace_bytes"]

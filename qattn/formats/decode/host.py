@@ -22,7 +22,7 @@ from ...engine.packed import NULL, PackedLaunch, Pointer, cached_plan, max_activ
 from ...engine.registry import recipe
 from .cache import PagedKVCache
 from .recipes import EIGHT_BIT, MAX_ROWS, TABLE_SLOTS
-from .schedule import MAX_SPLITS, auto_splits, cluster_merge, key_bytes, occupancy
+from .schedule import MAX_SPLITS, auto_splits, cluster_merge, key_bytes, most_blocks_per_sm, occupancy
 
 MAX_QUERIES = 16  # new tokens per sequence and step (speculative decoding)
 
@@ -139,7 +139,8 @@ def _entry(q) -> str:
 def _occupancy(kernel, cache: PagedKVCache, entry: str):
     """The kernel entry's launch shape: blocks per SM capped at what streams K/V fastest (schedule.py)."""
     tile = kernel.spec.tile
-    return occupancy(kernel, entry, cache.device, tile.stages * tile.block_n * key_bytes(cache.format, cache.head_dim))
+    return occupancy(kernel, entry, cache.device, tile.stages * tile.block_n * key_bytes(cache.format, cache.head_dim),
+                     most_blocks_per_sm(cache.format))
 
 
 def decode(q, cache: PagedKVCache, block_table, seq_lens, *, qk: str = "auto", splits: int | None = None,

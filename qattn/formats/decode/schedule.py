@@ -1,13 +1,15 @@
 """How a decode call fills the GPU: blocks resident per SM and the split of each sequence's keys.
 
 Decode streams the K/V pages once, so its speed is the DRAM stream's. Measured on the H200 (GQA
-32/8, D128, pages of 32 in shuffled order, docs/notes/decode.md): every format streams fastest
-with about 128 KiB of K/V in flight per SM (its blocks' pipeline slots): two blocks of the 16-bit
-kernel, three of K8/V16 or K16/V8, four of K8/V8. More in flight than that slows the stream (the
-16-bit kernel at three blocks per SM: 0.75-0.82 of copy bandwidth against 0.93 at two), fewer
-leaves it short. So a call caps the blocks per SM at that target (by asking for more dynamic shared
-memory than the kernel needs, which is what the occupancy calculator counts) and splits the keys
-so that its blocks make one full wave of the capped slots. From sm_90 the splits of a group of at most
+32/8, D128, pages of 16 and 32 in shuffled order, docs/notes/decode.md): the formats stream fastest
+with about 128 KiB of K/V in flight per SM (its blocks' pipeline slots): four blocks of the 16-bit
+two-warp kernel, five of K8/V16 or K16/V8, four of K8/V8. More in flight than that slows the
+stream, fewer leaves it short. K8/V8, which widens codes on both sides, is the exception the bytes
+do not explain: on pages of 32 its two-warp blocks would make five (124 KiB), and five run 2-5%
+slower than four (99 KiB), so it takes at most EIGHT_BIT_MOST_BLOCKS. A call caps the blocks per SM
+at that target (by asking for more dynamic shared memory than the kernel needs, which is what the
+occupancy calculator counts) and splits the keys so that its blocks make one full wave of the
+capped slots. From sm_90 the splits of a group of at most
 CLUSTER_SPLITS run as one thread-block cluster and merge their partials through distributed shared
 memory, where the GPU holds as many such clusters at once as the grid needs waves (cluster_merge); the
 merge kernel takes the rest.
@@ -18,6 +20,7 @@ from .recipes import EIGHT_BIT, sides
 
 CLUSTER_SPLITS = 8  # the most splits merged inside a thread-block cluster (the portable cluster size)
 IN_FLIGHT_BYTES = 128 * 1024  # K/V bytes in flight per SM at which the measured stream is fastest
+EIGHT_BIT_MOST_BLOCKS = 4  # blocks per SM of a format 8-bit on both sides (K8/V8), at most
 MAX_SPLITS = 128
 MIN_STEPS_PER_SPLIT = 4  # each split pays its Q load, pipeline fill and partial: keep it a few steps long
 FULL_WAVE = 0.9  # a grid whose last wave is at least this full wastes little of it
@@ -28,17 +31,29 @@ def key_bytes(fmt: str, head_dim: int) -> int:
     return sum(head_dim * (1 if side in EIGHT_BIT else 2) + (4 if side in EIGHT_BIT else 0) for side in sides(fmt))
 
 
-def target_blocks_per_sm(in_flight_per_block: int, resident: int) -> int:
-    """Blocks per SM that hold about IN_FLIGHT_BYTES of pipeline slots, at least 1, at most resident."""
-    return max(1, min(resident, round(IN_FLIGHT_BYTES / in_flight_per_block)))
+def most_blocks_per_sm(fmt: str) -> int | None:
+    """The measured cap on a format's blocks per SM beside the bytes-in-flight rule, or None."""
+    return EIGHT_BIT_MOST_BLOCKS if all(side in EIGHT_BIT for side in sides(fmt)) else None
+
+
+def target_blocks_per_sm(in_flight_per_block: int, resident: int, most: int | None = None) -> int:
+    """Blocks per SM that hold about IN_FLIGHT_BYTES of pipeline slots, at least 1, at most resident
+    (and most, where given)."""
+    cap = resident if most is None else min(resident, most)
+    return max(1, min(cap, round(IN_FLIGHT_BYTES / in_flight_per_block)))
+
+
+SHARED_GRANULE = 128  # bytes: a block's shared memory (static + dynamic) is allocated in these units (sm_80+)
 
 
 def capped_shared_bytes(needed: int, blocks_per_sm: int, sm_bytes: int, reserved: int, block_limit: int,
                         static: int = 0) -> int:
-    """Dynamic shared memory a block asks for so that at most blocks_per_sm fit on an SM of sm_bytes
-    (each block also takes `reserved` and its `static` shared memory), never less than it needs nor
-    more than block_limit allows beside the static part."""
-    return min(block_limit - static, max(needed, sm_bytes // blocks_per_sm - reserved - static))
+    """Dynamic shared memory a block asks for so that blocks_per_sm fit on an SM of sm_bytes and no more
+    (each block also takes `reserved`, and its static and dynamic parts together are allocated in
+    SHARED_GRANULE units), never less than it needs nor more than block_limit allows beside the static
+    part."""
+    share = (sm_bytes // blocks_per_sm - reserved) // SHARED_GRANULE * SHARED_GRANULE
+    return min(block_limit - static, max(needed, share - static))
 
 
 def auto_splits(blocks: int, key_steps: int, sms: int, blocks_per_sm: int, least: int = 1) -> int:
@@ -77,14 +92,14 @@ class Occupancy:
     """A decode kernel entry's launch shape on one device: the dynamic shared memory it asks for and
     the SMs and blocks per SM that gives (the driver's occupancy figure)."""
 
-    def __init__(self, kernel, suffix: str, device: int, in_flight_per_block: int):
+    def __init__(self, kernel, suffix: str, device: int, in_flight_per_block: int, most: int | None = None):
         from cupy.cuda import driver, runtime
 
         attr = lambda a: runtime.deviceGetAttribute(a, device)  # noqa: E731
         function = kernel.function(suffix)
         self.sms = attr(runtime.cudaDevAttrMultiProcessorCount)
         natural = kernel.resident(device, suffix)[1]
-        self.blocks_per_sm = target_blocks_per_sm(in_flight_per_block, natural)
+        self.blocks_per_sm = target_blocks_per_sm(in_flight_per_block, natural, most)
         self.shared_bytes = kernel.shared_bytes
         if self.blocks_per_sm < natural:
             static = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, function.ptr)
@@ -100,10 +115,10 @@ class Occupancy:
                 self.blocks_per_sm = natural
 
 
-def occupancy(kernel, suffix: str, device: int, in_flight_per_block: int) -> Occupancy:
+def occupancy(kernel, suffix: str, device: int, in_flight_per_block: int, most: int | None = None) -> Occupancy:
     """The Occupancy of a kernel entry on a device, worked out once per kernel."""
     key = (device, suffix)
     found = kernel.launch_shapes.get(key)
     if found is None:
-        found = kernel.launch_shapes[key] = Occupancy(kernel, suffix, device, in_flight_per_block)
+        found = kernel.launch_shapes[key] = Occupancy(kernel, suffix, device, in_flight_per_block, most)
     return found
