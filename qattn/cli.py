@@ -178,11 +178,15 @@ def list_():
                        f"{rec.tolerance.max_rel:g} / {rec.tolerance.rel_l2:g}")
     console.print(decode)
     if family is not None:
-        from .formats.decode.recipes import QK_CODE, SM90_TILES, TWO_WARP_PAGES, tolerance
+        from .formats.decode.recipes import QK_CODE, SM90_TILES, TWO_WARP_PAGES_AT, tolerance, two_warp_pages
 
         paths = ", ".join(f"{path} ({code} K; tolerance {tolerance('i8-i8', path).max_rel:g} / "
                           f"{tolerance('i8-i8', path).rel_l2:g})" for path, code in QK_CODE.items())
-        sm90 = ", ".join(f"K{k}/V{v} {tile.name} on pages of {' and '.join(map(str, TWO_WARP_PAGES[k, v]))}"
+        def pages(k, v, d=128):
+            return " and ".join(map(str, two_warp_pages((k, v), d)))
+
+        sm90 = ", ".join(f"K{k}/V{v} {tile.name} on pages of {pages(k, v)}"
+                         + "".join(f" ({pages(k, v, d)} at d{d})" for (bits, d) in TWO_WARP_PAGES_AT if bits == (k, v))
                          for (k, v), tile in SM90_TILES.items())
         console.print(f"decode kernels: head dims {', '.join(map(str, family.head_dims))}; "
                       + "; ".join(f"{k} {', '.join(map(str, v))}" for k, v in family.options.items() if k != "qk")

@@ -258,10 +258,10 @@ def test_cli_inspects_a_decode_kernel():
 
 def test_default_tile_by_arch_and_qk_path():
     """Two warps a block where the H200 measured them faster (on sm_90a: K16/V16, K16/V8 and K8/V16 on two slots on
-    pages of 16 and 32 tokens, K8/V8 on the transform path on three slots on pages of 32); the 8-bit paths' wgmma
-    there, K8/V8 on pages of 16, longer pages and other archs keep four warps."""
-    def tile(fmt, arch, **options):
-        return KernelSpec(kind="decode", recipe=fmt, head_dim=128, arch=arch, options=options).tile.name
+    pages of 16 and 32 tokens, K8/V8 on the transform path on three slots on pages of 32, and of 16 at D64); the
+    8-bit paths' wgmma there, K8/V8 on pages of 16 at D128 and D256, longer pages and other archs keep four warps."""
+    def tile(fmt, arch, head_dim=128, **options):
+        return KernelSpec(kind="decode", recipe=fmt, head_dim=head_dim, arch=arch, options=options).tile.name
 
     assert tile("f16-f16", "sm_90a") == tile("bf16-e4m3", "sm_90a") == tile("f16-i8", "sm_90a") == "m8n32w2s2"
     assert tile("e4m3-e4m3", "sm_90a", qk="transform") == tile("i8-i8", "sm_90a", qk="transform") == "m8n32w2s3"
@@ -270,6 +270,10 @@ def test_default_tile_by_arch_and_qk_path():
     assert tile("f16-f16", "sm_89") == tile("e4m3-e4m3", "sm_120", qk="fp8") == "m8n64w4s2"
     assert tile("f16-f16", "sm_90a", page_size=16) == "m8n32w2s2"
     assert tile("i8-i8", "sm_90a", qk="transform", page_size=16) == "m8n64w4s2"
+    assert tile("i8-i8", "sm_90a", 256, qk="transform", page_size=16) == "m8n64w4s2"
+    assert tile("i8-i8", "sm_90a", 64, qk="transform", page_size=16) == tile(
+        "e4m3-e4m3", "sm_90a", 64, qk="transform", page_size=16) == "m8n32w2s3"
+    assert tile("e4m3-e4m3", "sm_90a", 64, qk="fp8", page_size=16) == "m8n64w4s2"
     assert tile("f16-e4m3", "sm_90a", page_size=16) == tile("e4m3-f16", "sm_90a", qk="transform", page_size=16) == "m8n32w2s2"
     assert tile("e4m3-f16", "sm_90a", qk="fp8", page_size=32) == tile("e4m3-f16", "sm_90a", qk="transform", page_size=64) == "m8n64w4s2"
     for page in (64, 128):

@@ -26,8 +26,12 @@ def test_the_target_holds_about_the_measured_bytes_in_flight(fmt, want):
 def test_k8v8_takes_at_most_its_measured_blocks_per_sm(fmt, block_n, stages, want):
     """The two-warp tiles of pages of 32: 25 KB in flight a block makes five by the bytes; K8/V8 keeps four."""
     per_block = stages * block_n * key_bytes(fmt, 128)
-    assert target_blocks_per_sm(per_block, resident=7, most=most_blocks_per_sm(fmt)) == want
-    assert target_blocks_per_sm(per_block, resident=3, most=most_blocks_per_sm(fmt)) == min(want, 3)
+    assert target_blocks_per_sm(per_block, resident=7, most=most_blocks_per_sm(fmt, 128)) == want
+    assert target_blocks_per_sm(per_block, resident=3, most=most_blocks_per_sm(fmt, 128)) == min(want, 3)
+    # D64 follows the bytes: half of them a block, twice the blocks
+    per_block = stages * block_n * key_bytes(fmt, 64)
+    assert target_blocks_per_sm(per_block, resident=16, most=most_blocks_per_sm(fmt, 64)) == round(
+        IN_FLIGHT_BYTES / per_block)
 
 
 def test_the_shared_memory_cap_admits_exactly_the_target():
@@ -52,11 +56,21 @@ def test_splits_fill_one_wave_when_the_grid_fits_in_one():
 
 
 def test_splits_merge_in_a_cluster_only_where_it_costs_no_wave():
-    assert cluster_merge(8, 64, 528, 64)  # 8x32768 K8/V8: 64 clusters of 8 in one wave
-    assert not cluster_merge(8, 64, 528, 63)  # one cluster short: a second wave the plain grid does not take
-    assert cluster_merge(4, 64, 264, 64)
-    assert cluster_merge(8, 200, 528, 60)  # four waves either way (1600 blocks over 528 slots)
-    assert not cluster_merge(8, 200, 528, 40)  # five against four
-    assert not cluster_merge(1, 64, 528, 528)  # nothing to merge
-    assert not cluster_merge(CLUSTER_SPLITS + 1, 8, 528, 66)  # larger than a portable cluster
-    assert not cluster_merge(2, 8, 528, 0)  # the driver cannot launch the cluster
+    def held(count):
+        asked = []
+
+        def ask(size):
+            asked.append(size)
+            return count
+        return ask, asked
+
+    ask, asked = held(64)
+    assert cluster_merge(8, 64, 528, ask) and asked == [8]  # 8x32768 K8/V8: 64 clusters of 8 in one wave
+    assert not cluster_merge(8, 64, 528, held(63)[0])  # one cluster short: a second wave the plain grid does not take
+    assert cluster_merge(4, 64, 264, held(64)[0])
+    assert cluster_merge(8, 200, 528, held(60)[0])  # four waves either way (1600 blocks over 528 slots)
+    assert not cluster_merge(8, 200, 528, held(40)[0])  # five against four
+    assert not cluster_merge(2, 8, 528, held(0)[0])  # the driver cannot launch the cluster
+    for splits in (1, CLUSTER_SPLITS + 1, 66):  # nothing to merge, or more than a portable cluster: never asked
+        ask, asked = held(528)
+        assert not cluster_merge(splits, 8, 528, ask) and asked == []

@@ -110,8 +110,9 @@ def _plan(kernel, cache: PagedKVCache, q, table, lens, out, scale, return_lse, s
     grid = (splits, cache.kv_heads * chunks, b)
     fast = programmatic(spec)
     function = kernel.function(_entry(q))
-    clustered = fast and cluster_merge(splits, blocks, shape.sms * shape.blocks_per_sm,
-                                       max_active_clusters(function, grid, kernel.threads, shape.shared_bytes, splits))
+    clustered = fast and cluster_merge(
+        splits, blocks, shape.sms * shape.blocks_per_sm,
+        lambda size: max_active_clusters(function, grid, kernel.threads, shape.shared_bytes, size))
     merged = splits > 1 and not clustered  # the partials go through the workspace to the merge kernel
     o_strides = (out.strides if out is not None else
                  tuple(int(np.prod(q.shape[i + 1:])) * 2 for i in range(4)))
@@ -140,7 +141,7 @@ def _occupancy(kernel, cache: PagedKVCache, entry: str):
     """The kernel entry's launch shape: blocks per SM capped at what streams K/V fastest (schedule.py)."""
     tile = kernel.spec.tile
     return occupancy(kernel, entry, cache.device, tile.stages * tile.block_n * key_bytes(cache.format, cache.head_dim),
-                     most_blocks_per_sm(cache.format))
+                     most_blocks_per_sm(cache.format, cache.head_dim))
 
 
 def decode(q, cache: PagedKVCache, block_table, seq_lens, *, qk: str = "auto", splits: int | None = None,

@@ -146,12 +146,18 @@ def _pre_rope_problem(options: dict, arch: str) -> str | None:
 # two slots (docs/notes/decode.md, H200): on sm_90a a block of two warps streams 16-bit K/V, K16/V8 and K8/V16 faster
 # on two slots, and K8/V8 on the transform path on three (a smaller block in flight, more blocks per SM), on the
 # pages of TWO_WARP_PAGES; on longer pages a two-warp step reads part of a page and four warps are faster, and so
-# are they on pages of 16 for K8/V8 (the same for e4m3, 2% for int8). The 8-bit QK paths keep four warps, whose
-# wgmma takes a warpgroup.
+# are they on pages of 16 for K8/V8 at D128 (the same for e4m3, 2% for int8), not at D64 (two warps 15-17% faster:
+# TWO_WARP_PAGES_AT). The 8-bit QK paths keep four warps, whose wgmma takes a warpgroup.
 WGMMA_QK = {"sm_90a": ("fp8", "int8")}
 SM90_TILES = {(16, 16): Tile(MAX_ROWS, 32, 2, 2), (16, 8): Tile(MAX_ROWS, 32, 2, 2), (8, 16): Tile(MAX_ROWS, 32, 2, 2),
               (8, 8): Tile(MAX_ROWS, 32, 2, 3)}
 TWO_WARP_PAGES = {(16, 16): (16, 32), (16, 8): (16, 32), (8, 16): (16, 32), (8, 8): (32,)}
+TWO_WARP_PAGES_AT = {((8, 8), 64): (16, 32)}  # (bits, head dim) whose pages differ from TWO_WARP_PAGES
+
+
+def two_warp_pages(bits: tuple, head_dim: int) -> tuple:
+    """The page sizes on which the sm_90a two-warp tile of a format of these (K, V) bits runs at head_dim."""
+    return TWO_WARP_PAGES_AT.get((bits, head_dim), TWO_WARP_PAGES.get(bits, ()))
 
 
 def tile_path_problem(tile: Tile, qk: str, arch: str) -> str | None:
@@ -166,7 +172,7 @@ def _option_tile(fmt: str):
 
     def tile(head_dim: int, arch: str, options: dict) -> Tile | None:
         if (arch != "sm_90a" or options.get("qk", "transform") in WGMMA_QK[arch]
-                or options.get("page_size", 32) not in TWO_WARP_PAGES.get(bits, ())):
+                or options.get("page_size", 32) not in two_warp_pages(bits, head_dim)):
             return None
         return SM90_TILES.get(bits)
 

@@ -5,8 +5,9 @@ Decode streams the K/V pages once, so its speed is the DRAM stream's. Measured o
 with about 128 KiB of K/V in flight per SM (its blocks' pipeline slots): four blocks of the 16-bit
 two-warp kernel, five of K8/V16 or K16/V8, four of K8/V8. More in flight than that slows the
 stream, fewer leaves it short. K8/V8, which widens codes on both sides, is the exception the bytes
-do not explain: on pages of 32 its two-warp blocks would make five (124 KiB), and five run 2-5%
-slower than four (99 KiB), so it takes at most EIGHT_BIT_MOST_BLOCKS. A call caps the blocks per SM
+do not explain: at D128 on pages of 32 its two-warp blocks would make five (124 KiB), and five run
+2-5% slower than four (99 KiB), so there it takes at most EIGHT_BIT_MOST_BLOCKS (the other head
+dims follow the bytes). A call caps the blocks per SM
 at that target (by asking for more dynamic shared memory than the kernel needs, which is what the
 occupancy calculator counts) and splits the keys so that its blocks make one full wave of the
 capped slots. From sm_90 the splits of a group of at most
@@ -20,7 +21,7 @@ from .recipes import EIGHT_BIT, sides
 
 CLUSTER_SPLITS = 8  # the most splits merged inside a thread-block cluster (the portable cluster size)
 IN_FLIGHT_BYTES = 128 * 1024  # K/V bytes in flight per SM at which the measured stream is fastest
-EIGHT_BIT_MOST_BLOCKS = 4  # blocks per SM of a format 8-bit on both sides (K8/V8), at most
+EIGHT_BIT_MOST_BLOCKS = 4  # blocks per SM of a format 8-bit on both sides (K8/V8) at D128, at most
 MAX_SPLITS = 128
 MIN_STEPS_PER_SPLIT = 4  # each split pays its Q load, pipeline fill and partial: keep it a few steps long
 FULL_WAVE = 0.9  # a grid whose last wave is at least this full wastes little of it
@@ -31,9 +32,9 @@ def key_bytes(fmt: str, head_dim: int) -> int:
     return sum(head_dim * (1 if side in EIGHT_BIT else 2) + (4 if side in EIGHT_BIT else 0) for side in sides(fmt))
 
 
-def most_blocks_per_sm(fmt: str) -> int | None:
+def most_blocks_per_sm(fmt: str, head_dim: int) -> int | None:
     """The measured cap on a format's blocks per SM beside the bytes-in-flight rule, or None."""
-    return EIGHT_BIT_MOST_BLOCKS if all(side in EIGHT_BIT for side in sides(fmt)) else None
+    return EIGHT_BIT_MOST_BLOCKS if head_dim == 128 and all(side in EIGHT_BIT for side in sides(fmt)) else None
 
 
 def target_blocks_per_sm(in_flight_per_block: int, resident: int, most: int | None = None) -> int:
@@ -78,14 +79,15 @@ def auto_splits(blocks: int, key_steps: int, sms: int, blocks_per_sm: int, least
     return good[0] if good else max(candidates, key=filled)
 
 
-def cluster_merge(splits: int, blocks: int, slots: int, active_clusters: int) -> bool:
+def cluster_merge(splits: int, blocks: int, slots: int, held) -> bool:
     """Whether the `splits` blocks of each of `blocks` groups run as one thread-block cluster that merges
     their partials itself (no merge launch): 2..CLUSTER_SPLITS splits, and the clusters the GPU holds at
-    once (`active_clusters`: a cluster's blocks must share one GPC) take no more waves than the plain
-    grid over `slots` resident blocks."""
-    if not 2 <= splits <= CLUSTER_SPLITS or active_clusters < 1:
+    once (held(splits), asked only for such a count: a cluster's blocks must share one GPC) take no more
+    waves than the plain grid over `slots` resident blocks."""
+    if not 2 <= splits <= CLUSTER_SPLITS:
         return False
-    return -(-blocks // active_clusters) <= -(-(blocks * splits) // slots)
+    active = held(splits)
+    return active >= 1 and -(-blocks // active) <= -(-(blocks * splits) // slots)
 
 
 class Occupancy:
