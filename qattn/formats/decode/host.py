@@ -54,7 +54,8 @@ def _check_splits(splits) -> int | None:
 
 
 class _Plan:
-    """A call signature's launches: the decode kernel and, with splits, the merge."""
+    """A call signature's launches: the decode kernel and, with splits not merged in clusters, the merge
+    kernel; the split count, the workspace bytes, the LSE's shape and the decode kernel's spec name."""
 
     def __init__(self, decode: PackedLaunch, merge: PackedLaunch | None, splits: int, ws_bytes: int, lse_shape,
                  kernel_name: str):

@@ -3,17 +3,17 @@
 Decode streams the K/V pages once, so its speed is the DRAM stream's. Measured on the H200 (GQA
 32/8, D128, pages of 16 and 32 in shuffled order, docs/notes/decode.md): the formats stream fastest
 with about 128 KiB of K/V in flight per SM (its blocks' pipeline slots): four blocks of the 16-bit
-two-warp kernel, five of K8/V16 or K16/V8, four of K8/V8. More in flight than that slows the
-stream, fewer leaves it short. K8/V8, which widens codes on both sides, is the exception the bytes
-do not explain: at D128 on pages of 32 its two-warp blocks would make five (124 KiB), and five run
-2-5% slower than four (99 KiB), so there it takes at most EIGHT_BIT_MOST_BLOCKS (the other head
-dims follow the bytes). A call caps the blocks per SM
-at that target (by asking for more dynamic shared memory than the kernel needs, which is what the
-occupancy calculator counts) and splits the keys so that its blocks make one full wave of the
-capped slots. From sm_90 the splits of a group of at most
-CLUSTER_SPLITS run as one thread-block cluster and merge their partials through distributed shared
-memory, where the GPU holds as many such clusters at once as the grid needs waves (cluster_merge); the
-merge kernel takes the rest.
+two-warp kernel, five of K8/V16 or K16/V8. More in flight than that slows the stream, fewer leaves
+it short. K8/V8, which widens codes on both sides, is the exception the bytes do not explain: at
+D128 on pages of 32 its two-warp blocks would make five (124 KiB), and five run 2-5% slower than
+four (99 KiB), so there it takes at most EIGHT_BIT_MOST_BLOCKS (other head dims follow the bytes).
+
+A call caps the blocks per SM at that target (by asking for more dynamic shared memory than the
+kernel needs, which is what the occupancy calculator counts) and splits the keys so that its blocks
+make one full wave of the capped slots. From sm_90 the splits of a group, at most CLUSTER_SPLITS of
+them, run as one thread-block cluster and merge their partials through distributed shared memory
+where the GPU holds as many such clusters at once as the grid needs waves (cluster_merge); the merge
+kernel takes the rest.
 """
 from __future__ import annotations
 
