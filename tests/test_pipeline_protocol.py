@@ -48,9 +48,11 @@ class NamedBarrier:
             yield
 
 
-def run(items, stages: int, groups: int, *, qk_ahead: bool, s_beside_pv: bool, pingpong: bool, seed: int):
+def run(items, stages: int, groups: int, *, qk_ahead: bool, s_beside_pv: bool, pingpong: bool, seed: int,
+        one_body: bool = False):
     """One block's work: `items` key-tile counts, one per work item it takes in turn (a persistent block
-    takes several; the ring's slots and phases run on across them: KvRing::base)."""
+    takes several; the ring's slots and phases run on across them: KvRing::base). one_body: the key loop
+    on one body (ONE_BODY_KEY_LOOP), else its last tile a step of its own without S."""
     items = (items,) if isinstance(items, int) else tuple(items)
     rng = random.Random(seed)
     full = {side: [MBarrier(1) for _ in range(stages)] for side in "kv"}
@@ -99,10 +101,10 @@ def run(items, stages: int, groups: int, *, qk_ahead: bool, s_beside_pv: bool, p
             readers[side, slot] = readers.get((side, slot), 0) + 1
             in_flight.append((side, slot))
 
-        def wait_group(keep):  # wgmma.wait_group keep: groups retire in order
+        def wait_group(keep):  # wgmma.wait_group keep: groups retire in order, each some time after its issue
             while len(in_flight) > keep:
-                readers[in_flight.pop(0)] -= 1
                 yield
+                readers[in_flight.pop(0)] -= 1
 
         def turn_wait():
             if pingpong:
@@ -125,11 +127,13 @@ def run(items, stages: int, groups: int, *, qk_ahead: bool, s_beside_pv: bool, p
             issue("k", slot(0), base)
             turn_pass()
             yield from wait_group(0)
-            if nblocks > 1:  # the last tile's K is freed after the loop
+            if not one_body or nblocks > 1:  # one body: the last tile's K is freed after the loop
                 free["k"][slot(0)].arrive()
         for j in range(nblocks):
             nxt = j + 1 < nblocks
-            s_tile = j + 1 if nxt else j  # the last tile issues S of its own K again
+            issues_s = nxt or one_body  # the last step of one body issues S of its own K again
+            s_tile = j + 1 if nxt else j
+            frees_next_k = j + 2 < nblocks if one_body else nxt
             while not full["v"][slot(j)].done(phase(j)):
                 yield
             if nxt:
@@ -137,26 +141,30 @@ def run(items, stages: int, groups: int, *, qk_ahead: bool, s_beside_pv: bool, p
                     yield
             if qk_ahead:
                 yield from turn_wait()
-                issue("k", slot(s_tile), base + s_tile)
+                if issues_s:
+                    issue("k", slot(s_tile), base + s_tile)
                 issue("v", slot(j), base + j)
                 turn_pass()
-                yield from wait_group(1)
-                if j + 2 < nblocks:
-                    free["k"][slot(j + 1)].arrive()
+                if issues_s:
+                    yield from wait_group(1)
+                    if frees_next_k:
+                        free["k"][slot(j + 1)].arrive()
                 yield from wait_group(0)
                 free["v"][slot(j)].arrive()
             else:
+                beside = s_beside_pv and issues_s
                 issue("v", slot(j), base + j)
-                if s_beside_pv:
+                if beside:
                     issue("k", slot(s_tile), base + s_tile)
-                yield from wait_group(1 if s_beside_pv else 0)
+                yield from wait_group(1 if beside else 0)
                 free["v"][slot(j)].arrive()
-                if not s_beside_pv:
-                    issue("k", slot(s_tile), base + s_tile)
-                yield from wait_group(0)
-                if j + 2 < nblocks:
-                    free["k"][slot(j + 1)].arrive()
-        if nblocks > 0:  # the last tile's K, read again by the last iteration's S
+                if issues_s:
+                    if not s_beside_pv:
+                        issue("k", slot(s_tile), base + s_tile)
+                    yield from wait_group(0)
+                    if frees_next_k:
+                        free["k"][slot(j + 1)].arrive()
+        if one_body and nblocks > 0:  # the last tile's K, read again by the last step's S
             free["k"][slot(nblocks - 1)].arrive()
 
     workers = {"producer": produce(), **{f"wg{w}": consume(w) for w in range(groups)}}
@@ -186,37 +194,41 @@ CASES = [(order, groups, pingpong) for order in ORDERS for groups in (1, 2, 3)
 
 @pytest.mark.parametrize("order,groups,pingpong", CASES)
 @pytest.mark.parametrize("stages", [2, 3, 4])
-def test_every_schedule_finishes_without_aliasing_or_overwrites(order, groups, pingpong, stages):
+@pytest.mark.parametrize("one_body", [False, True], ids=["last step apart", "one body"])
+def test_every_schedule_finishes_without_aliasing_or_overwrites(order, groups, pingpong, stages, one_body):
     qk_ahead, s_beside_pv = ORDERS[order]
     for items in (0, 1, 2, 3, 5, 8, (3, 1, 4), (2, 0, 5, 1), (7, 7, 2)):  # one work item, or several in turn
         for seed in range(25):
-            run(items, stages, groups, qk_ahead=qk_ahead, s_beside_pv=s_beside_pv, pingpong=pingpong, seed=seed)
+            run(items, stages, groups, qk_ahead=qk_ahead, s_beside_pv=s_beside_pv, pingpong=pingpong, seed=seed,
+                one_body=one_body)
 
 
-@pytest.mark.parametrize("break_it, why", [
-    ("no first pass", "a deadlock"),
-    ("no last wait", "an arrival left"),
-    ("K never freed", "a deadlock"),
-    ("last K freed early", "reads block"),
+@pytest.mark.parametrize("break_it, why, one_body", [
+    ("no first pass", "a deadlock", False),
+    ("no last wait", "an arrival left", False),
+    ("K never freed", "a deadlock", False),
+    ("K freed before its S retired", "while a wgmma reads it", False),
+    ("last K freed early", "while a wgmma reads it|reads block", True),
 ])
-def test_the_model_catches_a_broken_protocol(break_it, why, monkeypatch):
+def test_the_model_catches_a_broken_protocol(break_it, why, one_body):
     """The checks can fail: a protocol without the last warpgroup's first pass deadlocks, one without
-    warpgroup 0's last wait leaves an arrival, one that never frees a K slot in the loop stalls the ring, and
-    one that frees the last tile's K before the last iteration reads it again lets the next work item's
+    warpgroup 0's last wait leaves an arrival, one that never frees a K slot in the loop stalls the ring, one
+    that frees the first tile's K slot as soon as its S is issued lets a copy land under that read, and a loop
+    on one body that frees the last tile's K before its last step reads it again lets the next work item's
     copy land under that read."""
     edits = {
         "no first pass": [("turns[0].arrive()\n        base = 0", "None\n        base = 0")],
         "no last wait": [("if pingpong and wg == 0:  # consumer_turns_end\n            yield from turns[0].sync()",
                           "if False:\n            yield from turns[0].sync()")],
-        "K never freed": [("if j + 2 < nblocks:\n                    free[\"k\"][slot(j + 1)].arrive()\n"
-                           "                yield from wait_group(0)", "yield from wait_group(0)")],
-        # every K freed as soon as its S landed, the last tile's too
-        "last K freed early": [("if nblocks > 1:  # the last tile's K is freed after the loop", "if True:"),
-                               ("if j + 2 < nblocks:\n                    free[\"k\"][slot(j + 1)].arrive()\n"
-                                "                yield from wait_group(0)",
-                                "if nxt:\n                    free[\"k\"][slot(j + 1)].arrive()\n"
-                                "                yield from wait_group(0)"),
-                               ("if nblocks > 0:  # the last tile's K, read again", "if False:  #")],
+        "K never freed": [("                    if frees_next_k:\n                        free[\"k\"][slot(j + 1)].arrive()\n"
+                           "                yield from wait_group(0)", "                yield from wait_group(0)")],
+        "K freed before its S retired": [
+            ("            yield from wait_group(0)\n            if not one_body or nblocks > 1:",
+             "            free[\"k\"][slot(0)].arrive()\n            yield from wait_group(0)\n            if False:")],
+        # one body: every K freed as soon as its S landed, the last tile's too
+        "last K freed early": [("if not one_body or nblocks > 1:", "if True:"),
+                               ("frees_next_k = j + 2 < nblocks if one_body else nxt", "frees_next_k = nxt"),
+                               ("if one_body and nblocks > 0:  # the last tile's K", "if False:  #")],
     }[break_it]
     import inspect
     import textwrap
@@ -230,4 +242,5 @@ def test_the_model_catches_a_broken_protocol(break_it, why, monkeypatch):
     with pytest.raises(AssertionError, match=why):
         for items in (3, 5, (2, 3), (3, 4, 2)):
             for seed in range(10):
-                namespace["run"](items, 2, 2, qk_ahead=True, s_beside_pv=False, pingpong=True, seed=seed)
+                namespace["run"](items, 2, 2, qk_ahead=True, s_beside_pv=False, pingpong=True, seed=seed,
+                                 one_body=one_body)
