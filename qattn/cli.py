@@ -820,7 +820,8 @@ def _command_line() -> str:
                    "[default: each format's own]")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True, help="interleaved timing rounds")
 @click.option("--write-tokens", type=click.IntRange(min=0), default=65536, show_default=True,
-              help="tokens of the cache-write timing (0: skip it)")
+              help="tokens of the cache-write timing, as a prompt and as scattered single tokens, then decode "
+                   "steps of 8, 64 and 256 sequences timed on the GPU alone (0: skip it)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, path_type=Path),
               callback=_json_path, help="also write the records as JSON to FILE")
 @click.option("--markdown", is_flag=True, help="also print the table as markdown for BENCHMARKS.md")

@@ -33,6 +33,23 @@ def test_kv_bytes_counts_codes_scales_and_table():
     assert bench.kv_bytes("i8-i8", 1, 4, 128, 64, 16, "head") == 4 * 128 * 128 + 8 * 4
 
 
+def test_write_bytes_are_the_inputs_read_and_the_codes_and_scales_written():
+    # 64 tokens of 8 kv heads at D128: fp16 K and V read (2 x 64 x 8 x 256 bytes), e4m3 codes and token
+    # scales written (2 x 64 x 8 x 132 bytes); no block table
+    assert bench.write_bytes("e4m3-e4m3", 64, 8, 128, 32, "token") == 2 * 64 * 8 * 256 + 2 * 64 * 8 * 132
+    assert bench.write_bytes("f16-f16", 3, 2, 64, 16, "token") == 2 * 3 * 2 * 128 + 2 * 3 * 2 * 128
+
+
+def test_decode_step_slots_put_each_sequence_on_a_page_of_its_own():
+    rng = np.random.default_rng(1)
+    for pages, page_size, n in ((100, 32, 64), (8, 16, 8), (1000, 64, 1)):
+        slots = bench.decode_step_slots(pages, page_size, n, rng)
+        assert len(slots) == n and len(set(slots // page_size)) == n
+        assert slots.min() >= 0 and slots.max() < pages * page_size
+    with pytest.raises(ValueError, match="sequences: expected 1 to 8"):
+        bench.decode_step_slots(8, 16, 9, rng)
+
+
 def test_point_fp16_bytes_and_label():
     point = bench.Point(8, 32768)
     assert point.fp16_kv_bytes == 8 * 32768 * 8 * 128 * 4 == 1 << 30

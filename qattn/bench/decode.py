@@ -451,12 +451,30 @@ def gpu_name(device: int | None = None) -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
+def write_bytes(fmt: str, tokens: int, kv_heads: int, head_dim: int, page_size: int, scale: str) -> int:
+    """Bytes the cache write of `tokens` new tokens moves: the fp16 K and V it reads, the codes and token
+    scales it writes (kv_bytes without the block table, which it does not touch)."""
+    return 2 * tokens * kv_heads * head_dim * 2 + kv_bytes(fmt, 1, kv_heads, tokens, head_dim, page_size, scale) \
+        - -(-tokens // page_size) * 4
+
+
+def decode_step_slots(pages: int, page_size: int, sequences: int, rng) -> np.ndarray:
+    """The slots of one decode step's new tokens: one for each of `sequences` sequences, each on a page of
+    its own (distinct pages of the pool, in random order) at a random offset in it."""
+    if not 0 < sequences <= pages:
+        raise ValueError(f"sequences: expected 1 to {pages} (one page each), got {sequences}")
+    return rng.choice(pages, sequences, replace=False) * page_size + rng.integers(0, page_size, sequences)
+
+
 def bench_write(tokens: int = 65536, formats=("e4m3-e4m3", "i8-i8", "f16-f16"), *, kv_heads: int = 8,
-                head_dim: int = 128, page_size: int = 32, scale: str = "token", seed: int = 0) -> list[dict]:
+                head_dim: int = 128, page_size: int = 32, scale: str = "token", seed: int = 0,
+                step_tokens=(8, 64, 256)) -> list[dict]:
     """The fused write of `tokens` new tokens against a plain copy of the same bytes (the fp16 K and V
     it reads and the codes and scales it writes), each timed alone. Two slot patterns per format: a
-    prompt (pages shuffled, tokens in order within each page) and decode steps (every token on a page
-    of its own, as one new token per sequence lands)."""
+    prompt (pages shuffled, tokens in order within each page) and scattered single tokens (every token
+    at a random slot of its own). Then the write of one decode step for each count in `step_tokens`: one
+    new token for each of that many sequences, each on a page of its own, the write and its copy timed
+    on the GPU alone (a spin covers the host's time to enqueue them: a captured CUDA graph's view)."""
     import cupy
 
     from ..formats.decode import PagedKVCache
@@ -468,19 +486,37 @@ def bench_write(tokens: int = 65536, formats=("e4m3-e4m3", "i8-i8", "f16-f16"), 
     pages = -(-tokens // page_size)
     prompt = (rng.permutation(pages)[np.arange(tokens) // page_size] * page_size + np.arange(tokens) % page_size)
     patterns = {"prompt": prompt, "steps": rng.permutation(tokens)}
+    steps = {n: decode_step_slots(pages, page_size, n, rng) for n in step_tokens if n <= pages}
+    spin = GpuSpin()
     records = []
+
+    def moved_bytes(fmt: str, n: int) -> int:
+        return write_bytes(fmt, n, kv_heads, head_dim, page_size, scale)
+
+    def copy_ms(moved: int, timer) -> float:
+        src = cupy.empty(moved // 2, dtype=cupy.uint8)
+        dst = cupy.empty_like(src)
+        return timer(lambda: cupy.copyto(dst, src)).median_ms
+
     for fmt in formats:
         k_side, v_side = fmt.split("-")
         cache = PagedKVCache(pages, page_size, kv_heads, head_dim, k=k_side, v=v_side, scale=scale)
-        written = kv_bytes(fmt, 1, kv_heads, tokens, head_dim, page_size, scale) - pages * 4
-        moved = 2 * k.nbytes + written  # read fp16 K and V, write codes and scales
-        src = cupy.empty(moved // 2, dtype=cupy.uint8)
-        dst = cupy.empty_like(src)
-        copy_ms = time_cuda(lambda: cupy.copyto(dst, src)).median_ms
+        moved = moved_bytes(fmt, tokens)
+        copy = copy_ms(moved, time_cuda)
         for name, slots in patterns.items():
             slots_d = cupy.asarray(slots.astype(np.int64))
             write_ms = time_cuda(lambda: cache.write(k, v, slots_d)).median_ms
             records.append({"format": fmt, "slots": name, "tokens": tokens, "kv_heads": kv_heads,
-                            "head_dim": head_dim, "bytes": moved, "write_ms": write_ms, "copy_ms": copy_ms,
-                            "ratio": write_ms / copy_ms})
+                            "head_dim": head_dim, "bytes": moved, "write_ms": write_ms, "copy_ms": copy,
+                            "ratio": write_ms / copy})
+        alone = functools.partial(time_cuda_after, before=spin)
+        for n, slots in steps.items():
+            slots_d = cupy.asarray(slots.astype(np.int64))
+            kn, vn = k[:n], v[:n]
+            moved_n = moved_bytes(fmt, n)
+            write_ms = alone(lambda: cache.write(kn, vn, slots_d)).median_ms
+            copy_n = copy_ms(moved_n, alone)
+            records.append({"format": fmt, "slots": "decode step", "tokens": n, "kv_heads": kv_heads,
+                            "head_dim": head_dim, "bytes": moved_n, "write_ms": write_ms, "copy_ms": copy_n,
+                            "ratio": write_ms / copy_n})
     return records
