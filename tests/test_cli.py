@@ -167,7 +167,7 @@ def test_inspect_names_the_tile_kv8_calls_run():
     assert "calls of 512 to 4095 query rows run m128n128w8s2 on wgmma, persistent on instead" in text, text
     assert "calls of at least 4096 query rows run m128n128w8s2 on wgmma instead" in text
     causal = json.loads(run("inspect", "-f", "f16", "-d", "128", "--arch", "sm_90a", "--causal", "--json").stdout)
-    assert [(b["least_queries"], b["options"]) for b in causal["launch_tiles"]] == [(1024, {})]
+    assert [(b["least_queries"], b["options"]) for b in causal["launch_tiles"]] == [(1024, {"persistent": "on"})]
 
 
 def test_inspect_shows_the_format_blocks():

@@ -173,18 +173,17 @@ def test_agrees_with_mma_sync(fmt, head_dim, causal, monkeypatch):
 def test_attention_runs_wgmma_from_1024_query_rows(fmt, causal, monkeypatch):
     """qattn.attention on sm_90a: f16 / bf16 calls of 1024 query rows and more run the wgmma kernel
     (recipes.LAUNCH_TILES), shorter ones the mma.sync default, but for non-causal d128 calls from 512
-    rows, which run it with persistent blocks below 4096; each within its format's tolerance of FP64,
-    with a tail past the last block."""
+    rows; persistent blocks for causal calls, and non-causal ones below 4096 rows at d128 (16384 at d64);
+    each within its format's tolerance of FP64, with a tail past the last block."""
     from qattn import api
 
     _kernel(fmt, 64, causal)  # skips off sm_90a
     monkeypatch.setenv("QATTN_TUNED", "0")
     monkeypatch.setattr(api, "_CALL_KERNELS", {})
     rng = np.random.default_rng()
-    persistent = "off" if causal else "on"
-    for lq, d, unit, blocks in ((1024 + 77, 64, "wgmma", "off"), (1000, 64, "mma.sync", None),
+    for lq, d, unit, blocks in ((1024 + 77, 64, "wgmma", "on"), (1000, 64, "mma.sync", None),
                                 (600, 128, "mma.sync" if causal else "wgmma", None if causal else "on"),
-                                (1024 + 77, 128, "wgmma", persistent)):
+                                (1024 + 77, 128, "wgmma", "on"), (4096 + 77, 128, "wgmma", "on" if causal else "off")):
         host, (q, k, v) = _host_inputs(rng, fmt, 1, 4, 2, lq, lq + 33, d)
         before = set(api._CALL_KERNELS)
         out = qattn.attention(q, k, v, format=fmt, causal=causal)

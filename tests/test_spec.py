@@ -315,12 +315,17 @@ def test_attention_takes_the_listed_wgmma_kernel_from_1024_query_rows(monkeypatc
             assert unit(fmt, 1024, d, causal=True) == ("wgmma", Tile(128, 128, 8, 2))
             assert unit(fmt, 32768, d, causal=True)[0] == "wgmma"
             assert unit(fmt, 300, d)[0] == "mma.sync"  # cached per band: the short call is not served wgmma
-        # d64: wgmma from 1024 rows, causal or not; d128 non-causal: persistent blocks from 512 to 4095 rows
+        # d64: wgmma from 1024 rows, causal or not; non-causal persistent blocks from 512 to 4095 rows at d128,
+        # from 1024 to 16383 at d64; causal ones from 1024 rows at both
         assert unit(fmt, 1023, 64)[0] == "mma.sync" and unit(fmt, 1024, 64)[0] == "wgmma"
         assert unit(fmt, 511, 128)[0] == "mma.sync"
         for rows, persistent in ((512, "on"), (4095, "on"), (4096, "off"), (32768, "off")):
             assert unit(fmt, rows, 128)[0] == "wgmma" and options(fmt, rows)["persistent"] == persistent, rows
-        assert options(fmt, 2048, causal=True)["persistent"] == "off"
+        for rows, persistent in ((1024, "on"), (16383, "on"), (16384, "off")):
+            assert options(fmt, rows, 64)["persistent"] == persistent, rows
+        for d in (64, 128):
+            assert options(fmt, 2048, d, causal=True)["persistent"] == "on"
+            assert options(fmt, 32768, d, causal=True)["persistent"] == "on"
     assert unit("f16", 8192, tile=Tile(64, 64, 4, 2)) == ("mma.sync", Tile(64, 64, 4, 2))
     assert unit("f16", 8192, 96)[0] == "mma.sync"  # no wgmma kernel at d96
     assert unit("f32", 8192)[0] is None  # the SIMT kernel: nothing listed

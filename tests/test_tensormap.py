@@ -303,7 +303,7 @@ def test_tiled_map_is_plain_data():
 def test_wgmma_grid_is_a_block_per_item_or_the_resident_blocks(monkeypatch):
     """The wgmma kernel's flat grid over its work items (query blocks x heads x batch): one block each,
     or with persistent "on" as many as the SMs hold (one block of 8 or 12 warps an SM, two of 4),
-    never more than the items; a count past 2^31 - 1 is refused naming q."""
+    never more than the items (causal: than their pairs); a count past 2^31 - 1 is refused naming q."""
     from qattn.engine.tile import Tile
     from qattn.formats.dense import launch
 
@@ -316,6 +316,9 @@ def test_wgmma_grid_is_a_block_per_item_or_the_resident_blocks(monkeypatch):
     assert launch.wgmma_grid(persistent, 100, 0) == (100, 1, 1)
     single = persistent.with_(tile=Tile(64, 128, 4, 2))
     assert launch.wgmma_grid(single, 4096, 0) == (264, 1, 1)
+    paired = persistent.with_(causal=True)  # causal items go in pairs: at most one block a pair
+    assert launch.wgmma_grid(paired, 4096, 0) == (132, 1, 1)
+    assert launch.wgmma_grid(paired, 101, 0) == (51, 1, 1)
     with pytest.raises(ValueError, match="^q: .* split the call"):
         launch.wgmma_grid(spec, 2**31, 0)
 

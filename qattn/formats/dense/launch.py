@@ -103,14 +103,15 @@ def _plan(kernel, q, k, v, out, scale, return_lse) -> _PrefillPlan:
 def wgmma_grid(spec, items: int, device_id: int) -> tuple:
     """The wgmma kernel's grid over its work items (query blocks of a batch and head): a block per item,
     or with the option persistent "on" as many blocks as the SMs hold at once (one, or two for a single
-    consumer warpgroup), each taking items in turn."""
+    consumer warpgroup), each taking items in turn (causal: in pairs, a heavy and a light query block)."""
     if items >= 2**31:
         raise ValueError(f"q: {items} query blocks of {spec.tile.block_m} rows over batch and heads, more than a "
                          "launch indexes (2^31 - 1): split the call")
     if spec.family.values.get("persistent") != "on":
         return (items, 1, 1)
     per_sm = 2 if spec.tile.warps == 4 else 1
-    return (min(items, sm_count(device_id) * per_sm), 1, 1)
+    units = -(-items // 2) if spec.causal else items
+    return (min(units, sm_count(device_id) * per_sm), 1, 1)
 
 
 def sm_count(device_id: int) -> int:
