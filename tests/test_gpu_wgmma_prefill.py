@@ -173,7 +173,7 @@ def test_agrees_with_mma_sync(fmt, head_dim, causal, monkeypatch):
 def test_attention_runs_wgmma_from_1024_query_rows(fmt, causal, monkeypatch):
     """qattn.attention on sm_90a: f16 / bf16 calls of 1024 query rows and more run the wgmma kernel
     (recipes.LAUNCH_TILES), shorter ones the mma.sync default, but for non-causal d128 calls from 512
-    rows; persistent blocks for causal calls, and non-causal ones below 4096 rows at d128 (16384 at d64);
+    rows; persistent blocks for causal calls and d64 ones, and non-causal d128 ones below 4096 rows;
     each within its format's tolerance of FP64, with a tail past the last block."""
     from qattn import api
 

@@ -316,12 +316,12 @@ def test_attention_takes_the_listed_wgmma_kernel_from_1024_query_rows(monkeypatc
             assert unit(fmt, 32768, d, causal=True)[0] == "wgmma"
             assert unit(fmt, 300, d)[0] == "mma.sync"  # cached per band: the short call is not served wgmma
         # d64: wgmma from 1024 rows, causal or not; non-causal persistent blocks from 512 to 4095 rows at d128,
-        # from 1024 to 16383 at d64; causal ones from 1024 rows at both
+        # from 1024 on at d64; causal ones from 1024 rows at both
         assert unit(fmt, 1023, 64)[0] == "mma.sync" and unit(fmt, 1024, 64)[0] == "wgmma"
         assert unit(fmt, 511, 128)[0] == "mma.sync"
         for rows, persistent in ((512, "on"), (4095, "on"), (4096, "off"), (32768, "off")):
             assert unit(fmt, rows, 128)[0] == "wgmma" and options(fmt, rows)["persistent"] == persistent, rows
-        for rows, persistent in ((1024, "on"), (16383, "on"), (16384, "off")):
+        for rows, persistent in ((1024, "on"), (16384, "on"), (131072, "on")):
             assert options(fmt, rows, 64)["persistent"] == persistent, rows
         for d in (64, 128):
             assert options(fmt, 2048, d, causal=True)["persistent"] == "on"

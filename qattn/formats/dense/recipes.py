@@ -125,22 +125,23 @@ CUDA_WGMMA = Family(
 # one block of 12 warps per SM and a short key loop leave the SMs less busy. With persistent blocks:
 # - non-causal d128 calls of 512 to 4095 rows: 1.28x the mma.sync kernel at B32 L512 and 1.05x the
 #   one-block-per-item grid at B16 L1024, even at L4096 and 0.97x at L32768 (so not from 4096 rows);
-# - non-causal d64 calls of 1024 to 16383 rows: 1.07x at B16 L1024, 1.04x at B8 L2048, 1.01x at B4 L8192;
+# - non-causal d64 calls from 1024 rows: 1.07x at B16 L1024, 1.04x at B8 L2048, 1.01-1.02x at B4 L8192 to B1
+#   L32768;
 # - causal calls from 1024 rows, their items in pairs of a heavy and a light query block (PAIRED in the
 #   template): d128 1.10x at B16 L1024, 1.09x at B8 L2048, 1.06x at B4 L4096, 1.00x at B2 L8192 and B1
 #   L32768; d64 1.06x at B16 L1024, 1.04x at B8 L2048 and B4 L8192.
 # d64 at 512 rows keeps mma.sync (0.96x).
 WGMMA_QUERIES = 1024
-PERSISTENT_QUERIES = {128: (512, 4096), 64: (1024, 16384)}  # non-causal: from, up to (excluded)
+PERSISTENT_QUERIES = {128: (512, 4096), 64: (1024, None)}  # non-causal: from, up to (excluded; None: no end)
 
 
 def _wgmma_bands(d: int) -> tuple:
     tile = CUDA_WGMMA.default_tiles[d]
     least, most = PERSISTENT_QUERIES[d]
     persistent = (("persistent", "on"),)
-    return (LaunchChoice(WGMMA_QUERIES, tile, "wgmma", persistent, causal=True),
-            LaunchChoice(least, tile, "wgmma", persistent, causal=False),
-            LaunchChoice(most, tile, "wgmma", causal=False))
+    bands = (LaunchChoice(WGMMA_QUERIES, tile, "wgmma", persistent, causal=True),
+             LaunchChoice(least, tile, "wgmma", persistent, causal=False))
+    return bands + ((LaunchChoice(most, tile, "wgmma", causal=False),) if most is not None else ())
 
 
 LAUNCH_TILES = {(fmt, d, "sm_90a"): _wgmma_bands(d) for fmt in ("f16", "bf16") for d in CUDA_WGMMA.head_dims}
