@@ -331,6 +331,42 @@ def test_attention_takes_the_listed_wgmma_kernel_from_1024_query_rows(monkeypatc
     assert unit("f32", 8192)[0] is None  # the SIMT kernel: nothing listed
 
 
+def test_i8_f8_calls_on_short_sequences_take_two_64_row_blocks_per_sm(monkeypatch):
+    """i8-f8 on sm_90a (int8qk recipes.LAUNCH_TILES): calls below 2048 query rows (non-causal) or 4096
+    (causal) run the m64 tile, two blocks per SM; longer ones the 192-row default; both tiles quantize
+    alike (one Q scale a row, four K scale groups per 128 keys), so the operands do not depend on it."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from qattn import api
+    from qattn.formats.int8qk.launch import emulator_options
+    from qattn.formats.int8qk.recipes import I8_F8_SHORT_TILE
+
+    monkeypatch.setenv("QATTN_TUNED", "0")
+    monkeypatch.setattr(api, "device_arch", lambda: "sm_90a")
+    monkeypatch.setattr(api, "build_kernel", lambda spec: SimpleNamespace(spec=spec))
+    monkeypatch.setattr(api, "_CALL_KERNELS", {})
+
+    def spec(rows, d, causal):
+        q = SimpleNamespace(shape=(2, 8, rows, d), data=SimpleNamespace(device_id=0), device=contextlib.nullcontext())
+        return api._call_kernel("i8-f8", q, q, causal, None).spec
+
+    long_tile = Tile(192, 128, 12, 2)
+    for d in (64, 128):
+        for causal, least in ((False, 2048), (True, 4096)):
+            for rows, tile in ((1, I8_F8_SHORT_TILE), (1024, I8_F8_SHORT_TILE), (least - 1, I8_F8_SHORT_TILE),
+                               (least, long_tile), (32768, long_tile)):
+                chosen = spec(rows, d, causal)
+                assert chosen.tile == tile and chosen.family.values["mma_unit"] == "wgmma", (d, causal, rows)
+        assert emulator_options(spec(1024, d, False)) == emulator_options(spec(32768, d, False))
+    q = SimpleNamespace(shape=(1, 8, 1024, 128), data=SimpleNamespace(device_id=0), device=contextlib.nullcontext())
+    assert api._call_kernel("i8-f8", q, q, False, long_tile).spec.tile == long_tile  # a named tile still decides
+    from qattn.engine import registry
+
+    assert registry.launch_choice("i8-f8", 128, "sm_90", 1024) is None  # measured on sm_90a only
+    assert registry.launch_choice("i8-f16", 128, "sm_90a", 1024) is None
+
+
 def test_a_head_dims_option_default_applies_unless_named():
     """Family.option_defaults: the wgmma f16 kernel takes its warpgroups in turns at d128 (measured
     faster there) but not at d64; a spec that names the option keeps it, and the name says which."""

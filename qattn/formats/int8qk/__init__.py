@@ -7,7 +7,7 @@ from ...engine import registry
 from .emulate import EMULATORS
 from .host import QuantizedQKV, attention_quantized, prefill_i8, quantize
 from .launch import inspect_fields
-from .recipes import RECIPES
+from .recipes import LAUNCH_TILES, RECIPES
 
 FAMILY = registry.register(registry.FormatFamily(
     name="int8qk",
@@ -17,6 +17,7 @@ FAMILY = registry.register(registry.FormatFamily(
     emulators=EMULATORS,
     options=frozenset({"smoothing", "smooth_k"}),
     inspect=inspect_fields,
+    launch_tiles=LAUNCH_TILES,
 ))
 
 __all__ = ["FAMILY", "QuantizedQKV", "attention_quantized", "quantize"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ...engine.family import CUDA_ARCHS, HIP_ARCHS, Family, Recipe, Tolerance
+from ...engine.family import CUDA_ARCHS, HIP_ARCHS, Family, LaunchChoice, Recipe, Tolerance
 from ...engine.tiling import (first_problem, padded_row_bytes, ring_problem, smem_problem, tile_pitch,
                               unpipelined_problem, warp_rows_problem)
 from ...engine.tile import Tile
@@ -185,6 +185,22 @@ def _cuda_i8_wgmma(pv: str, default_tiles: dict, measured_spills: frozenset = fr
 CUDA_I8_F8_WGMMA = _cuda_i8_wgmma(
     "f8", {64: Tile(192, 128, 12, 2), 128: Tile(192, 128, 12, 2)},
     frozenset((d, causal, "sm_90a") for d in (64, 128) for causal in (False, True)))
+# Calls of fewer rows run i8-f8 on two 64-row blocks per SM (registry.launch_choice): at 1024-2048 rows a
+# sequence one block of 192 rows spends a large share of each query block on its start and end, which the
+# SM's second block hides (H200, B16 L1024 / B8 L2048, whole calls, time m64 / m192: d128 0.95 / 1.01
+# non-causal and 0.91 / 0.91 causal; d64 0.98 / 1.01 and 0.89 / 0.96; at B4 L4096 causal m192 is 2% ahead).
+I8_F8_SHORT_TILE = Tile(64, 128, 4, 2)
+I8_F8_LONG_QUERIES = {False: 2048, True: 4096}  # by causal: from these rows the 192-row default again
+
+
+def _i8_f8_bands(d: int) -> tuple:
+    default = CUDA_I8_F8_WGMMA.default_tiles[d]
+    return tuple(choice for causal, least in I8_F8_LONG_QUERIES.items()
+                 for choice in (LaunchChoice(1, I8_F8_SHORT_TILE, causal=causal),
+                                LaunchChoice(least, default, causal=causal)))
+
+
+LAUNCH_TILES = {("i8-f8", d, "sm_90a"): _i8_f8_bands(d) for d in CUDA_I8_F8_WGMMA.head_dims}
 # fp16 PV: O, S and P at once (S runs ahead of PV) on two consumer warpgroups' 240 registers. At d128
 # 128-key blocks spill 32-36 B (the int32 S beside its floats) and, with the warpgroups in turns,
 # measured 1.04-1.12x the spill-free 64-key blocks (H200, B1 L32768, B4 L4096, B16 L1024, causal and
