@@ -256,6 +256,19 @@ def test_cli_inspects_a_decode_kernel():
     assert any("E4M3" in op.upper() and "SAT" in op.upper() for op in report["instructions"]["convert"])
 
 
+def test_int8_k_on_the_transform_path_widens_without_a_subtract():
+    """An int8 K on the transform path with fp16 queries is widened as 1152 + v (a byte permute), the
+    offset taken off the score accumulators: no packed subtract is left for K, where V's int8 codes and
+    the pre-RoPE keys (turned on chip as exact values) keep theirs."""
+    def subtracts(fmt, **options):
+        spec = KernelSpec(kind="decode", recipe=fmt, head_dim=128, arch="sm_90a", options=options)
+        return compile_cuda(render(spec), "sm_90a", spec.name, entry=main_entry_name(spec)).ptx.count("sub.f16x2")
+
+    assert subtracts("i8-f16", qk="transform") == 0
+    assert subtracts("i8-i8", qk="transform") == subtracts("f16-i8") > 0  # V's widening only
+    assert subtracts("i8-f16", qk="transform", k_rope="pre") > 0
+
+
 def test_default_tile_by_arch_and_qk_path():
     """Two warps a block where the H200 measured them faster (on sm_90a: K16/V16, K16/V8 and K8/V16 on two slots on
     pages of 16 and 32 tokens, K8/V8 on the transform path on three slots on pages of 32, and of 16 at D64); the
