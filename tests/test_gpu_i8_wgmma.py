@@ -103,6 +103,36 @@ def test_block_rows_do_not_change_the_output_bits(head_dim, causal, lq, lk):
         _check("i8-f8", outs[1], host, causal=causal, options=_options(_kernel(head_dim, causal)))
 
 
+@pytest.mark.parametrize("fmt,tile", [("i8-f8", None), ("i8-f8", (64, 128, 4, 2)), ("i8-f16", None)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_blocks_give_the_same_bits(fmt, tile, causal):
+    """persistent "on" (as many blocks as the SMs hold, each taking work items in turn, causal ones in pairs of
+    a heavy and a light query block; the ring's slots and phases and the warpgroups' turns running on across
+    items) against a block per item: the same output and LSE bits, with more items than blocks (of different
+    key counts when causal), tails and GQA."""
+    import cupy
+
+    from qattn.engine.spec import device_arch
+    from qattn.engine.tile import Tile
+
+    if device_arch() != "sm_90a":
+        pytest.skip("wgmma needs sm_90a")
+    spec = dict(format=fmt, head_dim=128, causal=causal, mma="wgmma", **({"tile": Tile(*tile)} if tile else {}))
+    one = qattn.build("prefill", **spec)
+    many = qattn.build("prefill", **spec, options={"persistent": "on"})
+    assert dict(many.spec.options)["persistent"] == "on" and many.spec.tile == one.spec.tile
+    rng = np.random.default_rng()
+    for b, hq, hkv, lq, lk in ((2, 16, 4, 2100, 2100), (3, 8, 8, 300, 1029), (1, 2, 1, 77, 1)):
+        host, (q, k, v) = _inputs(rng, "float16", b, hq, hkv, lq, lk, 128)
+        a, la = many(q, k, v, out=_poisoned(q), return_lse=True)
+        ref, lref = one(q, k, v, out=_poisoned(q), return_lse=True)
+        assert cupy.array_equal(a.view(cupy.uint16), ref.view(cupy.uint16)), (b, hq, lq, lk)
+        assert cupy.array_equal(la, lref), (b, hq, lq, lk)
+    from qattn.formats.int8qk import host as int8
+
+    _check(fmt, a, host, causal=causal, lse=la, options=int8.emulator_options(many.spec))
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_rising_row_max_rebases_the_accumulator(head_dim, causal):

@@ -117,8 +117,36 @@ def test_launches_are_programmatic_from_sm90(monkeypatch, recipe, arch, expected
     dims, shape = (1, 2, 2, 100, 100, 64), (1, 2, 100, 64)
     plan = int8_launch.QuantPlan(kernel, dims, "float16", (_contiguous(shape),) * 3, 0.125, False, True)
     attention = int8_launch.attention_launch(kernel, dims, "float16", plan.operands(), _contiguous(shape),
-                                             _contiguous(shape), False)
+                                             _contiguous(shape), False, 0)
     assert [launch.programmatic for launch in plan.launches + [attention]] == [expected] * 4
+
+
+def test_int8_attention_grid_runs_over_work_items_on_wgmma(monkeypatch):
+    """The wgmma int8-QK kernels take a flat grid of their work items (query blocks x heads x batch), with
+    persistent "on" as many blocks as the SMs hold (causal: one a pair of items); the mma.sync kernel keeps
+    its (query blocks, heads, batch) grid. The batch is the kernel's argument after the output strides."""
+    from qattn.engine import grid
+    from qattn.engine.tile import Tile
+
+    monkeypatch.setattr(packed, "_launch_kernel_ex", lambda: lambda *args: 0)
+    monkeypatch.setattr(grid, "sm_count", lambda device_id: 132)
+    dims, shape = (2, 8, 2, 8192, 8192, 128), (2, 8, 8192, 128)
+
+    def launch_grid(arch="sm_90a", recipe="i8-f8", **spec_args):
+        spec = KernelSpec(kind="prefill", recipe=recipe, head_dim=128, arch=arch, **spec_args)
+        kernel = SimpleNamespace(spec=spec, function=lambda suffix: SimpleNamespace(ptr=1), threads=256, shared_bytes=0)
+        plan = int8_launch.QuantPlan(kernel, dims, "float16", (_contiguous(shape),) * 3, 0.125, False, True)
+        return int8_launch.attention_launch(kernel, dims, "float16", plan.operands(), _contiguous(shape),
+                                            _contiguous(shape), False, 0)._dims[:3]
+
+    assert launch_grid() == (43 * 8 * 2, 1, 1)  # ceil(8192 / 192) query blocks
+    assert launch_grid(causal=True) == (43 * 8 * 2, 1, 1)
+    assert launch_grid(options={"persistent": "on"}) == (132, 1, 1)
+    assert launch_grid(tile=Tile(64, 128, 4, 2), options={"persistent": "on"}) == (264, 1, 1)  # two blocks an SM
+    assert launch_grid(recipe="i8-f16", causal=True, options={"persistent": "on"}) == (132, 1, 1)
+    assert launch_grid(arch="sm_80", recipe="i8-f16") == (64, 8, 2)  # 128-row blocks
+    with pytest.raises(ValueError, match="persistent"):
+        KernelSpec(kind="prefill", recipe="i8-f16", head_dim=128, arch="sm_80", options={"persistent": "on"})
 
 
 @pytest.mark.parametrize("fmt,splits", [("kv8-imma", 1), ("kv8-imma", 5), ("kv8-split", 3), ("kv8-f32", 1)])

@@ -331,10 +331,11 @@ def test_attention_takes_the_listed_wgmma_kernel_from_1024_query_rows(monkeypatc
     assert unit("f32", 8192)[0] is None  # the SIMT kernel: nothing listed
 
 
-def test_i8_f8_calls_on_short_sequences_take_two_64_row_blocks_per_sm(monkeypatch):
-    """i8-f8 on sm_90a (int8qk recipes.LAUNCH_TILES): calls below 2048 query rows (non-causal) or 4096
+def test_int8_calls_on_short_sequences_take_their_listed_kernels(monkeypatch):
+    """On sm_90a (int8qk recipes.LAUNCH_TILES) i8-f8 calls below 2048 query rows (non-causal) or 4096
     (causal) run the m64 tile, two blocks per SM; longer ones the 192-row default; both tiles quantize
-    alike (one Q scale a row, four K scale groups per 128 keys), so the operands do not depend on it."""
+    alike (one Q scale a row, four K scale groups per 128 keys), so the operands do not depend on it.
+    i8-f16 calls below 4096 rows run persistent blocks."""
     import contextlib
     from types import SimpleNamespace
 
@@ -364,7 +365,14 @@ def test_i8_f8_calls_on_short_sequences_take_two_64_row_blocks_per_sm(monkeypatc
     from qattn.engine import registry
 
     assert registry.launch_choice("i8-f8", 128, "sm_90", 1024) is None  # measured on sm_90a only
-    assert registry.launch_choice("i8-f16", 128, "sm_90a", 1024) is None
+    # i8-f16 at d128: persistent blocks below 4096 rows, causal or not (in pairs when causal), then a block an item
+    for causal in (False, True):
+        for rows, persistent in ((1, "on"), (1024, "on"), (4095, "on"), (4096, "off"), (32768, "off")):
+            chosen = api._call_kernel("i8-f16", *(SimpleNamespace(shape=(2, 8, rows, 128), data=SimpleNamespace(
+                device_id=0), device=contextlib.nullcontext()),) * 2, causal, None).spec
+            assert dict(chosen.options) == {"pingpong": "on", "persistent": persistent}, (causal, rows)
+            assert chosen.tile == Tile(128, 128, 8, 2)
+    assert registry.launch_choice("i8-f16", 64, "sm_90a", 1024) is None  # not measured at d64
 
 
 def test_a_head_dims_option_default_applies_unless_named():

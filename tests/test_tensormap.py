@@ -300,27 +300,30 @@ def test_tiled_map_is_plain_data():
     assert m.rank == 5 and m.box_bytes == 8 * 64 * 8 * 2
 
 
-def test_wgmma_grid_is_a_block_per_item_or_the_resident_blocks(monkeypatch):
-    """The wgmma kernel's flat grid over its work items (query blocks x heads x batch): one block each,
-    or with persistent "on" as many as the SMs hold (one block of 8 or 12 warps an SM, two of 4),
-    never more than the items (causal: than their pairs); a count past 2^31 - 1 is refused naming q."""
+def test_work_grid_is_a_block_per_item_or_the_resident_blocks(monkeypatch):
+    """The wgmma kernels' flat grid over their work items (query blocks x heads x batch): one block each,
+    or with persistent "on" as many as the SMs hold (the blocks an SM holds given by the family), never
+    more than the items (causal: than their pairs); a count past 2^31 - 1 is refused naming q."""
+    from qattn.engine import grid
     from qattn.engine.tile import Tile
-    from qattn.formats.dense import launch
 
-    monkeypatch.setattr(launch, "sm_count", lambda device_id: 132)
+    monkeypatch.setattr(grid, "sm_count", lambda device_id: 132)
     spec = KernelSpec(recipe="f16", head_dim=128, arch="sm_90a", mma="wgmma")
-    assert launch.wgmma_grid(spec, 4096, 0) == (4096, 1, 1)
+    assert grid.work_grid(spec, 4096, 0, 1) == (4096, 1, 1)
     persistent = spec.with_(options={"persistent": "on"})
     assert persistent.name == "prefill_f16_d128_m128n128w8s2_wgmma_pingpong_persistent_sm90a"
-    assert launch.wgmma_grid(persistent, 4096, 0) == (132, 1, 1)
-    assert launch.wgmma_grid(persistent, 100, 0) == (100, 1, 1)
+    assert grid.work_grid(persistent, 4096, 0, 1) == (132, 1, 1)
+    assert grid.work_grid(persistent, 100, 0, 1) == (100, 1, 1)
     single = persistent.with_(tile=Tile(64, 128, 4, 2))
-    assert launch.wgmma_grid(single, 4096, 0) == (264, 1, 1)
+    assert grid.work_grid(single, 4096, 0, 2) == (264, 1, 1)
     paired = persistent.with_(causal=True)  # causal items go in pairs: at most one block a pair
-    assert launch.wgmma_grid(paired, 4096, 0) == (132, 1, 1)
-    assert launch.wgmma_grid(paired, 101, 0) == (51, 1, 1)
+    assert grid.work_grid(paired, 4096, 0, 1) == (132, 1, 1)
+    assert grid.work_grid(paired, 101, 0, 1) == (51, 1, 1)
+    i8 = KernelSpec(recipe="i8-f8", head_dim=64, arch="sm_90a", tile=Tile(64, 64, 4, 2), options={"persistent": "on"})
+    assert i8.name == "prefill_i8-f8_d64_m64n64w4s2_persistent_sm90a"
+    assert grid.work_grid(i8, 4096, 0, 3) == (396, 1, 1)
     with pytest.raises(ValueError, match="^q: .* split the call"):
-        launch.wgmma_grid(spec, 2**31, 0)
+        grid.work_grid(spec, 2**31, 0, 1)
 
 
 def test_wgmma_plan_passes_the_batch_and_a_flat_grid():

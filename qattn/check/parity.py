@@ -68,11 +68,11 @@ def make_inputs(fmt: str, shapes: tuple, seed) -> tuple[list[np.ndarray], list[n
 
 def cuda_spec(entry: str, head_dim: int, causal: bool, queries: int):
     """The kernel a call of `queries` rows runs for entry, a format or FORMAT@UNIT (the format on
-    another matrix unit of the arch, its default tile there)."""
+    another matrix unit of the arch, its default tile and options there)."""
     fmt, _, unit = entry.partition("@")
     spec = default_spec(fmt, head_dim, causal=causal)
     if unit:
-        return spec.with_(mma=unit, tile=None)
+        return spec.with_(mma=unit, tile=None, options={})
     return call_spec(fmt, head_dim, causal, queries, spec.arch)  # the kernel a call of this many queries runs
 
 

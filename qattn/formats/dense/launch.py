@@ -9,6 +9,7 @@ import numpy as np
 
 from ...engine.registry import recipe
 from ...engine.arrays import as_device_array, check_view, on_device, signature
+from ...engine.grid import work_grid
 from ...engine.memory import CallMemory, lse_output
 from ...engine.packed import NULL, Blob, PackedLaunch, Pointer, cached_plan, element_strides, programmatic
 from ...engine.tensormap import MAP_ALIGN, MAP_BYTES, MapEncoder, swizzled_rows
@@ -95,29 +96,11 @@ def _plan(kernel, q, k, v, out, scale, return_lse) -> _PrefillPlan:
     if maps is not None:
         args += (Blob("k_map", MAP_BYTES, MAP_ALIGN), Blob("v_map", MAP_BYTES, MAP_ALIGN))
     qblocks = math.ceil(lq / spec.tile.block_m)
-    grid = wgmma_grid(spec, qblocks * hq * b, q.device.id) if wgmma else (qblocks, hq, b)
+    # one consumer warpgroup's block runs two to an SM (prefill_wgmma.cu.j2, BLOCKS_PER_SM)
+    per_sm = 2 if spec.tile.warps == 4 else 1
+    grid = work_grid(spec, qblocks * hq * b, q.device.id, per_sm) if wgmma else (qblocks, hq, b)
     launch = PackedLaunch(kernel.function(), grid, kernel.threads, kernel.shared_bytes, args, programmatic(spec))
     return _PrefillPlan(launch, (b, hq, lq), maps)
-
-
-def wgmma_grid(spec, items: int, device_id: int) -> tuple:
-    """The wgmma kernel's grid over its work items (query blocks of a batch and head): a block per item,
-    or with the option persistent "on" as many blocks as the SMs hold at once (one, or two for a single
-    consumer warpgroup), each taking items in turn (causal: in pairs, a heavy and a light query block)."""
-    if items >= 2**31:
-        raise ValueError(f"q: {items} query blocks of {spec.tile.block_m} rows over batch and heads, more than a "
-                         "launch indexes (2^31 - 1): split the call")
-    if spec.family.values.get("persistent") != "on":
-        return (items, 1, 1)
-    per_sm = 2 if spec.tile.warps == 4 else 1
-    units = -(-items // 2) if spec.causal else items
-    return (min(units, sm_count(device_id) * per_sm), 1, 1)
-
-
-def sm_count(device_id: int) -> int:
-    import cupy
-
-    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
 
 
 def _kv_maps(kernel, k, v):

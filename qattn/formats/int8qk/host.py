@@ -482,7 +482,7 @@ def attention_quantized(kernel, qkv: QuantizedQKV, *, causal: bool | None = None
         lse_arr, lse_result = memory.output(lse, lse_shape, "float32", "lse") if return_lse else (None, None)
         key = ("attention", dims, qkv.dtype, qkv.v.strides, out_arr.strides, return_lse)
         launch = cached_plan(kernel, key, lambda: attention_launch(
-            kernel, dims, qkv.dtype, _OPERANDS, qkv.v.strides, _strides(out_arr), return_lse))
+            kernel, dims, qkv.dtype, _OPERANDS, qkv.v.strides, _strides(out_arr), return_lse, qkv.q8.device.id))
         pointers = {name: (getattr(qkv, name).data.ptr if getattr(qkv, name) is not None else 0)
                     for name in _OPERANDS}
         pointers.update(out=out_arr.data.ptr, lse=lse_arr.data.ptr if return_lse else 0)
@@ -510,7 +510,8 @@ class _CallPlan:
         operands = self.quant.operands()
         v_buffer = self.quant.buffers.get("v_op")
         v_strides = contiguous_strides(v_buffer) if v_buffer is not None else v.strides
-        self.attention = attention_launch(kernel, dims, q.dtype.name, operands, v_strides, out_strides, return_lse)
+        self.attention = attention_launch(kernel, dims, q.dtype.name, operands, v_strides, out_strides, return_lse,
+                                          q.device.id)
 
 
 def _call_key(q, k, v, scale, return_lse, smoothing, out):

@@ -16,7 +16,9 @@ import numpy as np
 
 from ...engine.registry import recipe
 from ...check import quant
+from ...engine.grid import work_grid
 from ...engine.packed import NULL, PackedLaunch, Pointer, element_strides, programmatic
+from .recipes import wgmma_blocks_per_sm
 
 # Keys per partial column sum of the K-mean / V-absmax kernels (one fp64 partial per chunk;
 # STATS_CHUNK in quantize_i8.cuh.j2).
@@ -204,18 +206,27 @@ class QuantPlan:
                 for name, buf in self.buffers.items()}
 
 
-def attention_launch(kernel, dims, dtype: str, operands: dict, v_strides, out_strides, with_lse: bool):
+def attention_launch(kernel, dims, dtype: str, operands: dict, v_strides, out_strides, with_lse: bool,
+                     device_id: int):
     """The attention kernel's launch (output dtype = input dtype) on operands (name -> Pointer: q8,
     k8, v, q_scale, k_scale, v_out_scale, shift) writing Pointer("out") and, with_lse, Pointer("lse").
-    v_strides: bytes of the V operand's first three axes; out_strides: the output's, in elements."""
+    v_strides: bytes of the V operand's first three axes; out_strides: the output's, in elements. The
+    wgmma kernel's grid is flat over its work items (engine.grid), the mma.sync kernel's (query blocks,
+    heads, batch); device_id: the GPU whose SMs a persistent grid fills."""
     spec = kernel.spec
     b, hq, hkv, lq, lk, d = dims
     args = (operands["q8"], operands["k8"], operands["v"], operands["q_scale"], operands["k_scale"],
             operands["v_out_scale"], Pointer("out"), Pointer("lse") if with_lse else NULL,
             operands["shift"] if with_lse else NULL, *(np.int64(s) for s in v_strides[:3]),
-            *(np.int64(s) for s in out_strides[:3]), np.int32(hq), np.int32(hq // hkv), np.int32(lq), np.int32(lk))
-    return PackedLaunch(kernel.function("_" + SUFFIX[dtype]), (-(-lq // spec.tile.block_m), hq, b), kernel.threads,
-                        kernel.shared_bytes, args, programmatic(spec))
+            *(np.int64(s) for s in out_strides[:3]), np.int32(b), np.int32(hq), np.int32(hq // hkv), np.int32(lq),
+            np.int32(lk))
+    qblocks = -(-lq // spec.tile.block_m)
+    if spec.family.values.get("mma_unit") == "wgmma":
+        grid = work_grid(spec, qblocks * hq * b, device_id, wgmma_blocks_per_sm(spec.tile, d))
+    else:
+        grid = (qblocks, hq, b)
+    return PackedLaunch(kernel.function("_" + SUFFIX[dtype]), grid, kernel.threads, kernel.shared_bytes, args,
+                        programmatic(spec))
 
 
 def contiguous_strides(buffer: Buffer) -> tuple:

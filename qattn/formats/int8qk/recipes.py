@@ -119,11 +119,15 @@ def _wgmma_smem(pv: str) -> Callable[[Tile, int], int]:
     return smem
 
 
+def wgmma_blocks_per_sm(tile: Tile, d: int) -> int:
+    """Blocks of the wgmma kernel an SM holds (BLOCKS_PER_SM in attention_i8_wgmma.cuh.j2)."""
+    return 1 if tile.warps >= 8 else 3 if d + tile.block_n <= 128 else 2
+
+
 def _wgmma_consumer_registers(tile: Tile, d: int) -> int:
     """Registers a consumer thread gets (BLOCKS_PER_SM in attention_i8_wgmma.cuh.j2)."""
     threads = 32 * tile.warps + 128
-    blocks = 1 if tile.warps >= 8 else 3 if d + tile.block_n <= 128 else 2
-    launch = 65536 // (threads * blocks) // 8 * 8
+    launch = 65536 // (threads * wgmma_blocks_per_sm(tile, d)) // 8 * 8
     return (launch * threads - _PRODUCER_REGS * 128) // (32 * tile.warps) // 8 * 8
 
 
@@ -173,7 +177,9 @@ def _cuda_i8_wgmma(pv: str, default_tiles: dict, measured_spills: frozenset = fr
         values={"pv_operand": pv, "mma_unit": "wgmma", "q_scale_rows": 1, "k_scale_groups": 4},
         # fp16 PV issues S ahead of PV, so two or three consumer warpgroups can take turns issuing their
         # MMAs (wgmma_attention.cuh.j2, consumer_turns_begin); the e4m3 kernel adds PV partials with weights
-        options={"pingpong": ("off", "on")} if pv == "f16" else {},
+        # persistent "on": as many blocks as the SMs hold, each taking work items in turn (causal: in pairs of a
+        # heavy and a light query block; wgmma_attention.cuh.j2, work_item)
+        options={**({"pingpong": ("off", "on")} if pv == "f16" else {}), "persistent": ("off", "on")},
         option_defaults=option_defaults or {},
     )
 
@@ -185,12 +191,25 @@ def _cuda_i8_wgmma(pv: str, default_tiles: dict, measured_spills: frozenset = fr
 CUDA_I8_F8_WGMMA = _cuda_i8_wgmma(
     "f8", {64: Tile(192, 128, 12, 2), 128: Tile(192, 128, 12, 2)},
     frozenset((d, causal, "sm_90a") for d in (64, 128) for causal in (False, True)))
-# Calls of fewer rows run i8-f8 on two 64-row blocks per SM (registry.launch_choice): at 1024-2048 rows a
+# fp16 PV: O, S and P at once (S runs ahead of PV) on two consumer warpgroups' 240 registers. At d128
+# 128-key blocks spill 32-36 B (the int32 S beside its floats) and, with the warpgroups in turns,
+# measured 1.04-1.12x the spill-free 64-key blocks (H200, B1 L32768, B4 L4096, B16 L1024, causal and
+# not; docs/notes/int8qk.md); the turns cost 4-6% at d64, which keeps them off.
+CUDA_I8_F16_WGMMA = _cuda_i8_wgmma(
+    "f16", {64: Tile(128, 128, 8, 2), 128: Tile(128, 128, 8, 2)},
+    frozenset((128, causal, "sm_90a") for causal in (False, True)), option_defaults={128: {"pingpong": "on"}})
+
+
+# Calls of fewer rows run i8-f8 on two 64-row blocks per SM (registry.launch_choice): at 1024 rows a
 # sequence one block of 192 rows spends a large share of each query block on its start and end, which the
-# SM's second block hides (H200, B16 L1024 / B8 L2048, whole calls, time m64 / m192: d128 0.95 / 1.01
-# non-causal and 0.91 / 0.91 causal; d64 0.98 / 1.01 and 0.89 / 0.96; at B4 L4096 causal m192 is 2% ahead).
+# SM's second block hides. H200, whole calls, time m64 / m192: d128 B16 L1024 0.96 non-causal and 0.91 causal
+# (single calls from an idle GPU; 0.95 and 0.91 back to back), B8 L2048 1.06 non-causal and 0.91-0.99 causal,
+# B4 L4096 causal 1.05; d64 0.98 / 0.89 at L1024, 1.01 / 0.96 at L2048.
 I8_F8_SHORT_TILE = Tile(64, 128, 4, 2)
 I8_F8_LONG_QUERIES = {False: 2048, True: 4096}  # by causal: from these rows the 192-row default again
+# i8-f16 below 4096 rows at d128 runs persistent blocks (causal: in pairs of a heavy and a light query block):
+# time 0.93-0.97 of a block per item at B16 L1024 and B8 L2048, causal and not; 0.99-1.03 from L4096.
+I8_F16_PERSISTENT_BELOW = 4096
 
 
 def _i8_f8_bands(d: int) -> tuple:
@@ -200,14 +219,14 @@ def _i8_f8_bands(d: int) -> tuple:
                                 LaunchChoice(least, default, causal=causal)))
 
 
-LAUNCH_TILES = {("i8-f8", d, "sm_90a"): _i8_f8_bands(d) for d in CUDA_I8_F8_WGMMA.head_dims}
-# fp16 PV: O, S and P at once (S runs ahead of PV) on two consumer warpgroups' 240 registers. At d128
-# 128-key blocks spill 32-36 B (the int32 S beside its floats) and, with the warpgroups in turns,
-# measured 1.04-1.12x the spill-free 64-key blocks (H200, B1 L32768, B4 L4096, B16 L1024, causal and
-# not; docs/notes/int8qk.md); the turns cost 4-6% at d64, which keeps them off.
-CUDA_I8_F16_WGMMA = _cuda_i8_wgmma(
-    "f16", {64: Tile(128, 128, 8, 2), 128: Tile(128, 128, 8, 2)},
-    frozenset((128, causal, "sm_90a") for causal in (False, True)), option_defaults={128: {"pingpong": "on"}})
+def _i8_f16_bands(d: int) -> tuple:
+    default = CUDA_I8_F16_WGMMA.default_tiles[d]
+    return (LaunchChoice(1, default, options=(("persistent", "on"),)),
+            LaunchChoice(I8_F16_PERSISTENT_BELOW, default))
+
+
+LAUNCH_TILES = {**{("i8-f8", d, "sm_90a"): _i8_f8_bands(d) for d in CUDA_I8_F8_WGMMA.head_dims},
+                ("i8-f16", 128, "sm_90a"): _i8_f16_bands(128)}
 
 
 # ---- HIP int8 QK prefill (i8-f16, i8-i8, i8-f8): int8 MFMA / iu8 WMMA QK, PV in fp16, int8 or e4m3 --
