@@ -1,8 +1,8 @@
 """A paged K-V cache on the GPU (DESIGN §2 "FP8/INT8 KV-cache decode") and its one-launch writer.
 
 K and V are each stored 16-bit (f16 / bf16) or 8-bit (e4m3 / i8) in pages of page_size tokens, in
-the layouts the decode kernel reads (K rows per token; V transposed per page, tokens of every
-16-token group in fragments.pv_key_slot order); 8-bit sides carry one fp32 scale per (token, kv head)
+the layouts the decode kernel reads (K rows per token; V transposed per page in blocks of 4 slots,
+decode.layout); 8-bit sides carry one fp32 scale per (token, kv head)
 (scale="token", dynamic) or one per kv head (scale="head", static: given, or calibrated from the first
 write). ``write(k, v, slots)`` quantizes and scatters new tokens (slot = page * page_size + offset,
 vLLM's slot mapping; negative slots are padding) in one kernel launch::
@@ -61,8 +61,8 @@ import numpy as np
 
 from ...engine.arrays import as_device_array, launch_stream
 from ...engine.memory import capturing
-from ...engine.fragments import pv_key_slot
 from ...engine.packed import NULL, PackedLaunch, Pointer
+from . import layout
 from .quant import QMAX, HostPagedCache, balance_factors, balance_inverse, checked_balance, checked_layout
 from .quant import PageMeans, mean_record, mean_terms, mean_values
 from .rope import RoPE, constant_bias, rotated_bias
@@ -169,8 +169,8 @@ class PagedKVCache:
             self.device = dev.id
             shape = (self.num_pages, self.kv_heads, self.page_size, self.head_dim)
             self.k_pool = cupy.zeros(shape[:3] + (self.head_dim * (2 if k in HALF else 1),), dtype=cupy.uint8)
-            self.v_pool = cupy.zeros((self.num_pages, self.kv_heads, self.head_dim,
-                                      self.page_size * (2 if v in HALF else 1)), dtype=cupy.uint8)
+            self.v_pool = cupy.zeros(layout.pool_shape(self.num_pages, self.kv_heads, self.page_size, self.head_dim,
+                                                       2 if v in HALF else 1), dtype=cupy.uint8)
             self.k_scale = self._scale_buffer(k, k_scale, "k_scale")
             self.v_scale = self._scale_buffer(v, v_scale, "v_scale")
             self.k_bias = self._bias_buffer(k_bias)
@@ -442,9 +442,8 @@ class PagedKVCache:
                     data.view(np.float16).astype(np.float32)
             else:
                 values = raw.view(E4M3 if side == "e4m3" else np.int8).astype(np.float32)
-            if transposed:  # [P, H, D, page] in slot order -> [P, H, page, D] in token order
-                slot = pv_key_slot(np.arange(self.page_size)) + (np.arange(self.page_size) & ~15)
-                values = values[..., slot].transpose(0, 1, 3, 2)
+            if transposed:  # [P, H, page / 4, D, 4] V^T blocks -> [P, H, page, D] in token order
+                values = layout.tokens(values)
             return np.ascontiguousarray(values)
 
         def scales(buffer):
