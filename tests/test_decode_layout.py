@@ -1,12 +1,13 @@
 """The paged cache's V^T layout (decode.layout): blocks of 4 slots per (page, kv head), and the element
-functions the CUDA writer and the HIP kernel and writer place and read V with, cut from their rendered
+functions the CUDA writer and the HIP kernel and writer place and read V with (and the HIP kernel's slot to
+key map, the order of its copies), cut from their rendered
 sources and run on the host, against the Python definition."""
 import ctypes
 
 import numpy as np
 import pytest
 
-from qattn.engine.fragments import pv_key_slot
+from qattn.engine.fragments import pv_key_slot, pv_slot_key
 from qattn.engine.render import render
 from qattn.engine.spec import KernelSpec
 from qattn.formats.decode import layout
@@ -55,12 +56,16 @@ def test_kernel_sources_place_v_as_the_layout(tmp_path, backend, arch, head_dim)
         parts = [cut_function(source, f"QATTN_DEVICE constexpr int {name}") for name in
                  ("vt_position(int key)", "vt_slot(int off)", "vt_element(int slot, int d)")]
         parts.insert(0, "#define SLOT(off) vt_slot(off)\n")
-    else:  # the kernel's and writer's group slot of a key and element
-        parts = [cut_function(source, f"QATTN_DEVICE int {name}") for name in ("group_slot(int k)", "vt_element(int slot, int d)")]
+    else:  # the kernel's and writer's group slot of a key, its inverse (the kernel's copy order) and element
+        parts = [cut_function(source, f"QATTN_DEVICE int {name}") for name in
+                 ("group_slot(int k)", "slot_key(int s)", "vt_element(int slot, int d)")]
         parts.insert(0, "#define SLOT(off) (((off) & ~15) + group_slot((off) % 16))\n")
+        parts.append('extern "C" int key_of(int s) { return slot_key(s); }\n')
     lib = _host_library(tmp_path, parts, head_dim)
     offsets = np.arange(64)
     assert list(layout.slot(offsets) % 16) == list(pv_key_slot(offsets))
     got = np.array([[lib.element(int(off), d) for d in range(head_dim)] for off in offsets])
     want = layout.element(layout.slot(offsets)[:, None], np.arange(head_dim)[None], head_dim)
     np.testing.assert_array_equal(got, want)
+    if backend == "hip":
+        assert [lib.key_of(s) for s in range(16)] == list(pv_slot_key(np.arange(16)))
