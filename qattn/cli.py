@@ -185,9 +185,11 @@ def list_():
         def pages(k, v, d=128):
             return " and ".join(map(str, two_warp_pages((k, v), d)))
 
-        sm90 = ", ".join(f"K{k}/V{v} {tile.name} on pages of {pages(k, v)}"
-                         + "".join(f" ({pages(k, v, d)} at d{d})" for (bits, d) in TWO_WARP_PAGES_AT if bits == (k, v))
-                         for (k, v), tile in SM90_TILES.items())
+        def where(k, v):
+            by_dim = [f"{pages(k, v, d)} at d{d}" for (bits, d) in TWO_WARP_PAGES_AT if bits == (k, v)]
+            return f"{pages(k, v)}{''.join(f' ({p})' for p in by_dim)}" if pages(k, v) else "; ".join(by_dim)
+
+        sm90 = ", ".join(f"K{k}/V{v} {tile.name} on pages of {where(k, v)}" for (k, v), tile in SM90_TILES.items())
         console.print(f"decode kernels: head dims {', '.join(map(str, family.head_dims))}; "
                       + "; ".join(f"{k} {', '.join(map(str, v))}" for k, v in family.options.items() if k != "qk")
                       + f"; qk transform, {paths}, auto (per arch, format and query rows of a kv head); tile "

@@ -199,7 +199,7 @@ def test_cli_balancing(tmp_path):
 
     runner = CliRunner()
     gen = runner.invoke(main, ["gen", "decode", "-f", "i8-i8", "--k-balance", "--qk", "transform", "--arch", "sm_90a"])
-    assert gen.exit_code == 0 and "decode_i8-i8_d128_m8n32w2s3_p32_token_kbal_transform_sm90a" in gen.output
+    assert gen.exit_code == 0 and "decode_i8-i8_d128_m8n64w4s2_p32_token_kbal_transform_sm90a" in gen.output
     plain = runner.invoke(main, ["gen", "decode", "-f", "i8-i8", "--no-k-balance", "--arch", "sm_90a"])
     assert plain.exit_code == 0 and "kbal" not in plain.output
     refused = runner.invoke(main, ["gen", "prefill", "--k-balance"])

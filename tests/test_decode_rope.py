@@ -264,7 +264,7 @@ def test_cli_rope(tmp_path):
 
     runner = CliRunner()
     gen = runner.invoke(main, ["gen", "decode", "-f", "i8-i8", "--k-rope", "post", "--qk", "transform", "--arch", "sm_90a"])
-    assert gen.exit_code == 0 and "decode_i8-i8_d128_m8n32w2s3_p32_token_krope-post_transform_sm90a" in gen.output
+    assert gen.exit_code == 0 and "decode_i8-i8_d128_m8n64w4s2_p32_token_krope-post_transform_sm90a" in gen.output
     refused = runner.invoke(main, ["gen", "decode", "-f", "f16-f16", "--k-rope", "post", "--arch", "sm_90a"])
     assert refused.exit_code != 0 and "k_rope" in refused.output
     out = tmp_path / "r.json"

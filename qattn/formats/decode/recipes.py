@@ -144,14 +144,15 @@ def _pre_rope_problem(options: dict, arch: str) -> str | None:
 
 # The default tile by arch, format, QK path and page size, where measured faster than four warps of 16 keys and
 # two slots (docs/notes/decode.md, H200): on sm_90a a block of two warps streams 16-bit K/V, K16/V8 and K8/V16 faster
-# on two slots, and K8/V8 on the transform path on three (a smaller block in flight, more blocks per SM), on the
-# pages of TWO_WARP_PAGES; on longer pages a two-warp step reads part of a page and four warps are faster, and so
-# are they on pages of 16 for K8/V8 at D128 (the same for e4m3, 2% for int8), not at D64 (two warps 15-17% faster:
+# on two slots (a smaller block in flight, more blocks per SM), on the pages of TWO_WARP_PAGES; on longer pages a
+# two-warp step reads part of a page and four warps are faster. K8/V8 on the transform path takes four warps on
+# pages of 16 and 32 at D128 (16: the same for e4m3, 2% for int8; 32: 0.98-0.99x the time of two warps on three
+# slots since V^T is kept in blocks of 4 slots) and two warps on three slots at D64 (15-17% faster:
 # TWO_WARP_PAGES_AT). The 8-bit QK paths keep four warps, whose wgmma takes a warpgroup.
 WGMMA_QK = {"sm_90a": ("fp8", "int8")}
 SM90_TILES = {(16, 16): Tile(MAX_ROWS, 32, 2, 2), (16, 8): Tile(MAX_ROWS, 32, 2, 2), (8, 16): Tile(MAX_ROWS, 32, 2, 2),
               (8, 8): Tile(MAX_ROWS, 32, 2, 3)}
-TWO_WARP_PAGES = {(16, 16): (16, 32), (16, 8): (16, 32), (8, 16): (16, 32), (8, 8): (32,)}
+TWO_WARP_PAGES = {(16, 16): (16, 32), (16, 8): (16, 32), (8, 16): (16, 32), (8, 8): ()}
 TWO_WARP_PAGES_AT = {((8, 8), 64): (16, 32)}  # (bits, head dim) whose pages differ from TWO_WARP_PAGES
 
 

@@ -6,7 +6,8 @@ with about 128 KiB of K/V in flight per SM (its blocks' pipeline slots): four bl
 two-warp kernel, five of K8/V16 or K16/V8. More in flight than that slows the stream, fewer leaves
 it short. K8/V8, which widens codes on both sides, is the exception the bytes do not explain: at
 D128 on pages of 32 its two-warp blocks would make five (124 KiB), and five run 2-5% slower than
-four (99 KiB), so there it takes at most EIGHT_BIT_MOST_BLOCKS (other head dims follow the bytes).
+four (99 KiB), so there it takes at most EIGHT_BIT_MOST_BLOCKS (other head dims follow the bytes;
+its default four-warp blocks at D128 make four by the bytes alone).
 
 A call caps the blocks per SM at that target (by asking for more dynamic shared memory than the
 kernel needs, which is what the occupancy calculator counts) and splits the keys so that its blocks
