@@ -21,11 +21,13 @@ from .recipes import EIGHT_BIT, qk_paths, sides
 PLAN_FORMATS = ("f16-f16", "e4m3-e4m3", "i8-i8", "e4m3-f16", "f16-e4m3", "i8-f16", "f16-i8")
 FALLBACK = "f16-e4m3"  # K16/V8: no K transform, and V8's error is the format's own
 # Decode time relative to f16-f16 on the H200, by candidate name (GQA 32/8, D128, pages of 32, token scales,
-# L2-warm). The transform path of e4m3-e4m3, i8-i8, e4m3-f16 and f16-e4m3: BENCHMARKS.md, 2026-12-04, "Splits
-# merged in thread-block clusters", the mean over 8x32768, 64x4096 and 1x131072 (K8/V16 has run on two warps on
-# pages of 32 since); the rest: 2026-12-03, "the plan's table", the mean over those and 256x1024.
+# L2-warm). The transform path of e4m3-e4m3 and i8-i8: BENCHMARKS.md, 2026-12-04, night, "K8/V8 on four warps on
+# pages of 32" over f16-f16 in "V^T in blocks of 4 slots" (two runs of the same session), the mean over 8x32768,
+# 64x4096 and 1x131072; of e4m3-f16 and f16-e4m3: 2026-12-04, "Splits merged in thread-block clusters", the same
+# mean (K8/V16 has run on two warps on pages of 32 since); the rest: 2026-12-03, "the plan's table", the mean over
+# those and 256x1024.
 H200_RELATIVE_TIME = {
-    "f16-f16": 1.0, "e4m3-e4m3": 0.565, "e4m3-e4m3/fp8": 0.637, "i8-i8": 0.571, "i8-i8/int8": 0.641,
+    "f16-f16": 1.0, "e4m3-e4m3": 0.551, "e4m3-e4m3/fp8": 0.637, "i8-i8": 0.558, "i8-i8/int8": 0.641,
     "e4m3-f16": 0.791, "e4m3-f16/fp8": 0.974, "f16-e4m3": 0.791, "i8-f16": 0.891, "i8-f16/int8": 0.979,
     "f16-i8": 0.792,
 }
