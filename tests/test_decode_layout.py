@@ -1,6 +1,7 @@
 """The paged cache's V^T layout (decode.layout): blocks of 4 slots per (page, kv head), and the element
 functions the CUDA writer and the HIP kernel and writer place and read V with (and the HIP kernel's slot to
-key map, the order of its copies), cut from their rendered
+key map, the order of its copies); and the CUDA kernel's shared-memory V^T tile: its swizzle keeps every chunk and
+puts a warp's operand reads on distinct banks, cut from their rendered
 sources and run on the host, against the Python definition."""
 import ctypes
 
@@ -69,3 +70,34 @@ def test_kernel_sources_place_v_as_the_layout(tmp_path, backend, arch, head_dim)
     np.testing.assert_array_equal(got, want)
     if backend == "hip":
         assert [lib.key_of(s) for s in range(16)] == list(pv_slot_key(np.arange(16)))
+
+
+@needs_clang
+@pytest.mark.parametrize("fmt, vb", [("i8-i8", 1), ("f16-f16", 2)])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cuda_stage_v_tile_reads_on_distinct_banks(tmp_path, fmt, vb, head_dim):
+    """The CUDA kernel's V^T stage (the pool's blocks with each 128-byte line's units swizzled by the block's place in
+    its group): every 16-byte chunk of a tile lands once, v_lane_at is v_at, and a warp's PV operand reads (lane g, t:
+    channel d0 + g of its group's block t; 4 bytes a lane for 8-bit, 8 for 16-bit, a half-warp a phase) fall on 32
+    distinct banks."""
+    spec = KernelSpec(kind="decode", recipe=fmt, head_dim=head_dim, arch="sm_90a", options={"page_size": 32})
+    parts = [cut_function(render(spec), f"QATTN_DEVICE constexpr int {name}") for name in
+             ("v_swz(int at)", "v_at(int d, int key)", "v_lane_at(int d0, int g, int key)")]
+    text = (f"#define QATTN_DEVICE static inline\nstatic constexpr int D = {head_dim}, VB = {vb}, V_BLOCK = 4 * D * VB, "
+            "V_LINE = 128 / (4 * VB);\n" + "".join(parts) + """
+extern "C" int swz(int at) { return v_swz(at); }
+extern "C" int at(int d, int key) { return v_at(d, key); }
+extern "C" int lane_at(int d0, int g, int key) { return v_lane_at(d0, g, key); }
+""")
+    lib = host_library(tmp_path, text, [])
+    tile = 64 * head_dim * vb  # a stage of 64 keys
+    chunks = sorted(lib.swz(16 * i) for i in range(tile // 16))
+    assert chunks == list(range(0, tile, 16))
+    for warp in range(4):
+        for d0 in range(0, head_dim, 8):
+            lanes = [(g, t) for g in range(8) for t in range(4)]
+            addrs = [lib.lane_at(d0, g, 16 * warp + 4 * t) for g, t in lanes]
+            assert addrs == [lib.at(d0 + g, 16 * warp + 4 * t) for g, t in lanes]
+            for phase in ([range(32)] if vb == 1 else [range(16), range(16, 32)]):
+                words = [addrs[lane] // 4 + w for lane in phase for w in range(vb)]
+                assert len({word % 32 for word in words}) == 32, (warp, d0, [hex(addrs[lane]) for lane in phase])
