@@ -1,8 +1,8 @@
-"""The paged cache's V^T layout (decode.layout): blocks of 4 slots per (page, kv head), and the element
-functions the CUDA writer and the HIP kernel and writer place and read V with (and the HIP kernel's slot to
-key map, the order of its copies); and the CUDA kernel's shared-memory V^T tile: its swizzle keeps every chunk and
-puts a warp's operand reads on distinct banks, cut from their rendered
-sources and run on the host, against the Python definition."""
+"""The paged cache's V^T layout (decode.layout): blocks of 4 slots per (page, kv head). The device functions that
+place and read V (the CUDA writer's, the HIP kernel's and writer's, and the HIP kernel's slot-to-key map that orders
+its copies) are cut from their rendered sources, run on the host and checked against the Python definition; so is
+the CUDA kernel's shared-memory V^T tile, whose swizzle must keep every chunk and put a warp's operand reads on
+distinct banks."""
 import ctypes
 
 import numpy as np
