@@ -3,7 +3,6 @@ place and read V (the CUDA writer's, the HIP kernel's and writer's, and the HIP 
 its copies) are cut from their rendered sources, run on the host and checked against the Python definition; so is
 the CUDA kernel's shared-memory V^T tile, whose swizzle must keep every chunk and put a warp's operand reads on
 distinct banks."""
-import ctypes
 
 import numpy as np
 import pytest
