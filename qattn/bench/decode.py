@@ -485,7 +485,7 @@ def bench_write(tokens: int = 65536, formats=("e4m3-e4m3", "i8-i8", "f16-f16"), 
             for _ in range(2))
     pages = -(-tokens // page_size)
     prompt = (rng.permutation(pages)[np.arange(tokens) // page_size] * page_size + np.arange(tokens) % page_size)
-    patterns = {"prompt": prompt, "steps": rng.permutation(tokens)}
+    patterns = {"prompt": prompt, "scattered": rng.permutation(tokens)}
     steps = {n: decode_step_slots(pages, page_size, n, rng) for n in step_tokens if n <= pages}
     spin = GpuSpin()
     records = []
