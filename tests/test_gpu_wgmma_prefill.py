@@ -130,9 +130,10 @@ def test_strided_bshd_views(fmt, causal):
     ("f16", 64, (192, 64, 12, 2), False), ("f16", 64, (192, 64, 12, 2), True),
     ("bf16", 64, (64, 128, 4, 2), True), ("f16", 128, (128, 64, 8, 3), True),
     ("bf16", 128, (128, 64, 8, 2), False), ("i8-f16", 64, (128, 64, 8, 2), True),
-    ("i8-f16", 64, (64, 128, 4, 2), False)])
+    ("i8-f16", 64, (64, 128, 4, 2), False), ("bf16", 64, (192, 128, 12, 2), True),
+    ("f16", 128, (192, 80, 12, 2), False)])
 def test_other_tiles(fmt, head_dim, tile, causal):
-    """One and three consumer warpgroups, 64-key tiles, a deeper ring."""
+    """One and three consumer warpgroups, 64- to 128-key tiles, a deeper ring."""
     from qattn.engine.tile import Tile
 
     kernel = _kernel(fmt, head_dim, causal, Tile(*tile))
@@ -173,23 +174,29 @@ def test_agrees_with_mma_sync(fmt, head_dim, causal, monkeypatch):
 def test_attention_runs_wgmma_from_1024_query_rows(fmt, causal, monkeypatch):
     """qattn.attention on sm_90a: f16 / bf16 calls of 1024 query rows and more run the wgmma kernel
     (recipes.LAUNCH_TILES), shorter ones the mma.sync default, but for non-causal d128 calls from 512
-    rows; persistent blocks for causal calls and d64 ones, and non-causal d128 ones below 4096 rows;
-    each within its format's tolerance of FP64, with a tail past the last block."""
+    rows; persistent blocks for causal calls (at d64 below 4096 rows) and non-causal d64 ones, and
+    non-causal d128 ones below 4096 rows; d64 on three consumer warpgroups but for causal calls below 4096
+    rows; each within its format's tolerance of FP64, with a tail past the last block."""
     from qattn import api
 
     _kernel(fmt, 64, causal)  # skips off sm_90a
     monkeypatch.setenv("QATTN_TUNED", "0")
     monkeypatch.setattr(api, "_CALL_KERNELS", {})
     rng = np.random.default_rng()
-    for lq, d, unit, blocks in ((1024 + 77, 64, "wgmma", "on"), (1000, 64, "mma.sync", None),
-                                (600, 128, "mma.sync" if causal else "wgmma", None if causal else "on"),
-                                (1024 + 77, 128, "wgmma", "on"), (4096 + 77, 128, "wgmma", "on" if causal else "off")):
+    m128, m192 = Tile(128, 128, 8, 2), Tile(192, 128, 12, 2)
+    for lq, d, unit, blocks, tile in ((1024 + 77, 64, "wgmma", "on", m128 if causal else m192),
+                                      (4096 + 77, 64, "wgmma", "off" if causal else "on", m192),
+                                      (1000, 64, "mma.sync", None, None),
+                                      (600, 128, "mma.sync" if causal else "wgmma", None if causal else "on", None),
+                                      (1024 + 77, 128, "wgmma", "on", m128),
+                                      (4096 + 77, 128, "wgmma", "on" if causal else "off", m128)):
         host, (q, k, v) = _host_inputs(rng, fmt, 1, 4, 2, lq, lq + 33, d)
         before = set(api._CALL_KERNELS)
         out = qattn.attention(q, k, v, format=fmt, causal=causal)
         (kernel,) = [api._CALL_KERNELS[key] for key in set(api._CALL_KERNELS) - before]
         assert kernel.spec.family.values["mma_unit"] == unit, kernel.spec.name
         assert dict(kernel.spec.options).get("persistent") == blocks, kernel.spec.name
+        assert tile is None or kernel.spec.tile == tile, kernel.spec.name
         _check(fmt, kernel, out, host, causal=causal)
 
 
@@ -250,19 +257,19 @@ def test_warpgroups_in_turns_give_the_same_bits(fmt, head_dim, tile, causal):
 @pytest.mark.parametrize("fmt", ["f16", "bf16"])
 @pytest.mark.parametrize("options", [{}, {"pingpong": "on"}, {"kv_rows": "on"}])
 @pytest.mark.parametrize("causal", [False, True])
-def test_persistent_blocks_give_the_same_bits(fmt, options, causal):
+@pytest.mark.parametrize("head_dim,tile", [(128, None), (64, Tile(192, 128, 12, 2))])
+def test_persistent_blocks_give_the_same_bits(fmt, options, causal, head_dim, tile):
     """persistent "on" (as many blocks as the SMs hold, each taking work items in turn; the ring's slots
     and phases, and the warpgroups' turns, running on across items) against a block per item: the same
     bits, with more items than blocks (several per block, of different key counts when causal), tails
-    and GQA."""
+    and GQA; two and three consumer warpgroups."""
     import cupy
 
-    one = qattn.build("prefill", format=fmt, head_dim=128, causal=causal, mma="wgmma", options=options)
-    many = qattn.build("prefill", format=fmt, head_dim=128, causal=causal, mma="wgmma",
-                       options={**options, "persistent": "on"})
+    one = _kernel(fmt, head_dim, causal, tile, options=options)
+    many = _kernel(fmt, head_dim, causal, tile, options={**options, "persistent": "on"})
     rng = np.random.default_rng()
     for b, hq, hkv, lq, lk in ((2, 16, 4, 2100, 2100), (3, 8, 8, 300, 1029), (1, 2, 1, 77, 1)):
-        host, (q, k, v) = _host_inputs(rng, fmt, b, hq, hkv, lq, lk, 128)
+        host, (q, k, v) = _host_inputs(rng, fmt, b, hq, hkv, lq, lk, head_dim)
         a, la = many(q, k, v, return_lse=True)
         ref, lref = one(q, k, v, return_lse=True)
         assert cupy.array_equal(a.view(cupy.uint16), ref.view(cupy.uint16)), (b, hq, lq, lk)

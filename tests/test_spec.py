@@ -316,16 +316,21 @@ def test_attention_takes_the_listed_wgmma_kernel_from_1024_query_rows(monkeypatc
             assert unit(fmt, 32768, d, causal=True)[0] == "wgmma"
             assert unit(fmt, 300, d)[0] == "mma.sync"  # cached per band: the short call is not served wgmma
         # d64: wgmma from 1024 rows, causal or not; non-causal persistent blocks from 512 to 4095 rows at d128,
-        # from 1024 on at d64; causal ones from 1024 rows at both
+        # from 1024 on at d64 on three consumer warpgroups; causal ones from 1024 rows at d128, and at d64 below
+        # 4096 rows, from where d64 runs three consumer warpgroups a block an item
         assert unit(fmt, 1023, 64)[0] == "mma.sync" and unit(fmt, 1024, 64)[0] == "wgmma"
         assert unit(fmt, 511, 128)[0] == "mma.sync"
         for rows, persistent in ((512, "on"), (4095, "on"), (4096, "off"), (32768, "off")):
             assert unit(fmt, rows, 128)[0] == "wgmma" and options(fmt, rows)["persistent"] == persistent, rows
-        for rows, persistent in ((1024, "on"), (16384, "on"), (131072, "on")):
-            assert options(fmt, rows, 64)["persistent"] == persistent, rows
-        for d in (64, 128):
-            assert options(fmt, 2048, d, causal=True)["persistent"] == "on"
-            assert options(fmt, 32768, d, causal=True)["persistent"] == "on"
+        for rows in (1024, 16384, 131072):
+            assert unit(fmt, rows, 64) == ("wgmma", Tile(192, 128, 12, 2))
+            assert options(fmt, rows, 64)["persistent"] == "on", rows
+        for rows, tile, persistent in ((2048, Tile(128, 128, 8, 2), "on"), (4095, Tile(128, 128, 8, 2), "on"),
+                                       (4096, Tile(192, 128, 12, 2), "off"), (32768, Tile(192, 128, 12, 2), "off")):
+            assert unit(fmt, rows, 64, causal=True) == ("wgmma", tile), rows
+            assert options(fmt, rows, 64, causal=True)["persistent"] == persistent, rows
+        for rows in (2048, 32768):
+            assert options(fmt, rows, 128, causal=True)["persistent"] == "on"
     assert unit("f16", 8192, tile=Tile(64, 64, 4, 2)) == ("mma.sync", Tile(64, 64, 4, 2))
     assert unit("f16", 8192, 96)[0] == "mma.sync"  # no wgmma kernel at d96
     assert unit("f32", 8192)[0] is None  # the SIMT kernel: nothing listed

@@ -86,8 +86,9 @@ def _wgmma_problem(tile: Tile, d: int) -> str | None:
         return None
 
     def registers():
-        # O, S and P (d / 2 + block_n / 2 + block_n / 4 a thread) and ~48 for addresses and statistics
-        need, have = d // 2 + 3 * tile.block_n // 4 + 48, wgmma_consumer_registers(tile)
+        # O, S and P (d / 2 + block_n / 2 + block_n / 4 a thread) and ~32 for addresses and statistics
+        # (ptxas 13.0 fits m192n128w12 at d64 and m192n80w12 at d128 in 160 without spills)
+        need, have = d // 2 + 3 * tile.block_n // 4 + 32, wgmma_consumer_registers(tile)
         if need > have:
             return (f"O, S and P need about {need} registers a consumer thread, {have} are left: use fewer "
                     "warps or a narrower block_n")
@@ -131,20 +132,25 @@ CUDA_WGMMA = Family(
 #   template): d128 1.10x at B16 L1024, 1.09x at B8 L2048, 1.06x at B4 L4096, 1.00x at B2 L8192 and B1
 #   L32768; d64 1.06x at B16 L1024, 1.04x at B8 L2048 and B4 L8192.
 # d64 at 512 rows keeps mma.sync (0.96x).
+# At d64 three consumer warpgroups (m192n128w12s2: 192 query rows a block, one K/V tile read for
+# three warpgroups' products) against m128n128w8s2, same run, x cuDNN: non-causal, persistent, 1.09 against
+# 0.94 at B4 L8192, 1.00 against 0.92 at B8 L2048, 0.90 against 0.89 at B16 L1024; causal, a block an item,
+# 1.06 against 0.94 at B4 L8192, but 0.88 against 0.86 at B8 L2048 and 0.70 against 0.80 at B16 L1024
+# (persistent pairs of 192-row blocks lose there: 0.73 at L2048). So causal d64 calls change tile at 4096 rows.
 WGMMA_QUERIES = 1024
-PERSISTENT_QUERIES = {128: (512, 4096), 64: (1024, None)}  # non-causal: from, up to (excluded; None: no end)
+D64_THREE_WARPGROUPS = Tile(192, 128, 12, 2)
+_PERSISTENT = (("persistent", "on"),)
+WGMMA_BANDS = {
+    128: (LaunchChoice(WGMMA_QUERIES, Tile(128, 128, 8, 2), "wgmma", _PERSISTENT, causal=True),
+          LaunchChoice(512, Tile(128, 128, 8, 2), "wgmma", _PERSISTENT, causal=False),
+          LaunchChoice(4096, Tile(128, 128, 8, 2), "wgmma", causal=False)),
+    64: (LaunchChoice(WGMMA_QUERIES, Tile(128, 128, 8, 2), "wgmma", _PERSISTENT, causal=True),
+         LaunchChoice(4096, D64_THREE_WARPGROUPS, "wgmma", causal=True),
+         LaunchChoice(WGMMA_QUERIES, D64_THREE_WARPGROUPS, "wgmma", _PERSISTENT, causal=False)),
+}
 
 
-def _wgmma_bands(d: int) -> tuple:
-    tile = CUDA_WGMMA.default_tiles[d]
-    least, most = PERSISTENT_QUERIES[d]
-    persistent = (("persistent", "on"),)
-    bands = (LaunchChoice(WGMMA_QUERIES, tile, "wgmma", persistent, causal=True),
-             LaunchChoice(least, tile, "wgmma", persistent, causal=False))
-    return bands + ((LaunchChoice(most, tile, "wgmma", causal=False),) if most is not None else ())
-
-
-LAUNCH_TILES = {(fmt, d, "sm_90a"): _wgmma_bands(d) for fmt in ("f16", "bf16") for d in CUDA_WGMMA.head_dims}
+LAUNCH_TILES = {(fmt, d, "sm_90a"): WGMMA_BANDS[d] for fmt in ("f16", "bf16") for d in CUDA_WGMMA.head_dims}
 
 
 CUDA_SIMT = Family(
