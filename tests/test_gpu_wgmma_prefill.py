@@ -131,7 +131,7 @@ def test_strided_bshd_views(fmt, causal):
     ("bf16", 64, (64, 128, 4, 2), True), ("f16", 128, (128, 64, 8, 3), True),
     ("bf16", 128, (128, 64, 8, 2), False), ("i8-f16", 64, (128, 64, 8, 2), True),
     ("i8-f16", 64, (64, 128, 4, 2), False), ("bf16", 64, (192, 128, 12, 2), True),
-    ("f16", 128, (192, 80, 12, 2), False)])
+    ("f16", 128, (192, 80, 12, 2), False), ("i8-f16", 64, (192, 128, 12, 2), False)])
 def test_other_tiles(fmt, head_dim, tile, causal):
     """One and three consumer warpgroups, 64- to 128-key tiles, a deeper ring."""
     from qattn.engine.tile import Tile

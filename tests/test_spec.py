@@ -377,7 +377,13 @@ def test_int8_calls_on_short_sequences_take_their_listed_kernels(monkeypatch):
                 device_id=0), device=contextlib.nullcontext()),) * 2, causal, None).spec
             assert dict(chosen.options) == {"pingpong": "on", "persistent": persistent}, (causal, rows)
             assert chosen.tile == Tile(128, 128, 8, 2)
-    assert registry.launch_choice("i8-f16", 64, "sm_90a", 1024) is None  # not measured at d64
+    # i8-f16 at d64: three consumer warpgroups for non-causal calls from 2048 rows; causal ones keep the default
+    assert registry.launch_choice("i8-f16", 64, "sm_90a", 2047) is None
+    assert registry.launch_choice("i8-f16", 64, "sm_90a", 2048, causal=True) is None
+    for rows in (2048, 32768):
+        chosen = api._call_kernel("i8-f16", *(SimpleNamespace(shape=(2, 8, rows, 64), data=SimpleNamespace(
+            device_id=0), device=contextlib.nullcontext()),) * 2, False, None).spec
+        assert chosen.tile == Tile(192, 128, 12, 2) and dict(chosen.options)["persistent"] == "off", rows
 
 
 def test_a_head_dims_option_default_applies_unless_named():

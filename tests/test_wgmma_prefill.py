@@ -15,6 +15,7 @@ from qattn.engine.compile import compile_cuda, disassemble, entry_resources
 from qattn.engine.inspect import warpgroup_mmas
 from qattn.engine.registry import recipe
 from qattn.engine.render import entry_name, render
+from qattn.engine import registry
 from qattn.engine.spec import KernelSpec
 from qattn.engine.tile import Tile
 from qattn.formats.int8qk import host as int8
@@ -28,6 +29,11 @@ OTHER_TILES = [KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wg
                for f, d, c, t in (("f16", 64, False, (192, 64, 12, 2)), ("bf16", 64, True, (64, 128, 4, 2)),
                                   ("f16", 128, True, (128, 64, 8, 3)), ("i8-f16", 64, True, (128, 64, 8, 2)),
                                   ("bf16", 128, True, (192, 64, 12, 3)), ("f16", 128, False, (64, 128, 4, 2)))]
+# the kernels calls are routed to by their query rows (recipes.LAUNCH_TILES: persistent blocks, three consumer
+# warpgroups at d64), each (tile, options) once
+ROUTED = list(dict.fromkeys(
+    KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wgmma", tile=choice.tile, options=dict(choice.options))
+    for f in FORMATS for d in (64, 128) for c in (False, True) for choice in registry.launch_choices(f, d, "sm_90a", c)))
 # the f16 / bf16 kernels with K and V rows gathered by cp.async (the TMA launch's fallback)
 KV_ROWS = [KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wgmma", options={"kv_rows": "on"})
            for f, d, c in (("f16", 128, False), ("bf16", 64, True))]
@@ -119,7 +125,7 @@ def test_i8_f16_scale_blocks_follow_the_kernel():
 
 # ---- NVRTC compile ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec", SPECS + OTHER_TILES + KV_ROWS + PINGPONG, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", SPECS + OTHER_TILES + ROUTED + KV_ROWS + PINGPONG, ids=lambda s: s.name)
 def test_compiles_on_warpgroup_mmas(spec):
     binary = _compiled(spec)
     entry = _attention_entry(spec)

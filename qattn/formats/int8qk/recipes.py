@@ -142,9 +142,10 @@ def _wgmma_problem(pv: str) -> Callable[[Tile, int], str | None]:
             return None
 
         def registers():
-            # fp16 PV: O, S and P (d / 2 + block_n / 2 + block_n / 4 a thread) and ~48 for addresses,
-            # scales and statistics. (The e4m3 kernel trades S beside PV for registers itself.)
-            need, have = d // 2 + 3 * tile.block_n // 4 + 48, _wgmma_consumer_registers(tile, d)
+            # fp16 PV: O, S and P (d / 2 + block_n / 2 + block_n / 4 a thread) and ~32 for addresses,
+            # scales and statistics: m192n128w12 at d64 fits 160 without spills (causal: 120 B stored,
+            # 188 loaded). (The e4m3 kernel trades S beside PV for registers itself.)
+            need, have = d // 2 + 3 * tile.block_n // 4 + 32, _wgmma_consumer_registers(tile, d)
             if pv == "f16" and need > have:
                 return (f"O, S and P need about {need} registers a consumer thread, {have} are left: use "
                         "fewer warps or a narrower block_n")
@@ -210,6 +211,10 @@ I8_F8_LONG_QUERIES = {False: 2048, True: 4096}  # by causal: from these rows the
 # i8-f16 below 4096 rows at d128 runs persistent blocks (causal: in pairs of a heavy and a light query block):
 # time 0.93-0.97 of a block per item at B16 L1024 and B8 L2048, causal and not; 0.99-1.03 from L4096.
 I8_F16_PERSISTENT_BELOW = 4096
+# Non-causal i8-f16 at d64 from 2048 rows runs three consumer warpgroups (m192n128w12s2, a block an item): × cuDNN
+# 1.14 against 0.92 for the two-warpgroup default at B4 L8192 and 0.84 against 0.72 at B8 L2048 (persistent blocks
+# 1.04 and 0.80). Causal, it measured 0.89 against 0.82 at B4 L8192 but spills (above) and is not routed.
+I8_F16_D64_THREE_WARPGROUPS = LaunchChoice(2048, Tile(192, 128, 12, 2), causal=False)
 
 
 def _i8_f8_bands(d: int) -> tuple:
@@ -226,7 +231,7 @@ def _i8_f16_bands(d: int) -> tuple:
 
 
 LAUNCH_TILES = {**{("i8-f8", d, "sm_90a"): _i8_f8_bands(d) for d in CUDA_I8_F8_WGMMA.head_dims},
-                ("i8-f16", 128, "sm_90a"): _i8_f16_bands(128)}
+                ("i8-f16", 128, "sm_90a"): _i8_f16_bands(128), ("i8-f16", 64, "sm_90a"): (I8_F16_D64_THREE_WARPGROUPS,)}
 
 
 # ---- HIP int8 QK prefill (i8-f16, i8-i8, i8-f8): int8 MFMA / iu8 WMMA QK, PV in fp16, int8 or e4m3 --
