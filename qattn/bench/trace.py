@@ -1,0 +1,190 @@
+"""Where a warp-specialized wgmma prefill kernel's time goes, from its own clock: the kernel is built with its
+trace points (QATTN_TRACE in templates/cuda/wgmma_attention.cuh.j2 and the kernels that include it) defined to
+record, for thread 0 of each role of the first `blocks` blocks (a role is a consumer warpgroup, or the
+producer's copying thread), the SM's cycle counter, the point, its argument (a key tile or a work item) and
+the SM at each point passed. Off, the points compile to nothing.
+
+The analysis reads a role's MMA issues (S, PV, or both) as work for one tensor pipe per SM, each taking the
+cycles its FLOPs take at the pipe's peak rate (FLOPS_PER_CYCLE), served in issue order: the stretches where that
+queue runs dry are the tensor pipe's idle time as the issues allow it, each put down to what every role on the
+SM was doing when the stretch began (the last point it had passed). Beside it, per consumer role, the median
+cycles of a work item's phases. A queue that finishes a burst after its warpgroup saw it land means the model's
+rate is too high (`late_bursts`).
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import tempfile
+from collections import defaultdict
+
+import numpy as np
+
+# The trace points, in the order of the enum the instrumented source defines.
+POINTS = ("ROLE_START", "ITEM_START", "Q_LANDED", "KV_READY", "TURN", "S_ISSUED", "PV_ISSUED", "S_PV_ISSUED",
+          "S_LANDED", "PV_LANDED", "SOFTMAX_DONE", "KEYS_DONE", "ITEM_END", "K_FREE", "V_FREE")
+CODE = {name: i for i, name in enumerate(POINTS)}
+ISSUES = {"S_ISSUED": ("s",), "PV_ISSUED": ("pv",), "S_PV_ISSUED": ("s", "pv")}
+# Dense peak of one Hopper SM's tensor pipe, FLOPs a cycle: 16-bit operands, and 8-bit (twice).
+FLOPS_PER_CYCLE = {16: 4096, 8: 8192}
+ROLES_MAX = 4  # three consumer warpgroups and the producer's at most
+
+
+def prelude(blocks: int, events: int) -> str:
+    """CUDA text defining QATTN_TRACE to record into qattn_trace_events [blocks][ROLES_MAX][events][2]."""
+    enum = ", ".join(f"TRACE_{name} = {i}" for i, name in enumerate(POINTS))
+    return f"""enum {{ {enum} }};
+__device__ unsigned long long qattn_trace_events[{blocks} * {ROLES_MAX} * {events} * 2];
+static __device__ __forceinline__ void qattn_trace_event(int point, int arg) {{
+    __shared__ unsigned qattn_trace_n[{ROLES_MAX}];
+    if (threadIdx.x % 128 != 0) return;
+    const unsigned block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), role = threadIdx.x / 128;
+    if (block >= {blocks} || role >= {ROLES_MAX}) return;
+    if (point == TRACE_ROLE_START) qattn_trace_n[role] = 0;
+    const unsigned n = qattn_trace_n[role];
+    if (n >= {events}) return;
+    qattn_trace_n[role] = n + 1;
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    unsigned long long* e = qattn_trace_events + ((block * {ROLES_MAX} + role) * {events} + n) * 2;
+    e[0] = clock64();
+    e[1] = static_cast<unsigned long long>(point) | static_cast<unsigned long long>(arg & 0xffffff) << 8 |
+           static_cast<unsigned long long>(smid) << 32;
+}}
+#define QATTN_TRACE(point, arg) qattn_trace_event(point, arg)
+"""
+
+
+def instrumented(source: str, blocks: int, events: int) -> str:
+    """A rendered source with its trace points recording (prelude first)."""
+    if "QATTN_TRACE(" not in source:
+        raise ValueError("this kernel has no trace points (the warp-specialized wgmma prefill kernels have them)")
+    return prelude(blocks, events) + source
+
+
+@contextlib.contextmanager
+def traced_build(spec, blocks: int, events: int):
+    """Kernels of `spec` built with their trace points recording (into a cache of their own) while inside."""
+    from ..engine import kernel as kernel_module
+    from ..engine.cache import KernelCache
+
+    plain = kernel_module.render
+    kernel_module._MEMORY.pop(spec, None)
+    kernel_module.render = lambda s: instrumented(plain(s), blocks, events) if s == spec else plain(s)
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            yield kernel_module.build_kernel(spec, KernelCache(root))
+    finally:
+        kernel_module.render = plain
+        kernel_module._MEMORY.pop(spec, None)
+
+
+def decode(raw: np.ndarray, blocks: int, events: int) -> list[dict]:
+    """Recorded events ([blocks][ROLES_MAX][events][2] uint64) as dicts: block, role, n, clock, point, arg, sm;
+    slots never written (clock 0) left out."""
+    raw = raw.reshape(blocks, ROLES_MAX, events, 2)
+    out = []
+    for b, r, n in zip(*np.nonzero(raw[..., 0])):
+        clock, meta = int(raw[b, r, n, 0]), int(raw[b, r, n, 1])
+        arg = (meta >> 8) & 0xffffff
+        out.append({"block": int(b), "role": int(r), "n": int(n), "clock": clock, "point": POINTS[meta & 0xff],
+                    "arg": arg - (1 << 24) if arg >= 1 << 23 else arg, "sm": meta >> 32})
+    return out
+
+
+def burst_cycles(head_dim: int, block_n: int, s_bits: int, pv_bits: int) -> dict:
+    """Tensor-pipe cycles of one warpgroup's S (64 rows x block_n keys x head_dim) and PV (64 x head_dim x block_n)."""
+    flops = 2 * 64 * block_n * head_dim
+    return {"s": flops / FLOPS_PER_CYCLE[s_bits], "pv": flops / FLOPS_PER_CYCLE[pv_bits]}
+
+
+def analyse(events: list[dict], cycles: dict) -> dict:
+    """The tensor pipe's idle stretches per SM (the issue-order queue of the bursts, `cycles` per kind), each
+    put down to the last point every role of the SM had passed when it began (roles by index: blocks that
+    share an SM at once are not told apart), and the consumer roles' median phase cycles per work item.
+    span: first to last event of each SM, summed; busy: the bursts' cycles; idle: the stretches between
+    bursts; the rest is each SM's start and end (before its first burst, after its last)."""
+    by_sm = defaultdict(list)
+    for e in events:
+        by_sm[e["sm"]].append(e)
+    producer = max((e["role"] for e in events), default=0)
+    idle_by_state, late, busy_total, span_total = defaultdict(float), 0, 0.0, 0.0
+
+    def label(last):
+        return " ".join(f"{'producer' if r == producer else f'wg{r}'}:{p}" for r, p in sorted(last.items()))
+
+    for sm_events in by_sm.values():
+        sm_events.sort(key=lambda e: (e["clock"], e["block"], e["role"], e["n"]))
+        span_total += sm_events[-1]["clock"] - sm_events[0]["clock"]
+        lands = defaultdict(list)  # (block, role) -> clocks at which its bursts were seen landed
+        for e in sm_events:
+            if e["point"] in ("S_LANDED", "PV_LANDED"):
+                lands[(e["block"], e["role"])].append(e["clock"])
+        free_at, gap_state, last = None, None, {}
+        for e in sm_events:
+            if free_at is not None and e["clock"] > free_at and gap_state is None:
+                gap_state = label(last)  # the queue ran dry at free_at: what each role was doing then
+            kinds = ISSUES.get(e["point"])
+            if kinds is not None:
+                work = sum(cycles[k] for k in kinds)
+                if free_at is not None and free_at < e["clock"]:
+                    idle_by_state[gap_state] += e["clock"] - free_at
+                free_at = max(free_at or e["clock"], e["clock"]) + work
+                gap_state = None
+                busy_total += work
+                seen = [c for c in lands[(e["block"], e["role"])] if c >= e["clock"]]
+                if seen and min(seen) < free_at - 0.05 * work:  # seen landed before the queue could finish it
+                    late += 1
+            last[e["role"]] = e["point"]
+    idle_total = sum(idle_by_state.values())
+    return {"span_cycles": span_total, "busy_cycles": busy_total, "idle_cycles": idle_total,
+            "busy_share": busy_total / span_total if span_total else 0.0,
+            "idle_share": idle_total / span_total if span_total else 0.0, "late_bursts": late,
+            "idle_by_state": sorted(idle_by_state.items(), key=lambda kv: -kv[1]),
+            "phases": item_phases(events, producer)}
+
+
+# A work item's phases on a consumer role, in order: each ends at the first of its end point after its start.
+PHASES = (("Q_LANDED", "Q load"), ("S_ISSUED", "turn, first S issued"), ("S_LANDED", "first S"),
+          ("SOFTMAX_DONE", "first softmax"), ("KEYS_DONE", "key loop"), ("ITEM_END", "output"))
+
+
+def item_phases(events: list[dict], producer: int) -> dict:
+    """Median cycles of each phase of a work item (ITEM_START, then PHASES in turn), of the whole item, and
+    from an item's end to the next one's start, over the consumer roles' items."""
+    by_role = defaultdict(list)
+    for e in events:
+        if e["role"] != producer:
+            by_role[(e["block"], e["role"])].append(e)
+    spans = defaultdict(list)
+    for role_events in by_role.values():
+        role_events.sort(key=lambda e: e["n"])
+        starts = [i for i, e in enumerate(role_events) if e["point"] == "ITEM_START"]
+        for i, nxt in zip(starts, starts[1:] + [len(role_events)]):
+            at, clock = i, role_events[i]["clock"]
+            for point, name in PHASES:
+                found = next((j for j in range(at + 1, nxt) if role_events[j]["point"] == point), None)
+                if found is None:
+                    break
+                spans[name].append(role_events[found]["clock"] - clock)
+                at, clock = found, role_events[found]["clock"]
+            else:
+                spans["whole item"].append(clock - role_events[i]["clock"])
+                if nxt < len(role_events):
+                    spans["to the next item"].append(role_events[nxt]["clock"] - clock)
+    return {name: statistics.median(v) for name, v in spans.items() if v}
+
+
+def run_traced(spec, xs: tuple, *, blocks: int = 132, events: int = 4096, **call) -> list[dict]:
+    """One call of `spec`'s kernel on xs (after a warm-up call) with its trace points recording; its events."""
+    import cupy
+
+    with traced_build(spec, blocks, events) as kernel:
+        out = cupy.empty_like(xs[0])
+        kernel(*xs, out=out, **call)
+        size = blocks * ROLES_MAX * events * 2
+        buffer = cupy.ndarray((size,), cupy.uint64, kernel._module.get_global_var("qattn_trace_events"))
+        buffer.fill(0)
+        kernel(*xs, out=out, **call)
+        cupy.cuda.runtime.deviceSynchronize()
+        return decode(cupy.asnumpy(buffer), blocks, events)

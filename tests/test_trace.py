@@ -1,0 +1,113 @@
+"""The wgmma prefill kernels' trace points (qattn.bench.trace): the instrumented builds compile, the recorded
+events decode, and the analysis reads idle stretches, late bursts and item phases as defined. On the GPU: one
+traced call records every consumer warpgroup's bursts, one per key tile and item."""
+
+import numpy as np
+import pytest
+
+from qattn.bench import trace
+from qattn.engine.compile import compile_cuda
+from qattn.engine.render import main_entry_name, render
+from qattn.engine.spec import KernelSpec
+from qattn.engine.tile import Tile
+
+
+def _event(role, n, clock, point, arg=0, sm=3, block=0):
+    return {"block": block, "role": role, "n": n, "clock": clock, "point": point, "arg": arg, "sm": sm}
+
+
+def _role(role, timeline, sm=3, block=0):
+    return [_event(role, n, clock, point, arg, sm, block) for n, (clock, point, arg) in enumerate(timeline)]
+
+
+def test_idle_stretches_are_the_issue_queue_running_dry():
+    cycles = {"s": 100, "pv": 100}
+    events = (_role(0, [(0, "ROLE_START", 0), (10, "S_ISSUED", 0), (120, "S_LANDED", 0), (200, "SOFTMAX_DONE", 0),
+                        (300, "S_PV_ISSUED", 0), (510, "S_LANDED", 1), (520, "PV_LANDED", 0)])
+              + _role(1, [(0, "ROLE_START", 0), (50, "S_ISSUED", 0), (150, "S_LANDED", 0), (260, "SOFTMAX_DONE", 0)])
+              + _role(2, [(0, "ROLE_START", 0), (5, "K_FREE", 0), (6, "V_FREE", 0)]))
+    result = trace.analyse(events, cycles)
+    # queue: wg0's S 10-110, wg1's S 110-210, dry 210-300, wg0's S and PV 300-500
+    assert result["busy_cycles"] == 400 and result["idle_cycles"] == 90 and result["span_cycles"] == 520
+    ((state, idle),) = result["idle_by_state"]
+    assert idle == 90 and state == "wg0:SOFTMAX_DONE wg1:S_LANDED producer:V_FREE"
+    assert result["late_bursts"] == 1  # wg1 saw its S land at 150, before the queue could finish it at 210
+
+
+def test_sms_are_queued_apart_and_back_to_back_issues_leave_no_gap():
+    cycles = {"s": 50, "pv": 70}
+    events = (_role(0, [(0, "ROLE_START", 0), (10, "PV_ISSUED", 0), (20, "S_ISSUED", 1), (200, "PV_LANDED", 0)], sm=0)
+              + _role(0, [(1000, "ROLE_START", 0), (1000, "S_ISSUED", 0), (1200, "S_ISSUED", 1),
+                          (1300, "S_LANDED", 1)], sm=1, block=1))
+    result = trace.analyse(events, cycles)
+    assert result["busy_cycles"] == 70 + 50 + 50 + 50 and result["idle_cycles"] == 150  # sm 1: 1050-1200
+    assert result["span_cycles"] == 200 + 300 and result["late_bursts"] == 0
+
+
+def test_item_phases_follow_one_another():
+    timeline = [(0, "ROLE_START", 0)]
+    for item, base in enumerate((100, 1100)):
+        timeline += [(base, "ITEM_START", item), (base + 40, "Q_LANDED", item), (base + 50, "S_ISSUED", 0),
+                     (base + 80, "S_LANDED", 0), (base + 130, "SOFTMAX_DONE", 0), (base + 160, "S_PV_ISSUED", 0),
+                     (base + 200, "S_LANDED", 1), (base + 260, "SOFTMAX_DONE", 1), (base + 700, "KEYS_DONE", item),
+                     (base + 900, "ITEM_END", item)]
+    phases = trace.analyse(_role(0, timeline) + _role(1, [(0, "ROLE_START", 0)]), {"s": 1, "pv": 1})["phases"]
+    assert phases == {"Q load": 40, "turn, first S issued": 10, "first S": 30, "first softmax": 50, "key loop": 570,
+                      "output": 200, "whole item": 900, "to the next item": 100}
+
+
+def test_recorded_words_decode():
+    blocks, events = 2, 3
+    raw = np.zeros((blocks, trace.ROLES_MAX, events, 2), np.uint64)
+    raw[1, 2, 0] = (777, trace.CODE["S_PV_ISSUED"] | (5 << 8) | (9 << 32))
+    raw[1, 2, 1] = (900, trace.CODE["KV_READY"] | ((-1 & 0xffffff) << 8) | (9 << 32))
+    got = trace.decode(raw.reshape(-1), blocks, events)
+    assert got == [_event(2, 0, 777, "S_PV_ISSUED", 5, 9, 1), _event(2, 1, 900, "KV_READY", -1, 9, 1)]
+
+
+@pytest.mark.parametrize("fmt, d, causal, tile, options", [
+    ("f16", 128, False, None, {"persistent": "on"}), ("bf16", 64, True, Tile(192, 128, 12, 2), {}),
+    ("f16", 128, False, None, {"kv_rows": "on"}), ("i8-f16", 128, True, None, {}), ("i8-f8", 128, False, None, {})])
+def test_instrumented_kernels_compile_with_every_point_recording(fmt, d, causal, tile, options):
+    spec = KernelSpec(kind="prefill", recipe=fmt, head_dim=d, arch="sm_90a", mma="wgmma", causal=causal, tile=tile)
+    if options:
+        spec = spec.with_(options={**dict(spec.options), **options})
+    plain = render(spec)
+    points = {name for name in trace.POINTS if f"TRACE_{name}" in plain}
+    assert {"ROLE_START", "ITEM_START", "Q_LANDED", "S_ISSUED", "S_LANDED", "PV_LANDED", "KEYS_DONE",
+            "ITEM_END", "K_FREE", "V_FREE"} <= points
+    binary = compile_cuda(trace.instrumented(plain, 4, 64), "sm_90a", spec.name + "_traced",
+                          entry=main_entry_name(spec))
+    assert "qattn_trace_events" in binary.ptx and "%clock64" in binary.ptx and "%smid" in binary.ptx
+
+
+def test_kernels_without_trace_points_are_refused():
+    spec = KernelSpec(kind="prefill", recipe="f16", head_dim=128, arch="sm_90a", mma="mma.sync")
+    with pytest.raises(ValueError, match="no trace points"):
+        trace.instrumented(render(spec), 4, 64)
+
+
+@pytest.mark.gpu
+def test_a_traced_call_records_each_key_tile_once():
+    import cupy
+
+    from qattn.engine.spec import call_spec, device_arch
+
+    if device_arch() != "sm_90a":
+        pytest.skip("the wgmma prefill kernels run on sm_90a")
+    b, h, seq = 2, 4, 1000  # 64 items of 128 rows (one a block), 8 key tiles each, the last one partial
+    spec = call_spec("f16", 128, False, seq, "sm_90a")
+    xs = tuple(cupy.random.standard_normal((b, h, seq, 128), dtype=cupy.float32).astype(cupy.float16)
+               for _ in range(3))
+    events = trace.run_traced(spec, xs, blocks=8, events=512)
+    roles = {(e["block"], e["role"]) for e in events}
+    consumers = spec.tile.warps // 4
+    assert {r for _, r in roles} == set(range(consumers + 1))
+    items = sum(e["point"] == "ITEM_END" for e in events)
+    assert items == 8 * consumers
+    issued = [e for e in events if e["point"] in ("S_ISSUED", "S_PV_ISSUED", "PV_ISSUED")]
+    s_bursts = sum(e["point"] in ("S_ISSUED", "S_PV_ISSUED") for e in issued)
+    pv_bursts = sum(e["point"] in ("PV_ISSUED", "S_PV_ISSUED") for e in issued)
+    assert s_bursts == pv_bursts == 8 * 8 * consumers
+    result = trace.analyse(events, trace.burst_cycles(128, spec.tile.block_n, 16, 16))
+    assert 0 < result["busy_share"] < 1 and result["phases"]["whole item"] > 0
