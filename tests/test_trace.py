@@ -44,6 +44,17 @@ def test_sms_are_queued_apart_and_back_to_back_issues_leave_no_gap():
     assert result["span_cycles"] == 200 + 300 and result["late_bursts"] == 0
 
 
+def test_blocks_sharing_an_sm_are_told_apart_and_finished_ones_left_out():
+    cycles = {"s": 100, "pv": 100}
+    events = (_role(0, [(0, "ROLE_START", 0), (10, "S_ISSUED", 0), (50, "ITEM_END", 0)], block=4)
+              + _role(0, [(60, "ROLE_START", 0), (70, "S_ISSUED", 0), (200, "SOFTMAX_DONE", 0),
+                          (400, "S_ISSUED", 1), (410, "ITEM_END", 1)], block=9)
+              + _role(0, [(65, "ROLE_START", 0), (260, "Q_LANDED", 0), (500, "S_ISSUED", 0)], block=11))
+    result = trace.analyse(events, cycles)
+    # queue: 10-110, 110-210, dry 210-400 (block 4 done: blocks 9 and 11 on the SM), 400-500, 500-600
+    assert result["idle_by_state"] == [("b0.wg0:SOFTMAX_DONE b1.wg0:ROLE_START", 190)]
+
+
 def test_item_phases_follow_one_another():
     timeline = [(0, "ROLE_START", 0)]
     for item, base in enumerate((100, 1100)):

@@ -98,44 +98,58 @@ def burst_cycles(head_dim: int, block_n: int, s_bits: int, pv_bits: int) -> dict
     return {"s": flops / FLOPS_PER_CYCLE[s_bits], "pv": flops / FLOPS_PER_CYCLE[pv_bits]}
 
 
+def producer_role(events: list[dict]):
+    """The role index of the producer (the one whose events free K and V slots), or None."""
+    return next((e["role"] for e in events if e["point"] in ("K_FREE", "V_FREE")), None)
+
+
 def analyse(events: list[dict], cycles: dict) -> dict:
     """The tensor pipe's idle stretches per SM (the issue-order queue of the bursts, `cycles` per kind), each
-    put down to the last point every role of the SM had passed when it began (roles by index: blocks that
-    share an SM at once are not told apart), and the consumer roles' median phase cycles per work item.
-    span: first to last event of each SM, summed; busy: the bursts' cycles; idle: the stretches between
-    bursts; the rest is each SM's start and end (before its first burst, after its last)."""
+    put down to the last point that every role of the blocks then on the SM had passed when it began (blocks
+    sharing an SM are told apart as b0, b1, ... by their index), and the consumer roles' median phase cycles
+    per work item. span: first to last event of each SM, summed; busy: the bursts' cycles; idle: the stretches
+    between bursts; the rest is each SM's start and end (before its first burst, after its last)."""
     by_sm = defaultdict(list)
     for e in events:
         by_sm[e["sm"]].append(e)
-    producer = max((e["role"] for e in events), default=0)
+    producer = producer_role(events)
     idle_by_state, late, busy_total, span_total = defaultdict(float), 0, 0.0, 0.0
 
-    def label(last):
-        return " ".join(f"{'producer' if r == producer else f'wg{r}'}:{p}" for r, p in sorted(last.items()))
+    def role_name(role):
+        return "producer" if role == producer else f"wg{role}"
 
     for sm_events in by_sm.values():
         sm_events.sort(key=lambda e: (e["clock"], e["block"], e["role"], e["n"]))
         span_total += sm_events[-1]["clock"] - sm_events[0]["clock"]
         lands = defaultdict(list)  # (block, role) -> clocks at which its bursts were seen landed
+        lifetime = {}  # block -> (first, last) clock of its events
         for e in sm_events:
             if e["point"] in ("S_LANDED", "PV_LANDED"):
                 lands[(e["block"], e["role"])].append(e["clock"])
+            first, _ = lifetime.get(e["block"], (e["clock"], e["clock"]))
+            lifetime[e["block"]] = (first, e["clock"])
+
+        def label(at, last):
+            blocks = sorted(b for b, (first, end) in lifetime.items() if first <= at <= end)
+            name = {b: "" if len(blocks) == 1 else f"b{i}." for i, b in enumerate(blocks)}
+            return " ".join(f"{name[b]}{role_name(r)}:{p}" for (b, r), p in sorted(last.items()) if b in name)
+
         free_at, gap_state, last = None, None, {}
         for e in sm_events:
             if free_at is not None and e["clock"] > free_at and gap_state is None:
-                gap_state = label(last)  # the queue ran dry at free_at: what each role was doing then
+                gap_state = label(free_at, last)  # the queue ran dry at free_at: what each role was doing then
             kinds = ISSUES.get(e["point"])
             if kinds is not None:
                 work = sum(cycles[k] for k in kinds)
                 if free_at is not None and free_at < e["clock"]:
                     idle_by_state[gap_state] += e["clock"] - free_at
-                free_at = max(free_at or e["clock"], e["clock"]) + work
+                free_at = (e["clock"] if free_at is None else max(free_at, e["clock"])) + work
                 gap_state = None
                 busy_total += work
                 seen = [c for c in lands[(e["block"], e["role"])] if c >= e["clock"]]
                 if seen and min(seen) < free_at - 0.05 * work:  # seen landed before the queue could finish it
                     late += 1
-            last[e["role"]] = e["point"]
+            last[(e["block"], e["role"])] = e["point"]
     idle_total = sum(idle_by_state.values())
     return {"span_cycles": span_total, "busy_cycles": busy_total, "idle_cycles": idle_total,
             "busy_share": busy_total / span_total if span_total else 0.0,
@@ -149,7 +163,7 @@ PHASES = (("Q_LANDED", "Q load"), ("S_ISSUED", "turn, first S issued"), ("S_LAND
           ("SOFTMAX_DONE", "first softmax"), ("KEYS_DONE", "key loop"), ("ITEM_END", "output"))
 
 
-def item_phases(events: list[dict], producer: int) -> dict:
+def item_phases(events: list[dict], producer: int | None) -> dict:
     """Median cycles of each phase of a work item (ITEM_START, then PHASES in turn), of the whole item, and
     from an item's end to the next one's start, over the consumer roles' items."""
     by_role = defaultdict(list)
