@@ -13,6 +13,7 @@ rate is too high (`late_bursts`).
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import statistics
 import tempfile
@@ -146,8 +147,9 @@ def analyse(events: list[dict], cycles: dict) -> dict:
                 free_at = (e["clock"] if free_at is None else max(free_at, e["clock"])) + work
                 gap_state = None
                 busy_total += work
-                seen = [c for c in lands[(e["block"], e["role"])] if c >= e["clock"]]
-                if seen and min(seen) < free_at - 0.05 * work:  # seen landed before the queue could finish it
+                seen = lands[(e["block"], e["role"])]  # in clock order
+                at = bisect.bisect_left(seen, e["clock"])
+                if at < len(seen) and seen[at] < free_at - 0.05 * work:  # seen landed before the queue finished it
                     late += 1
             last[(e["block"], e["role"])] = e["point"]
     idle_total = sum(idle_by_state.values())
