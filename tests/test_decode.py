@@ -437,41 +437,6 @@ def test_cli_plan_decode_on_the_h200_table(tmp_path):
     assert refused.exit_code == 2 and "--heads" in refused.output
 
 
-HIP_MATRIX_OP = {"gfx90a": "v_mfma_f32_16x16x16f16", "gfx942": "v_mfma_f32_16x16x16_f16",
-                 "gfx1100": "v_wmma_f32_16x16x16_f16", "gfx1201": "v_wmma_f32_16x16x16_f16"}
-
-
-@pytest.mark.parametrize("arch", sorted(HIP_MATRIX_OP))
-@pytest.mark.parametrize("fmt", ["e4m3-e4m3", "i8-f16", "f16-e4m3", "f16-f16"])
-def test_hip_decode_compiles_to_fp16_matrix_ops(fmt, arch):
-    """The transform path on AMD: 8-bit codes widened to fp16 in LDS, the products on the target's
-    fp16 MFMA / WMMA, nothing in scratch. Offline (clang-19); running it needs ROCm."""
-    import re
-
-    from qattn.engine.compile import compile_hip_offline, disassemble, find_tool
-
-    if find_tool("clang++-19", "clang++-20", "clang++") is None:
-        pytest.skip("offline HIP compiles need clang-19 (.ci/run installs it)")
-    spec = KernelSpec(kind="decode", recipe=fmt, head_dim=128, backend="hip", arch=arch,
-                      options={"page_size": 16, "scale_mode": "token"})
-    source = render(spec)
-    assert "mma.sync" not in source and "cp.async" not in source
-    binary = compile_hip_offline(source, arch, spec.name)
-    asm = disassemble(binary.data, "hip")
-    ops = re.findall(HIP_MATRIX_OP[arch], asm)
-    assert len(ops) >= 2 * 128 // 16, len(ops)  # S^T and O^T: a matrix op per 16 channels of each
-    assert ("v_wmma" if arch.startswith("gfx9") else "v_mfma") not in asm
-    assert f"{main_entry_name(spec)}" in asm and "_merge_f16" in asm
-    assert binary.resources["scratch"] == 0 and binary.resources["vgpr_spills"] == 0, binary.resources
-
-
-def test_hip_decode_takes_fp16_queries_only():
-    assert "hip" not in qattn.recipe("bf16-e4m3", "decode").families
-    assert "hip" in qattn.recipe("e4m3-e4m3", "decode").families
-    with pytest.raises(ValueError, match="HIP decode kernel runs m32n32w2s1 only"):
-        KernelSpec(kind="decode", recipe="e4m3-e4m3", backend="hip", arch="gfx942", tile=qattn.Tile(32, 64, 2, 1))
-
-
 # ---- page means of an 8-bit K (k_mean "page") ------------------------------------------------------
 
 def _drifting_k(rng, tokens, kv_heads, head_dim, base=30.0, drift=1.0):

@@ -1,4 +1,4 @@
-"""HIP: the f16 prefill spec rendered for CDNA (MFMA) and RDNA (WMMA) and compiled offline with
+"""HIP: the f16 and bf16 prefill specs rendered for CDNA (MFMA) and RDNA (WMMA) and compiled offline with
 clang-19 (no ROCm, no AMD GPU). Running the kernels needs ROCm; these tests check that the code
 generator produces device code that compiles, uses the matrix cores and stays out of scratch."""
 import re
@@ -14,16 +14,17 @@ from qattn.engine.compile import CompileError, compile_hip_offline, disassemble,
 pytestmark = pytest.mark.skipif(find_tool("clang++-19", "clang++-20", "clang++") is None,
                                 reason="offline HIP compiles need clang-19 (.ci/run installs it)")
 
-# The matrix instruction each target must use for the fp16 products.
+# The matrix instruction each target must use for the products, by operand type.
 MATRIX_OP = {
-    "gfx90a": r"v_mfma_f32_16x16x16f16",
-    "gfx942": r"v_mfma_f32_16x16x16_f16",
-    "gfx1100": r"v_wmma_f32_16x16x16_f16",
-    "gfx1201": r"v_wmma_f32_16x16x16_f16",
+    "f16": {"gfx90a": r"v_mfma_f32_16x16x16f16", "gfx942": r"v_mfma_f32_16x16x16_f16",
+            "gfx1100": r"v_wmma_f32_16x16x16_f16", "gfx1201": r"v_wmma_f32_16x16x16_f16"},
+    "bf16": {"gfx90a": r"v_mfma_f32_16x16x16bf16_1k", "gfx942": r"v_mfma_f32_16x16x16_bf16",
+             "gfx1100": r"v_wmma_f32_16x16x16_bf16", "gfx1201": r"v_wmma_f32_16x16x16_bf16"},
 }
 
-SPECS = [KernelSpec("prefill", "f16", d, None, causal, "hip", arch)
-         for arch in MATRIX_OP for d in RECIPES["f16"].family("hip").head_dims for causal in (False, True)]
+SPECS = [KernelSpec("prefill", fmt, d, None, causal, "hip", arch)
+         for fmt in MATRIX_OP for arch in MATRIX_OP[fmt] for d in RECIPES[fmt].family("hip").head_dims
+         for causal in (False, True)]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
@@ -34,9 +35,10 @@ def test_hip_compiles_to_matrix_instructions(spec):
     asm = disassemble(binary.data, "hip")
     assert asm is not None, "llvm-objdump-19 should disassemble the code object"
     assert entry_name(spec) in asm
-    ops = re.findall(MATRIX_OP[spec.arch], asm)
-    # S = QK^T and O += PV: at least one matrix op per 16-channel step of each product.
+    ops = re.findall(MATRIX_OP[spec.recipe][spec.arch] + r"\b", asm)
+    # S = QK^T and O += PV: at least one matrix op per 16-channel step of each product, all of the format's type.
     assert len(ops) >= 2 * spec.head_dim // 16, (spec.name, len(ops))
+    assert not re.search(MATRIX_OP["bf16" if spec.recipe == "f16" else "f16"][spec.arch] + r"\b", asm)
     other = "wmma" if spec.arch.startswith("gfx9") else "mfma"
     assert f"v_{other}" not in asm
     res = binary.resources
@@ -60,4 +62,4 @@ def test_hip_tile_rules_are_checked():
     with pytest.raises(ValueError, match="arch"):
         KernelSpec("prefill", "f16", 64, None, False, "hip", "sm_90a")
     with pytest.raises(ValueError, match="no hip kernel"):
-        KernelSpec("prefill", "bf16", 64, None, False, "hip", "gfx942")
+        KernelSpec("prefill", "f32", 64, None, False, "hip", "gfx942")

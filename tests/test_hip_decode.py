@@ -1,8 +1,8 @@
 """HIP decode: the 8-bit QK paths (qk "fp8" over an e4m3 K cache, "int8" over an i8 one) and the cache
-writer, compiled offline with clang-19 (no ROCm, no AMD GPU). Each 8-bit spec's attention entry runs
-S^T on the target's 8-bit matrix op (fp8 MFMA on gfx942, fp8 WMMA on gfx1201, int8 MFMA / iu8 WMMA on
-all four) and only PV on the fp16 op; every entry of the module (attention, merge, the four writers)
-stays out of scratch. The archs without an fp8 op refuse qk "fp8" at KernelSpec construction. The
+writer, compiled offline with clang-19 (no ROCm, no AMD GPU). Each 8-bit spec's attention entries (one per
+query type the format takes) run S^T on the target's 8-bit matrix op (fp8 MFMA on gfx942, fp8 WMMA on
+gfx1201, int8 MFMA / iu8 WMMA on all four) and only PV on the 16-bit op of their query type; every entry of
+the module (attention, merge, the four writers) stays out of scratch. The archs without an fp8 op refuse qk "fp8" at KernelSpec construction. The
 writer's e4m3 encoder and gfx942's e4m3fn -> e4m3fnuz K remap are cut from the rendered source,
 compiled for the host and checked against ml_dtypes on every code. The sweep over every spec is
 tools/hip_decode_sweep.py."""
@@ -19,22 +19,16 @@ from qattn.check.quant import to_e4m3
 from qattn.engine.compile import resource_remarks
 from qattn.engine.family import HIP_ARCHS
 from qattn.engine.fragments import pv_key_slot
-from qattn.engine.render import entry_name, render
+from qattn.engine.render import entry_name, main_entry_name, render
 from qattn.engine.spec import KernelSpec
 from qattn.formats.decode.recipes import HEAD_DIMS, HIP_QK_ARCHS, PAGE_SIZES, SCALE_MODES
 
-from hip_offline import built, cut_function, host_library, needs_clang, op_count
+from hip_offline import MATRIX_OP, WAVE, built, cut_function, host_library, needs_clang, op_count, query_types
 
 pytestmark = needs_clang
 
-QK_OP = {("fp8", "gfx942"): "v_mfma_f32_16x16x32_fp8_fp8", ("fp8", "gfx1201"): "v_wmma_f32_16x16x16_fp8_fp8",
-         ("int8", "gfx90a"): "v_mfma_i32_16x16x16i8", ("int8", "gfx942"): "v_mfma_i32_16x16x32_i8",
-         ("int8", "gfx1100"): "v_wmma_i32_16x16x16_iu8", ("int8", "gfx1201"): "v_wmma_i32_16x16x16_iu8"}
-F16_OP = {"gfx90a": "v_mfma_f32_16x16x16f16", "gfx942": "v_mfma_f32_16x16x16_f16",
-          "gfx1100": "v_wmma_f32_16x16x16_f16", "gfx1201": "v_wmma_f32_16x16x16_f16"}
-WAVE = {"gfx90a": 64, "gfx942": 64, "gfx1100": 32, "gfx1201": 32}
 WRITERS = [f"_write_{t}_{s}" for t in ("f16", "bf16") for s in ("i32", "i64")]
-FORMATS = {"fp8": ("e4m3-e4m3", "e4m3-f16"), "int8": ("i8-i8", "i8-f16")}
+FORMATS = {"fp8": ("e4m3-e4m3", "e4m3-f16", "e4m3-bf16"), "int8": ("i8-i8", "i8-f16", "i8-bf16")}
 
 
 def _spec(fmt, arch, d=128, page=16, scale="token", qk=None) -> KernelSpec:
@@ -97,6 +91,40 @@ def test_cuda_family_takes_no_arch_refusal():
 
 # ---- compiled code ------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("arch", HIP_ARCHS)
+@pytest.mark.parametrize("fmt", ["e4m3-e4m3", "i8-f16", "f16-e4m3", "f16-f16", "bf16-bf16", "e4m3-bf16", "bf16-i8"])
+def test_hip_decode_compiles_to_16bit_matrix_ops(fmt, arch):
+    """The transform path on AMD: 8-bit codes widened in LDS to the queries' type, both products on the
+    target's MFMA / WMMA of that type (fp16 or bf16), an entry per query type the format takes, nothing
+    in scratch. Offline (clang-19); running it needs ROCm."""
+    spec = _spec(fmt, arch)
+    source = render(spec)
+    assert "mma.sync" not in source and "cp.async" not in source
+    binary, funcs = built(spec)
+    remarks = resource_remarks(binary.log)
+    types = query_types(fmt)
+    assert main_entry_name(spec) == entry_name(spec) + "_" + types[0]
+    for t in ("f16", "bf16"):
+        name = entry_name(spec) + "_" + t
+        assert (name in funcs) == (t in types), (t, sorted(funcs))
+        if t not in types:
+            continue
+        own, other = (op_count(MATRIX_OP[kind, arch], funcs[name]) for kind in (t, "bf16" if t == "f16" else "f16"))
+        assert own >= 2 * 128 // 16 and other == 0, (t, own, other)  # S^T and O^T: an op per 16 channels of each
+        assert ("v_wmma" if arch.startswith("gfx9") else "v_mfma") not in funcs[name]
+        for entry in (name, entry_name(spec) + "_merge_" + t):
+            assert remarks[entry]["ScratchSize"] == 0 and remarks[entry]["VGPRs Spill"] == 0, (entry, remarks[entry])
+
+
+def test_hip_decode_takes_both_query_types():
+    for fmt in ("bf16-e4m3", "e4m3-e4m3", "f16-f16"):
+        assert qattn.recipe(fmt, "decode").family("hip").values["query_types"] == \
+            tuple("bf16" if t == "bfloat16" else "f16" for t in qattn.recipe(fmt, "decode").input_dtypes)
+    assert qattn.recipe("e4m3-e4m3", "decode").family("hip").values["query_types"] == ("f16", "bf16")
+    with pytest.raises(ValueError, match="HIP decode kernel runs m32n32w2s1 only"):
+        KernelSpec(kind="decode", recipe="e4m3-e4m3", backend="hip", arch="gfx942", tile=qattn.Tile(32, 64, 2, 1))
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
 def test_8bit_qk_compiles_to_8bit_matrix_ops(spec):
     source = render(spec)
@@ -104,23 +132,27 @@ def test_8bit_qk_compiles_to_8bit_matrix_ops(spec):
     binary, funcs = built(spec)
     qk = dict(spec.options)["qk"]
     name = entry_name(spec)
-    main = funcs[name + "_f16"]
+    types = query_types(spec.recipe)
     mt, nt, dt = WAVE[spec.arch] // 32, spec.tile.block_n // 16, spec.head_dim // 16
-    qk_ops, f16_ops = op_count(QK_OP[qk, spec.arch], main), op_count(F16_OP[spec.arch], main)
-    # S^T: the 8-bit op for every (query tile, key tile) of a k step (the channel loop stays rolled);
-    # the fp16 op for PV alone: one per (query tile, key tile, 16 channels).
-    assert qk_ops >= mt * nt and qk_ops % (mt * nt) == 0, (qk_ops, mt * nt)
-    assert f16_ops == mt * nt * dt, (f16_ops, mt * nt * dt)
+    for t in types:
+        main = funcs[name + "_" + t]
+        qk_ops, pv_ops = op_count(MATRIX_OP[qk, spec.arch], main), op_count(MATRIX_OP[t, spec.arch], main)
+        # S^T: the 8-bit op for every (query tile, key tile) of a k step (the channel loop stays rolled);
+        # the query type's 16-bit op for PV alone: one per (query tile, key tile, 16 channels).
+        assert qk_ops >= mt * nt and qk_ops % (mt * nt) == 0, (t, qk_ops, mt * nt)
+        assert pv_ops == mt * nt * dt, (t, pv_ops, mt * nt * dt)
+        others = [op for (path, arch), op in MATRIX_OP.items() if arch == spec.arch and path not in (qk, t)]
+        assert not any(op_count(op, main) for op in others), t
+        assert "v_div_fixup_f32" in main  # s_q and q / s_q: IEEE division
+        if qk == "fp8":
+            assert "v_cvt_pk_fp8_f32" in main  # Q's codes on the target's converter
     assert ("v_wmma" if spec.arch.startswith("gfx9") else "v_mfma") not in "".join(funcs.values())
-    others = [op for (path, arch), op in QK_OP.items() if arch == spec.arch and path != qk]
-    assert not any(op_count(op, main) for op in others)
-    assert "v_div_fixup_f32" in main  # s_q and q / s_q: IEEE division
-    if qk == "fp8":
-        assert "v_cvt_pk_fp8_f32" in main  # Q's codes on the target's converter
-    for suffix in ["_f16", "_merge_f16", *WRITERS]:
-        assert name + suffix in funcs, (name + suffix, sorted(funcs))
+    entries = [s for t in types for s in (f"_{t}", f"_merge_{t}")] + WRITERS
+    for t in ("f16", "bf16"):  # an entry for each query type the format takes, and none for another
+        assert (name + "_" + t in funcs) == (name + "_merge_" + t in funcs) == (t in types), (t, sorted(funcs))
+    assert all(name + s in funcs for s in WRITERS)
     remarks = resource_remarks(binary.log)
-    for entry in [name + s for s in ["_f16", "_merge_f16", *WRITERS]]:
+    for entry in [name + s for s in entries]:
         r = remarks[entry]
         # (SGPR spills, which the transform path has too, go to VGPR lanes, not to scratch)
         assert r["ScratchSize"] == 0 and r["VGPRs Spill"] == 0, (entry, r)
@@ -129,7 +161,8 @@ def test_8bit_qk_compiles_to_8bit_matrix_ops(spec):
 
 @pytest.mark.parametrize("fmt, arch, d, scale", [("f16-f16", "gfx90a", 64, "token"), ("f16-e4m3", "gfx942", 256, "head"),
                                                  ("f16-i8", "gfx1100", 128, "token"),
-                                                 ("e4m3-e4m3", "gfx1201", 128, "head")])
+                                                 ("e4m3-e4m3", "gfx1201", 128, "head"),
+                                                 ("bf16-e4m3", "gfx90a", 128, "head")])
 def test_writer_entries_on_every_format_kind(fmt, arch, d, scale):
     """The transform-path modules carry the writer too; it encodes e4m3 in integer arithmetic (no fp8
     converter: gfx942's writes fnuz, gfx90a's and gfx11's do not exist) and runs no matrix op."""

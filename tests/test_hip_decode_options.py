@@ -19,17 +19,11 @@ from qattn.engine.spec import KernelSpec
 from qattn.formats.decode.quant import mean_terms, mean_values
 from qattn.formats.decode.recipes import HEAD_DIMS, HIP_QK_ARCHS, PAGE_SIZES, SCALE_MODES, qk_paths
 
-from hip_offline import built, cut_function, host_library, needs_clang, op_count
+from hip_offline import MATRIX_OP, WAVE, built, cut_function, host_library, needs_clang, op_count, query_types
 
 pytestmark = needs_clang
 
-OPS = {("transform", "gfx90a"): "v_mfma_f32_16x16x16f16", ("transform", "gfx942"): "v_mfma_f32_16x16x16_f16",
-       ("transform", "gfx1100"): "v_wmma_f32_16x16x16_f16", ("transform", "gfx1201"): "v_wmma_f32_16x16x16_f16",
-       ("fp8", "gfx942"): "v_mfma_f32_16x16x32_fp8_fp8", ("fp8", "gfx1201"): "v_wmma_f32_16x16x16_fp8_fp8",
-       ("int8", "gfx90a"): "v_mfma_i32_16x16x16i8", ("int8", "gfx942"): "v_mfma_i32_16x16x32_i8",
-       ("int8", "gfx1100"): "v_wmma_i32_16x16x16_iu8", ("int8", "gfx1201"): "v_wmma_i32_16x16x16_iu8"}
-WAVE = {"gfx90a": 64, "gfx942": 64, "gfx1100": 32, "gfx1201": 32}
-ENTRIES = ["_f16", "_merge_f16"] + [f"_write_{t}_{s}" for t in ("f16", "bf16") for s in ("i32", "i64")]
+WRITERS = [f"_write_{t}_{s}" for t in ("f16", "bf16") for s in ("i32", "i64")]
 FORMATS = ("e4m3-e4m3", "e4m3-f16", "i8-i8", "i8-f16")
 MEAN, BALANCE = {"k_mean": "page"}, {"k_balance": "on"}
 
@@ -87,24 +81,29 @@ def test_option_kernels_compile_to_their_matrix_ops(spec):
     assert ("plus_mean(x, mean_log2" in source) == mean and ("less_mean(kf" in source) == mean
     binary, funcs = built(spec)
     name = entry_name(spec)
-    main = funcs[name + "_f16"]
     mt, nt, dt = WAVE[spec.arch] // 32, spec.tile.block_n // 16, spec.head_dim // 16
-    qk_ops, f16_ops = op_count(OPS[qk, spec.arch], main), op_count(OPS["transform", spec.arch], main)
-    # S^T on the path's op (its channel loop rolled), PV on the fp16 op; q·μ_page on no matrix op
-    assert qk_ops >= mt * nt and qk_ops % (mt * nt) == 0, (qk_ops, mt * nt)
-    if qk != "transform":
-        assert f16_ops == mt * nt * dt, (f16_ops, mt * nt * dt)
-    else:
-        assert f16_ops >= mt * nt * (dt + 1) and (f16_ops - mt * nt * dt) % (mt * nt) == 0, f16_ops
+    types = query_types(spec.recipe)
+    for t in types:
+        main = funcs[name + "_" + t]
+        qk_ops = op_count(MATRIX_OP[t if qk == "transform" else qk, spec.arch], main)
+        pv_ops = op_count(MATRIX_OP[t, spec.arch], main)
+        # S^T on the path's op (its channel loop rolled), PV on the query type's 16-bit op; q·μ_page on no matrix op
+        assert qk_ops >= mt * nt and qk_ops % (mt * nt) == 0, (t, qk_ops, mt * nt)
+        if qk != "transform":
+            assert pv_ops == mt * nt * dt, (t, pv_ops, mt * nt * dt)
+        else:
+            assert pv_ops >= mt * nt * (dt + 1) and (pv_ops - mt * nt * dt) % (mt * nt) == 0, (t, pv_ops)
+        others = [op for (kind, arch), op in MATRIX_OP.items() if arch == spec.arch and kind not in (qk, t)]
+        assert not any(op_count(op, main) for op in others), t
+        assert not re.search(r"atomic|ds_add", main)
     assert ("v_wmma" if spec.arch.startswith("gfx9") else "v_mfma") not in "".join(funcs.values())
-    assert not re.search(r"atomic|ds_add", main)
     remarks = resource_remarks(binary.log)
-    for suffix in ENTRIES:
+    for suffix in [s for t in types for s in (f"_{t}", f"_merge_{t}")] + WRITERS:
         r = remarks[name + suffix]
         # (SGPR spills go to VGPR lanes, not to scratch)
         assert r["ScratchSize"] == 0 and r["VGPRs Spill"] == 0, (suffix, r)
         assert 0 < r["VGPRs"] <= 256, (suffix, r)
-    for suffix in ENTRIES[2:]:
+    for suffix in WRITERS:
         writer = funcs[name + suffix]
         assert not re.search(r"v_(mfma|wmma)", writer)
         # page means: the block's sums by LDS atomics, then into the running sums by global ones

@@ -206,8 +206,8 @@ def family(fmt: str) -> Family:
     )
 
 
-# ---- HIP (MFMA on CDNA, WMMA on RDNA), fp16 queries: the transform path onto the fp16 matrix ops, and the
-# 8-bit QK paths onto the fp8 / int8 ones where the target has them --------------------------------------
+# ---- HIP (MFMA on CDNA, WMMA on RDNA), fp16 or bf16 queries: the transform path onto the 16-bit matrix ops of
+# the queries' type, and the 8-bit QK paths onto the fp8 / int8 ones where the target has them -------------
 HIP_TEMPLATE = "hip/decode_paged.hip.j2"
 HIP_TILE = Tile(32, 32, 2, 1)  # 32 packed rows: two 32-lane warps (one wave64 on CDNA), 32 keys a tile
 # The archs with each 8-bit QK path's matrix op: fp8 MFMA on CDNA3, fp8 WMMA on RDNA4 (none on CDNA2 or
@@ -216,7 +216,7 @@ HIP_QK_ARCHS = {"fp8": ("gfx942", "gfx1201"), "int8": HIP_ARCHS}
 
 
 def _hip_lds(tile: Tile, d: int) -> int:
-    """Static LDS: Q rows, the K tile, V^T and the token scales, fp16 rows padded by 8 elements (the
+    """Static LDS: Q rows, the K tile, V^T and the token scales, 16-bit rows padded by 8 elements (the
     transform path's; the 8-bit paths hold Q and K as bytes, in less)."""
     return 2 * (tile.block_m * (d + 8) + tile.block_n * (d + 8) + d * (tile.block_n + 8)) + 8 * tile.block_n
 
@@ -245,13 +245,12 @@ def _hip_qk_problem(fmt: str):
     return problem
 
 
-def hip_family(fmt: str) -> Family | None:
-    """The HIP decode family of a format with fp16 queries (the HIP matrix ops take fp16), else None;
-    a spec picks its page size, scale granularity and, for an 8-bit K, the QK path its arch has, page
-    means and channel balancing."""
-    if "bf16" in sides(fmt):
-        return None
+def hip_family(fmt: str) -> Family:
+    """The HIP decode family of a format: a spec picks its page size, scale granularity and, for an 8-bit
+    K, the QK path its arch has, page means and channel balancing. Its module has an attention and a merge
+    entry for each query type the format takes (_f16, _bf16)."""
     k, v = sides(fmt)
+    query_types = tuple("bf16" if dtype == "bfloat16" else "f16" for dtype in query_dtypes(fmt))
     return Family(
         template=HIP_TEMPLATE,
         head_dims=HEAD_DIMS,
@@ -260,9 +259,9 @@ def hip_family(fmt: str) -> Family | None:
         smem_bytes=lambda tile, d: 0,  # static LDS (checked against the target by tile_problem)
         archs=HIP_ARCHS,
         launcher=LAUNCHER,
-        main_entry="_f16",
+        main_entry=f"_{query_types[0]}",
         values={"k_code": "16" if k in HALF else k, "v_code": "16" if v in HALF else v, "qk": "transform",
-                "k_mean": "off", "k_balance": "off", "k_rope": "off"},
+                "k_mean": "off", "k_balance": "off", "k_rope": "off", "query_types": query_types},
         options=_options(fmt),
         option_problem=_hip_qk_problem(fmt),
     )
@@ -305,5 +304,5 @@ def tolerance(fmt: str, qk: str = "transform") -> Tolerance:
 
 RECIPES = tuple(
     Recipe(fmt, _summary(fmt), query_dtypes(fmt), _TOLERANCE[query_dtypes(fmt)[0]],
-           {"cuda": family(fmt), **({"hip": hip_family(fmt)} if hip_family(fmt) else {})}, kind="decode")
+           {"cuda": family(fmt), "hip": hip_family(fmt)}, kind="decode")
     for fmt in FORMATS)

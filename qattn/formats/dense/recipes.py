@@ -165,7 +165,7 @@ CUDA_SIMT = Family(
 )
 
 
-# ---- HIP matrix-core prefill (MFMA on CDNA, WMMA on RDNA); 16 query rows per 32 lanes ------
+# ---- HIP matrix-core prefill (MFMA on CDNA, WMMA on RDNA; fp16 or bf16); 16 query rows per 32 lanes
 # `warps` counts 32-lane warps on every target, so a tile is the same work and the same block of
 # 32*warps threads everywhere: on RDNA (wave32) each wave owns 16 query rows; on CDNA (wave64)
 # each wave is two warps and owns 32 rows. Q and K sit row-major in LDS, V transposed.
@@ -199,7 +199,8 @@ RECIPES = (
            Tolerance(max_rel=2e-2, rel_l2=2e-3), {"cuda": CUDA_MMA, "hip": HIP_MATRIX}, {"mma": "f16", "cvt": "f16x2"},
            {("cuda", "sm_90a"): (CUDA_MMA, CUDA_WGMMA)}),
     Recipe("bf16", "bf16 Q/K/V, fp32 accumulation, P rounded to bf16 (tensor cores)", ("bfloat16",),
-           Tolerance(max_rel=1e-1, rel_l2=1e-2), {"cuda": CUDA_MMA}, {"mma": "bf16", "cvt": "bf16x2"},
+           Tolerance(max_rel=1e-1, rel_l2=1e-2), {"cuda": CUDA_MMA, "hip": HIP_MATRIX},
+           {"mma": "bf16", "cvt": "bf16x2"},
            {("cuda", "sm_90a"): (CUDA_MMA, CUDA_WGMMA)}),
     Recipe("f32", "fp32 SIMT FMAs throughout: the noise floor for the exact formats", ("float32",),
            Tolerance(max_rel=1e-5, rel_l2=1e-5), {"cuda": CUDA_SIMT}),
