@@ -10,28 +10,22 @@ import subprocess
 
 import pytest
 
-from qattn.engine.registry import recipe
 from qattn.engine.compile import compile_hip_offline, disassemble, find_tool, functions_by_symbol
+from qattn.engine.inspect import HIP_MATRIX_OPS as MATRIX_OP  # noqa: F401  (the tests' table)
+from qattn.engine.registry import recipe
 from qattn.engine.render import render
 from qattn.engine.spec import KernelSpec
 
 CLANG = find_tool("clang++-19", "clang++-20", "clang++")
 
-# Each operand type's matrix instruction on each target, as llvm-objdump names it.
-MATRIX_OP = {("f16", "gfx90a"): "v_mfma_f32_16x16x16f16", ("f16", "gfx942"): "v_mfma_f32_16x16x16_f16",
-             ("f16", "gfx1100"): "v_wmma_f32_16x16x16_f16", ("f16", "gfx1201"): "v_wmma_f32_16x16x16_f16",
-             ("bf16", "gfx90a"): "v_mfma_f32_16x16x16bf16_1k", ("bf16", "gfx942"): "v_mfma_f32_16x16x16_bf16",
-             ("bf16", "gfx1100"): "v_wmma_f32_16x16x16_bf16", ("bf16", "gfx1201"): "v_wmma_f32_16x16x16_bf16",
-             ("fp8", "gfx942"): "v_mfma_f32_16x16x32_fp8_fp8", ("fp8", "gfx1201"): "v_wmma_f32_16x16x16_fp8_fp8",
-             ("int8", "gfx90a"): "v_mfma_i32_16x16x16i8", ("int8", "gfx942"): "v_mfma_i32_16x16x32_i8",
-             ("int8", "gfx1100"): "v_wmma_i32_16x16x16_iu8", ("int8", "gfx1201"): "v_wmma_i32_16x16x16_iu8"}
+needs_clang = pytest.mark.skipif(CLANG is None, reason="offline HIP compiles need clang-19 (.ci/run installs it)")
+
 WAVE = {"gfx90a": 64, "gfx942": 64, "gfx1100": 32, "gfx1201": 32}
 
 
 def query_types(fmt: str) -> list[str]:
     """The query types of a decode format, as its HIP entries are suffixed (_f16, _bf16)."""
     return ["bf16" if dtype == "bfloat16" else "f16" for dtype in recipe(fmt, "decode").input_dtypes]
-needs_clang = pytest.mark.skipif(CLANG is None, reason="offline HIP compiles need clang-19 (.ci/run installs it)")
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,18 +9,14 @@ from qattn.engine.registry import RECIPES
 from qattn.engine.render import entry_name, render
 from qattn.engine.spec import KernelSpec
 from qattn.engine.tile import Tile
+from qattn.engine.inspect import HIP_MATRIX_OPS
 from qattn.engine.compile import CompileError, compile_hip_offline, disassemble, find_tool
 
 pytestmark = pytest.mark.skipif(find_tool("clang++-19", "clang++-20", "clang++") is None,
                                 reason="offline HIP compiles need clang-19 (.ci/run installs it)")
 
 # The matrix instruction each target must use for the products, by operand type.
-MATRIX_OP = {
-    "f16": {"gfx90a": r"v_mfma_f32_16x16x16f16", "gfx942": r"v_mfma_f32_16x16x16_f16",
-            "gfx1100": r"v_wmma_f32_16x16x16_f16", "gfx1201": r"v_wmma_f32_16x16x16_f16"},
-    "bf16": {"gfx90a": r"v_mfma_f32_16x16x16bf16_1k", "gfx942": r"v_mfma_f32_16x16x16_bf16",
-             "gfx1100": r"v_wmma_f32_16x16x16_bf16", "gfx1201": r"v_wmma_f32_16x16x16_bf16"},
-}
+MATRIX_OP = {t: {arch: op for (kind, arch), op in HIP_MATRIX_OPS.items() if kind == t} for t in ("f16", "bf16")}
 
 SPECS = [KernelSpec("prefill", fmt, d, None, causal, "hip", arch)
          for fmt in MATRIX_OP for arch in MATRIX_OP[fmt] for d in RECIPES[fmt].family("hip").head_dims

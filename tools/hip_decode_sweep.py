@@ -20,19 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from qattn.engine.compile import compile_hip_offline, disassemble, functions_by_symbol, resource_remarks  # noqa: E402
 from qattn.engine.family import HIP_ARCHS  # noqa: E402
+from qattn.engine.inspect import HIP_MATRIX_OPS  # noqa: E402
 from qattn.engine.render import entry_name, render  # noqa: E402
 from qattn.engine.spec import KernelSpec  # noqa: E402
 from qattn.formats.decode.recipes import (FORMATS, HEAD_DIMS, HIP_QK_ARCHS, PAGE_SIZES, SCALE_MODES,  # noqa: E402
                                           hip_family)
 
-# Each operand type's matrix op on each target.
-OPS = {("f16", "gfx90a"): "v_mfma_f32_16x16x16f16", ("f16", "gfx942"): "v_mfma_f32_16x16x16_f16",
-       ("f16", "gfx1100"): "v_wmma_f32_16x16x16_f16", ("f16", "gfx1201"): "v_wmma_f32_16x16x16_f16",
-       ("bf16", "gfx90a"): "v_mfma_f32_16x16x16bf16_1k", ("bf16", "gfx942"): "v_mfma_f32_16x16x16_bf16",
-       ("bf16", "gfx1100"): "v_wmma_f32_16x16x16_bf16", ("bf16", "gfx1201"): "v_wmma_f32_16x16x16_bf16",
-       ("fp8", "gfx942"): "v_mfma_f32_16x16x32_fp8_fp8", ("fp8", "gfx1201"): "v_wmma_f32_16x16x16_fp8_fp8",
-       ("int8", "gfx90a"): "v_mfma_i32_16x16x16i8", ("int8", "gfx942"): "v_mfma_i32_16x16x32_i8",
-       ("int8", "gfx1100"): "v_wmma_i32_16x16x16_iu8", ("int8", "gfx1201"): "v_wmma_i32_16x16x16_iu8"}
 WRITERS = [f"_write_{t}_{s}" for t in ("f16", "bf16") for s in ("i32", "i64")]
 
 
@@ -62,8 +55,8 @@ def check(item):
     types = hip_family(spec.recipe).values["query_types"]
     for t in types:
         main = funcs.get(name + "_" + t, "")
-        qk_ops = len(re.findall(rf"\b{OPS[t if qk == 'transform' else qk, spec.arch]}\b", main))
-        half_ops = len(re.findall(rf"\b{OPS[t, spec.arch]}\b", main))
+        qk_ops = len(re.findall(rf"\b{HIP_MATRIX_OPS[t if qk == 'transform' else qk, spec.arch]}\b", main))
+        half_ops = len(re.findall(rf"\b{HIP_MATRIX_OPS[t, spec.arch]}\b", main))
         if qk != "transform" and (qk_ops == 0 or half_ops != pv):
             problems.append(f"_{t}: {qk} ops {qk_ops}, {t} ops {half_ops} (PV {pv})")
         if qk == "transform" and half_ops < pv + waves * nt:

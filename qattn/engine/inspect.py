@@ -42,6 +42,17 @@ _OPCODE = {
 _MATRIX = {"sass": r"(HMMA|IMMA|HGMMA|IGMMA|QGMMA|QMMA|OMMA)\b", "ptx": r"(mma\.|wgmma\.mma_async|tcgen05\.mma)",
            "amdgpu": r"v_(mfma|smfmac|wmma)"}
 _CONVERT = {"sass": r"(F2F|F2FP|I2F|F2I|I2FP|F2IP)\b", "ptx": r"cvt\.", "amdgpu": r"v_cvt"}
+# The instruction each operand type's 16x16 matrix op of the HIP templates (hip/matrix16.h.j2, matrix8.h.j2)
+# compiles to on each target, as llvm-objdump names it: what the offline checks look for.
+HIP_MATRIX_OPS = {
+    ("f16", "gfx90a"): "v_mfma_f32_16x16x16f16", ("f16", "gfx942"): "v_mfma_f32_16x16x16_f16",
+    ("f16", "gfx1100"): "v_wmma_f32_16x16x16_f16", ("f16", "gfx1201"): "v_wmma_f32_16x16x16_f16",
+    ("bf16", "gfx90a"): "v_mfma_f32_16x16x16bf16_1k", ("bf16", "gfx942"): "v_mfma_f32_16x16x16_bf16",
+    ("bf16", "gfx1100"): "v_wmma_f32_16x16x16_bf16", ("bf16", "gfx1201"): "v_wmma_f32_16x16x16_bf16",
+    ("fp8", "gfx942"): "v_mfma_f32_16x16x32_fp8_fp8", ("fp8", "gfx1201"): "v_wmma_f32_16x16x16_fp8_fp8",
+    ("int8", "gfx90a"): "v_mfma_i32_16x16x16i8", ("int8", "gfx942"): "v_mfma_i32_16x16x32_i8",
+    ("int8", "gfx1100"): "v_wmma_i32_16x16x16_iu8", ("int8", "gfx1201"): "v_wmma_i32_16x16x16_iu8",
+}
 
 
 def count_instructions(text: str, listing: str) -> dict:
