@@ -396,3 +396,18 @@ def test_a_head_dims_option_default_applies_unless_named():
     off = KernelSpec(recipe="f16", head_dim=128, arch="sm_90a", mma="wgmma", options={"pingpong": "off"})
     assert dict(off.options)["pingpong"] == "off" and off.name != d128.name and off.key != d128.key
     assert dict(KernelSpec(recipe="i8-f16", head_dim=128, arch="sm_90a").options)["pingpong"] == "on"
+
+
+def test_rocm_cupy_gets_a_clear_refusal(monkeypatch):
+    """On ROCm's CuPy no CUDA arch is guessed from the device: a spec without an arch says that HIP kernels
+    compile offline only, and names the CUDA archs."""
+    import cupy
+
+    from qattn.engine.spec import device_arch, rocm_runtime
+
+    monkeypatch.setattr(cupy.cuda.runtime, "is_hip", True)
+    assert rocm_runtime() and device_arch() is None
+    with pytest.raises(ValueError, match=r"^arch: no cuda device found to default to \(this CuPy runs on ROCm, .*"
+                                         r"--backend hip`\); name one of sm_80"):
+        KernelSpec(recipe="f16", head_dim=128)
+    assert KernelSpec(recipe="f16", head_dim=128, backend="hip", arch="gfx942").arch == "gfx942"

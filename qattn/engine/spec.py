@@ -13,12 +13,23 @@ from .shape_class import ShapeClass
 from .tile import Tile
 
 
-def device_arch() -> str | None:
-    """The current CUDA device's arch as NVRTC names it (sm_90 -> sm_90a), or None without a GPU."""
+def rocm_runtime() -> bool:
+    """Whether CuPy runs on ROCm (HIP), where qattn renders and compiles HIP kernels but launches none."""
     try:
         import cupy
 
-        if not cupy.cuda.is_available():
+        return bool(cupy.cuda.runtime.is_hip)
+    except Exception:  # no CuPy runtime at all
+        return False
+
+
+def device_arch() -> str | None:
+    """The current CUDA device's arch as NVRTC names it (sm_90 -> sm_90a), or None without an NVIDIA GPU
+    (a ROCm device included: see rocm_runtime)."""
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.is_hip or not cupy.cuda.is_available():
             return None
         major, minor = cupy.cuda.Device().compute_capability[:-1], cupy.cuda.Device().compute_capability[-1]
     except Exception:  # no driver, no device
@@ -55,7 +66,10 @@ class KernelSpec:
         if self.arch is None:
             arch = device_arch() if self.backend == "cuda" else None
             if arch is None:
-                raise ValueError(f"arch: no {self.backend} device found to default to; name one of {', '.join(fam.archs)}")
+                rocm = (" (this CuPy runs on ROCm, where qattn compiles HIP kernels offline but launches none: "
+                        "`qattn compile --backend hip`)") if rocm_runtime() else ""
+                raise ValueError(f"arch: no {self.backend} device found to default to{rocm}; name one of "
+                                 f"{', '.join(fam.archs)}")
             object.__setattr__(self, "arch", arch)
         if self.arch not in fam.archs:
             raise ValueError(f"arch: {self.recipe} on {self.backend} supports {', '.join(fam.archs)}, got {self.arch!r}")
