@@ -985,6 +985,62 @@ def plan_decode(batch, ctx, heads, kv_heads, head_dim, npz, preset, max_rel_l2, 
     console.print(f"chosen: {chosen} ({why}; gate rel_l2 <= {max_rel_l2:g})")
 
 
+@plan.command("prefill")
+@click.option("--batch", type=click.IntRange(min=1), default=4, show_default=True, help="sequences")
+@click.option("--seq", type=click.IntRange(min=1), default=4096, show_default=True, help="tokens per sequence")
+@click.option("--heads", type=click.IntRange(min=1), default=32, show_default=True, help="query heads")
+@click.option("--kv-heads", type=click.IntRange(min=1), default=8, show_default=True, help="kv heads")
+@click.option("--head-dim", type=click.Choice(["64", "128"]), default="128", show_default=True)
+@click.option("--causal/--no-causal", default=False, show_default=True, help="bottom-right aligned causal mask")
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16"]), default="float16", show_default=True,
+              help="the inputs' type: f16 or bf16 is the 16-bit format weighed")
+@click.option("--npz", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="captured q, k, v [B, H, L, D] to measure the errors on (default: --preset)")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="normal", show_default=True,
+              help="qattn.data preset for the errors when no --npz is given")
+@click.option("--max-rel-l2", type=click.FloatRange(min=0, min_open=True), default=5e-2, show_default=True,
+              help="the quality gate: rel_l2 against FP64 (SageAttention2's on N(0,1) is 3.4e-2 to 3.9e-2)")
+@click.option("--measure/--no-measure", default=None,
+              help="time the formats on the local GPU [default: when one is present; else the H200 table]")
+@user_errors
+def plan_prefill(batch, seq, heads, kv_heads, head_dim, causal, dtype, npz, preset, max_rel_l2, measure):
+    """For an operating point, each prefill format of the inputs' type (the 16-bit one, i8-f16, i8-i8 and
+    i8-f8, the int8-QK ones with K smoothing and with Q/K channel balancing too) with its error against
+    FP64 (its CPU emulator on --npz tensors or a preset: the last 256 query rows of up to 4096 keys, up to 8
+    query heads) and its time (a quick run of whole calls on the local GPU, else relative to cuDNN's as
+    measured on the H200), and the one to use: the fastest within --max-rel-l2, the 16-bit format when no
+    timed one is within."""
+    from .check import prefill_plan as planner
+
+    if heads % kv_heads:
+        raise click.BadParameter(f"{heads} is not a multiple of --kv-heads {kv_heads}", param_hint="'--heads'")
+    measure = device_arch() is not None if measure is None else measure
+    if measure and device_arch() is None:
+        raise click.ClickException("plan prefill --measure: no CUDA GPU found")
+    errors = planner.format_errors(dtype=dtype, npz=npz, preset=preset, seq=seq, heads=heads, kv_heads=kv_heads,
+                                   head_dim=int(head_dim), causal=causal)
+    if measure:
+        times = planner.measured_times(list(errors), batch=batch, seq=seq, heads=heads, head_dim=int(head_dim),
+                                       causal=causal)
+        unit, source = "ms", "measured on this GPU"
+    else:
+        times = planner.table_times(errors, head_dim=int(head_dim), causal=causal, seq=seq)
+        unit, source = "x cuDNN's", "relative to cuDNN's as measured on the H200 (BENCHMARKS.md)"
+    chosen, why = planner.choose(errors, times, max_rel_l2, dtype)
+    data = str(npz) if npz else f"preset {preset}"
+    table = _table(f"prefill at batch {batch}, seq {seq}, heads {heads}/{kv_heads}, D {head_dim}, "
+                   f"{'causal' if causal else 'non-causal'}, {dtype}: errors on {data}; times {source}",
+                   "format", "rel_l2 vs FP64", f"time ({unit})", "within gate", "",
+                   right=("rel_l2 vs FP64", f"time ({unit})"))
+    for name, err in errors.items():
+        table.add_row(name, _fmt(err, ".2e"), _fmt(times.get(name), ".3f"), "yes" if err <= max_rel_l2 else "no",
+                      "<- chosen" if name == chosen else "")
+    console = _console()
+    console.print(table)
+    console.print(f"chosen: {chosen} ({why}; gate rel_l2 <= {max_rel_l2:g}): "
+                  f"qattn.attention(q, k, v, {planner.call_of(chosen)}{', causal=True' if causal else ''})")
+
+
 # ---- probe ------------------------------------------------------------------------------------
 
 def _parse_grids(ctx, param, values):

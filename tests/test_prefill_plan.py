@@ -1,0 +1,99 @@
+"""`qattn plan prefill` (qattn.check.prefill_plan): the candidates of each input type, the error estimate's
+heads and rows, the H200 table's lookup, the choice, and the command. CPU only (the emulators)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from qattn.check import prefill_plan as plan
+from qattn.cli import main
+
+
+def test_candidates_by_input_type():
+    names = [c.name for c in plan.candidates("float16")]
+    assert names == ["f16", "i8-f16", "i8-i8", "i8-f8", "i8-f16 +balance", "i8-i8 +balance", "i8-f8 +balance"]
+    assert plan.candidates("bfloat16")[0].name == "bf16"
+    assert plan.call_of("i8-f8 +balance") == 'format="i8-f8", smoothing="mean+balance"'
+    assert plan.call_of("bf16") == 'format="bf16"'
+    with pytest.raises(ValueError, match="^dtype: expected one of float16, bfloat16, got 'float32'"):
+        plan.candidates("float32")
+
+
+@pytest.mark.parametrize("heads, kv_heads, want", [(32, 8, (8, 2)), (32, 32, (8, 8)), (4, 4, (4, 4)),
+                                                   (64, 2, (32, 1)), (8, 1, (8, 1))])
+def test_error_heads_are_whole_groups(heads, kv_heads, want):
+    assert plan.error_heads(heads, kv_heads) == want
+
+
+def test_error_heads_refuse_a_broken_group():
+    with pytest.raises(ValueError, match="^heads: 6 is not a positive multiple of kv_heads 4"):
+        plan.error_heads(6, 4)
+
+
+def test_errors_rank_the_formats_on_normal_data():
+    errors = plan.format_errors(preset="normal", seq=600, heads=4, kv_heads=2, head_dim=64, causal=True, seed=3)
+    assert list(errors) == [c.name for c in plan.candidates("float16")]
+    assert errors["f16"] < 1e-3  # P rounded to fp16 alone
+    assert 3e-3 < errors["i8-f16"] < errors["i8-f8"] < 0.06  # int8 QK; then fp8 PV on top
+    assert all(np.isfinite(list(errors.values())))
+
+
+def test_errors_on_captured_tensors(tmp_path):
+    """An npz's own head layout is used (its first whole groups), its last keys and rows."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((2, 6, 700, 64), dtype=np.float32)
+    k, v = (rng.standard_normal((2, 3, 700, 64), dtype=np.float32) for _ in range(2))
+    path = tmp_path / "qkv.npz"
+    np.savez(path, q=q, k=k, v=v)
+    qs, ks, vs = plan._tensors(path, "normal", 700, 32, 8, 64, 0)
+    assert qs.shape == (1, 6, 256, 64) and ks.shape == vs.shape == (1, 3, 700, 64)
+    np.testing.assert_array_equal(qs[0], q[0, :, -256:])
+    errors = plan.format_errors(dtype="bfloat16", npz=path, seq=700, head_dim=64)
+    assert errors["bf16"] < 2e-2 and "f16" not in errors
+    np.savez(path, q=q, k=k[:, :, :500], v=v[:, :, :500])
+    with pytest.raises(ValueError, match=r"^npz: expected q \[B, Hq, L, D\], k and v \[B, Hkv, L, D\]"):
+        plan.format_errors(npz=path, head_dim=64)
+
+
+def test_table_takes_the_nearest_measured_length():
+    names = [c.name for c in plan.candidates("float16")]
+    at_3000 = plan.table_times(names, head_dim=128, causal=False, seq=3000)  # nearer 4096 than 2048 in log2
+    assert at_3000["i8-f8"] == pytest.approx(1 / 1.08) and at_3000["f16"] == pytest.approx(1 / 0.99)
+    assert at_3000["i8-f8 +balance"] == at_3000["i8-f8"] and "i8-i8" not in at_3000
+    assert plan.table_times(names, head_dim=128, causal=True, seq=100_000)["i8-f8"] == pytest.approx(1 / 1.42)
+    assert plan.table_times(names, head_dim=128, causal=False, seq=1)["f16"] == pytest.approx(1 / 0.97)
+    assert plan.table_times(names, head_dim=96, causal=False, seq=4096) == {}
+    assert "bf16" in plan.table_times(["bf16"], head_dim=64, causal=True, seq=8192)
+
+
+def test_choice():
+    errors = {"f16": 3e-4, "i8-f16": 1.3e-2, "i8-f8": 3.9e-2, "i8-f8 +balance": 3.0e-2}
+    times = {"f16": 0.94, "i8-f16": 0.85, "i8-f8": 0.70, "i8-f8 +balance": 0.72}
+    assert plan.choose(errors, times, 5e-2) == ("i8-f8", "fastest within the gate")
+    assert plan.choose(errors, times, 3.5e-2) == ("i8-f8 +balance", "fastest within the gate")
+    assert plan.choose(errors, times, 2e-2) == ("i8-f16", "fastest within the gate")
+    assert plan.choose(errors, {"i8-f8": 0.7}, 1e-2, "bfloat16") == \
+        ("bf16", "no timed format within the gate: the 16-bit format")
+    assert plan.choose(errors, {}, 1.0) == ("f16", "no speed data for this point: the 16-bit format")
+
+
+def test_plan_prefill_command():
+    result = CliRunner().invoke(main, ["plan", "prefill", "--seq", "32768", "--heads", "8", "--kv-heads", "2",
+                                       "--head-dim", "64", "--causal", "--no-measure"])
+    assert result.exit_code == 0, result.output
+    assert "x cuDNN's" in result.output and "H200" in result.output
+    chosen = [line for line in result.output.splitlines() if line.startswith("chosen: ")]
+    assert len(chosen) == 1 and "qattn.attention(q, k, v, format=" in chosen[0] and chosen[0].endswith("causal=True)")
+    tight = CliRunner().invoke(main, ["plan", "prefill", "--seq", "1024", "--head-dim", "64", "--max-rel-l2", "1e-3",
+                                      "--no-measure"])
+    assert tight.exit_code == 0 and 'chosen: f16 (fastest within the gate; gate rel_l2 <= 0.001): ' \
+        'qattn.attention(q, k, v, format="f16")' in tight.output
+    refused = CliRunner().invoke(main, ["plan", "prefill", "--heads", "6", "--kv-heads", "4", "--no-measure"])
+    assert refused.exit_code == 2 and "--heads" in refused.output
+
+
+def test_plan_prefill_measure_needs_a_gpu(monkeypatch):
+    monkeypatch.setattr("qattn.cli.device_arch", lambda: None)
+    result = CliRunner().invoke(main, ["plan", "prefill", "--measure", "--seq", "256", "--head-dim", "64"])
+    assert result.exit_code == 1 and "no CUDA GPU found" in result.output
