@@ -932,6 +932,15 @@ def plan():
     """Pick a format for an operating point."""
 
 
+def _plan_record(errors: dict, times: dict, unit: str, chosen: str, why: str, gate: float, data: str, point: dict,
+                 **extra) -> dict:
+    """A plan's JSON: the operating point, the data, each candidate's error and time (null where untimed;
+    `unit`: ms, or relative to the table's reference) and the choice."""
+    return {**point, "data": data, "max_rel_l2": gate, "time_unit": unit, "chosen": chosen, "why": why, **extra,
+            "candidates": [{"name": name, "rel_l2": err, "time": times.get(name), "within_gate": err <= gate}
+                           for name, err in errors.items()]}
+
+
 @plan.command("decode")
 @click.option("--batch", type=click.IntRange(min=1), default=8, show_default=True, help="sequences")
 @click.option("--ctx", type=click.IntRange(min=1), default=32768, show_default=True, help="cached tokens per sequence")
@@ -948,8 +957,10 @@ def plan():
 @click.option("--scale", type=click.Choice(("token", "head")), default="token", show_default=True)
 @click.option("--measure/--no-measure", default=None,
               help="time the formats on the local GPU [default: when one is present; else the H200 table]")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, path_type=Path),
+              callback=_json_path, help="also write the candidates and the choice as JSON to FILE")
 @user_errors
-def plan_decode(batch, ctx, heads, kv_heads, head_dim, npz, preset, max_rel_l2, page_size, scale, measure):
+def plan_decode(batch, ctx, heads, kv_heads, head_dim, npz, preset, max_rel_l2, page_size, scale, measure, json_path):
     """For an operating point, each cache format on each QK path (an i8 K also with Q/K channel
     balancing; with the pre-bias residual K where the data has a K bias: an npz's k_bias, the bias
     preset's) with its error against FP64 on
@@ -983,6 +994,10 @@ def plan_decode(batch, ctx, heads, kv_heads, head_dim, npz, preset, max_rel_l2, 
     console = _console()
     console.print(table)
     console.print(f"chosen: {chosen} ({why}; gate rel_l2 <= {max_rel_l2:g})")
+    if json_path:
+        write_json(json_path, _plan_record(errors, times, unit, chosen, why, max_rel_l2, data,
+                                           dict(kind="decode", batch=batch, ctx=ctx, heads=heads, kv_heads=kv_heads,
+                                                head_dim=int(head_dim), page_size=int(page_size), scale=scale)))
 
 
 @plan.command("prefill")
@@ -1002,8 +1017,10 @@ def plan_decode(batch, ctx, heads, kv_heads, head_dim, npz, preset, max_rel_l2, 
               help="the quality gate: rel_l2 against FP64 (SageAttention2's on N(0,1) is 3.4e-2 to 3.9e-2)")
 @click.option("--measure/--no-measure", default=None,
               help="time the formats on the local GPU [default: when one is present; else the H200 table]")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, path_type=Path),
+              callback=_json_path, help="also write the candidates and the choice as JSON to FILE")
 @user_errors
-def plan_prefill(batch, seq, heads, kv_heads, head_dim, causal, dtype, npz, preset, max_rel_l2, measure):
+def plan_prefill(batch, seq, heads, kv_heads, head_dim, causal, dtype, npz, preset, max_rel_l2, measure, json_path):
     """For an operating point, each prefill format of the inputs' type (the 16-bit one, i8-f16, i8-i8 and
     i8-f8, the int8-QK ones with K smoothing and with Q/K channel balancing too) with its error against
     FP64 (its CPU emulator on --npz tensors or a preset: the last 256 query rows of up to 4096 keys, up to 8
@@ -1037,8 +1054,12 @@ def plan_prefill(batch, seq, heads, kv_heads, head_dim, causal, dtype, npz, pres
                       "<- chosen" if name == chosen else "")
     console = _console()
     console.print(table)
-    console.print(f"chosen: {chosen} ({why}; gate rel_l2 <= {max_rel_l2:g}): "
-                  f"qattn.attention(q, k, v, {planner.call_of(chosen)}{', causal=True' if causal else ''})")
+    call = f"qattn.attention(q, k, v, {planner.call_of(chosen)}{', causal=True' if causal else ''})"
+    console.print(f"chosen: {chosen} ({why}; gate rel_l2 <= {max_rel_l2:g}): {call}")
+    if json_path:
+        write_json(json_path, _plan_record(errors, times, unit, chosen, why, max_rel_l2, data,
+                                           dict(kind="prefill", batch=batch, seq=seq, heads=heads, kv_heads=kv_heads,
+                                                head_dim=int(head_dim), causal=causal, dtype=dtype), call=call))
 
 
 # ---- probe ------------------------------------------------------------------------------------

@@ -43,3 +43,24 @@ def test_without_outliers_balancing_changes_nothing_and_the_plain_format_is_chos
     errors = plan.format_errors(npz=_npz(tmp_path, rng, np.ones(64)), heads=HEADS, kv_heads=KV_HEADS, head_dim=64)
     assert errors["i8-i8 +k_balance"] == errors["i8-i8"]  # every alpha is 1
     assert "+k_balance" not in plan.choose(errors, plan.table_times(errors), 0.05)[0]
+
+
+def test_plan_decode_json(tmp_path):
+    """--json writes the point, each candidate's error, time and gate, and the choice the table printed."""
+    import json
+
+    from click.testing import CliRunner
+
+    from qattn.cli import main
+
+    path = tmp_path / "plan.json"
+    result = CliRunner().invoke(main, ["plan", "decode", "--ctx", "1024", "--heads", "8", "--kv-heads", "2",
+                                       "--head-dim", "64", "--no-measure", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    record = json.loads(path.read_text())
+    assert record["kind"] == "decode" and record["ctx"] == 1024 and record["time_unit"] == "x f16-f16"
+    names = [c["name"] for c in record["candidates"]]
+    assert names == [c.name for c in plan.candidates()] and record["chosen"] in names
+    assert f"chosen: {record['chosen']} ({record['why']};" in result.output
+    assert all(c["within_gate"] == (c["rel_l2"] <= record["max_rel_l2"]) for c in record["candidates"])
+    assert next(c for c in record["candidates"] if c["name"] == "f16-f16")["time"] == 1.0

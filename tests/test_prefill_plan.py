@@ -97,3 +97,21 @@ def test_plan_prefill_measure_needs_a_gpu(monkeypatch):
     monkeypatch.setattr("qattn.cli.device_arch", lambda: None)
     result = CliRunner().invoke(main, ["plan", "prefill", "--measure", "--seq", "256", "--head-dim", "64"])
     assert result.exit_code == 1 and "no CUDA GPU found" in result.output
+
+
+def test_plan_prefill_json(tmp_path):
+    import json
+
+    path = tmp_path / "plan.json"
+    result = CliRunner().invoke(main, ["plan", "prefill", "--seq", "2048", "--heads", "8", "--kv-heads", "8",
+                                       "--head-dim", "64", "--dtype", "bfloat16", "--no-measure", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    record = json.loads(path.read_text())
+    assert (record["kind"], record["seq"], record["dtype"], record["time_unit"]) == ("prefill", 2048, "bfloat16",
+                                                                                    "x cuDNN's")
+    assert [c["name"] for c in record["candidates"]] == [c.name for c in plan.candidates("bfloat16")]
+    assert record["call"] in result.output and record["chosen"] == "bf16"
+    times = {c["name"]: c["time"] for c in record["candidates"]}
+    assert times["bf16"] == pytest.approx(1.0) and times["i8-i8"] is None
+    refused = CliRunner().invoke(main, ["plan", "prefill", "--no-measure", "--json", str(tmp_path / "no" / "x.json")])
+    assert refused.exit_code == 2 and "does not exist" in refused.output
