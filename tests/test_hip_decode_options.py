@@ -68,7 +68,9 @@ def test_options_build_on_hip_and_rope_stays_refused():
     with pytest.raises(ValueError, match="^k_rope: the HIP decode kernel and writer keep no post-RoPE bias term"):
         _spec("i8-i8", "gfx942", "int8", {"k_rope": "post"})
     off = render(_spec("e4m3-e4m3", "gfx1201", "fp8", {}))
-    assert not any(word in off for word in ("k_mean", "mean_log2", "mean_sums", "k_unbalance", "alpha", "k_balance"))
+    # (the page-mean pointers stay in the entries' parameters, the CUDA kernel's, unused)
+    assert not any(word in off for word in ("mean_log2", "plus_mean", "less_mean", "encode_snapshot", "block_sums",
+                                            "k_unbalance", "alpha", "k_balance"))
 
 
 @pytest.mark.parametrize("spec", CASES, ids=[s.name for s in CASES])
@@ -156,3 +158,40 @@ def test_mean_subtraction_matches_the_host_model(host_mean):
     host_mean.less(_ptr(got), _ptr(codes), _ptr(scale), ctypes.c_int(rows))
     want = (x - mean_values(codes, scale)).astype(np.float32)  # the product rounded, then subtracted
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def _entry_params(source: str, entry: str) -> list[str]:
+    """The parameter names of one extern "C" entry of a rendered source (through the HIP module's parameter macro)."""
+    m = re.search(r"\b" + re.escape(entry) + r"\((.*?)\)\s*\{", source, re.S)
+    assert m, entry
+    text = m.group(1)
+    if "QATTN_DECODE_PARAMS" in text:
+        text = re.search(r"#define QATTN_DECODE_PARAMS\(T\)(.*?)\n(?!\s)", source, re.S).group(1).replace("\\\n", " ")
+    return [re.findall(r"(\w+)\s*$", part.strip())[0] for part in text.split(",") if part.strip()]
+
+
+@pytest.mark.parametrize("fmt, options", [("e4m3-e4m3", {**MEAN, **BALANCE}), ("i8-i8", MEAN), ("i8-f16", BALANCE),
+                                          ("e4m3-f16", {}), ("f16-f16", None), ("bf16-e4m3", None)])
+def test_entries_take_the_cuda_kernels_arguments(fmt, options):
+    """Each entry of a HIP module (attention, merge, writer) takes the arguments of the CUDA module's entry of the
+    same spec, by name and in order (the bias and page-mean pointers too, null where unused), so that one host
+    launch serves both."""
+    spec_options = {"page_size": 32, "scale_mode": "head", **({} if options is None else {"qk": "transform", **options})}
+    cuda = KernelSpec(kind="decode", recipe=fmt, head_dim=64, backend="cuda", arch="sm_90a", options=spec_options)
+    hip = KernelSpec(kind="decode", recipe=fmt, head_dim=64, backend="hip", arch="gfx1100", options=spec_options)
+    cuda_source, hip_source = render(cuda), render(hip)
+    for t in query_types(fmt):
+        for suffix in (f"_{t}", f"_merge_{t}", f"_write_{t}_i32", f"_write_{t}_i64"):
+            names = _entry_params(hip_source, entry_name(hip) + suffix)
+            assert names == _entry_params(cuda_source, entry_name(cuda) + suffix), suffix
+    assert "k_bias" in _entry_params(hip_source, entry_name(hip) + f"_{query_types(fmt)[0]}")
+
+
+def test_the_pre_bias_residual_k_on_hip():
+    """The writer codes K - b (K's page means those of K - b), and the kernel adds q·b to every score of the row."""
+    source = render(_spec("i8-i8", "gfx942", "int8", MEAN))
+    assert "if (k_bias != nullptr) kf[i] -= k_bias[h * D + first + i];" in source
+    assert source.index("kf[i] -= k_bias") < source.index("mean_term(kf[i])")  # the sums are of K - b
+    assert "* row_factor[mt]) + row_bias[mt];" in source
+    binary, funcs = built(_spec("i8-i8", "gfx942", "int8", MEAN))
+    assert binary.resources["scratch"] == 0
