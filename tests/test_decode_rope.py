@@ -214,8 +214,10 @@ def test_rope_specs_name_and_refuse():
     assert "_krope-post_" in spec.name
     off = KernelSpec(kind="decode", recipe="e4m3-e4m3", arch="sm_90a")
     assert "krope" not in off.name and "rope" not in render(off)
-    with pytest.raises(ValueError, match="^k_rope: the HIP decode kernel and writer keep no post-RoPE bias term"):
-        KernelSpec(kind="decode", recipe="i8-i8", backend="hip", arch="gfx942", options={"k_rope": "post"})
+    hip = KernelSpec(kind="decode", recipe="i8-i8", backend="hip", arch="gfx942", options={"k_rope": "post"})
+    assert "_krope-post_" in hip.name  # post-RoPE keys build on HIP (tests/test_hip_decode_options.py); pre-RoPE not
+    with pytest.raises(ValueError, match="^k_rope: the HIP decode kernel does not turn a pre-RoPE cache's codes"):
+        KernelSpec(kind="decode", recipe="i8-i8", backend="hip", arch="gfx942", options={"k_rope": "pre"})
     assert "_krope-pre_transform_" in KernelSpec(kind="decode", recipe="i8-i8", arch="sm_90a",
                                                  options={"k_rope": "pre", "qk": "transform"}).name
     for options, words in (({"qk": "int8"}, "^qk: the pre-RoPE residual K turns each key's codes on chip"),

@@ -25,7 +25,7 @@ pytestmark = needs_clang
 
 WRITERS = [f"_write_{t}_{s}" for t in ("f16", "bf16") for s in ("i32", "i64")]
 FORMATS = ("e4m3-e4m3", "e4m3-f16", "i8-i8", "i8-f16")
-MEAN, BALANCE = {"k_mean": "page"}, {"k_balance": "on"}
+MEAN, BALANCE, ROPE = {"k_mean": "page"}, {"k_balance": "on"}, {"k_rope": "post"}
 
 
 def _spec(fmt, arch, qk, options, d=128, page=16, scale="token") -> KernelSpec:
@@ -62,11 +62,15 @@ def test_cases_cover_every_target_format_and_path():
     assert {s.head_dim for s in CASES} == set(HEAD_DIMS) and {dict(s.options)["page_size"] for s in CASES} == set(PAGE_SIZES)
 
 
-def test_options_build_on_hip_and_rope_stays_refused():
+def test_options_build_on_hip_and_pre_rope_keys_stay_refused():
     spec = _spec("i8-i8", "gfx942", "int8", {**MEAN, **BALANCE})
     assert "_kmean-page_kbal_int8_gfx942" in spec.name
-    with pytest.raises(ValueError, match="^k_rope: the HIP decode kernel and writer keep no post-RoPE bias term"):
-        _spec("i8-i8", "gfx942", "int8", {"k_rope": "post"})
+    with pytest.raises(ValueError, match="^k_rope: the HIP decode kernel does not turn a pre-RoPE cache's codes on chip"):
+        _spec("i8-i8", "gfx942", "transform", {"k_rope": "pre"})
+    with pytest.raises(ValueError, match=r"^k_rope: the HIP decode kernel's post-RoPE term needs head_dim <= 128 "
+                                         r"\(LDS\), got 256"):
+        _spec("i8-i8", "gfx942", "int8", {"k_rope": "post"}, d=256)
+    assert _spec("e4m3-e4m3", "gfx1201", "fp8", {"k_rope": "post"}).name.endswith("_krope-post_fp8_gfx1201")
     off = render(_spec("e4m3-e4m3", "gfx1201", "fp8", {}))
     # (the page-mean pointers stay in the entries' parameters, the CUDA kernel's, unused)
     assert not any(word in off for word in ("mean_log2", "plus_mean", "less_mean", "encode_snapshot", "block_sums",
@@ -171,7 +175,8 @@ def _entry_params(source: str, entry: str) -> list[str]:
 
 
 @pytest.mark.parametrize("fmt, options", [("e4m3-e4m3", {**MEAN, **BALANCE}), ("i8-i8", MEAN), ("i8-f16", BALANCE),
-                                          ("e4m3-f16", {}), ("f16-f16", None), ("bf16-e4m3", None)])
+                                          ("e4m3-f16", {}), ("f16-f16", None), ("bf16-e4m3", None),
+                                          ("e4m3-e4m3", ROPE), ("i8-bf16", {**ROPE, **BALANCE})])
 def test_entries_take_the_cuda_kernels_arguments(fmt, options):
     """Each entry of a HIP module (attention, merge, writer) takes the arguments of the CUDA module's entry of the
     same spec, by name and in order (the bias and page-mean pointers too, null where unused), so that one host
@@ -195,3 +200,81 @@ def test_the_pre_bias_residual_k_on_hip():
     assert "* row_factor[mt]) + row_bias[mt];" in source
     binary, funcs = built(_spec("i8-i8", "gfx942", "int8", MEAN))
     assert binary.resources["scratch"] == 0
+
+
+# ---- post-RoPE keys ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch, fmt, qk", [("gfx90a", "i8-i8", "int8"), ("gfx942", "e4m3-e4m3", "fp8"),
+                                           ("gfx1100", "e4m3-f16", "transform"), ("gfx1201", "i8-bf16", "int8")])
+def test_post_rope_kernels_add_the_term_on_the_fp16_op(arch, fmt, qk):
+    """q·R_p b per key: two fp16 products (hi, lo terms) per 16 rotary dims and (query tile, key tile), beside
+    the path's QK and the query type's PV; the writer turns the bias by the tokens' positions. No scratch."""
+    spec = _spec(fmt, arch, qk, ROPE, d=128)
+    binary, funcs = built(spec)
+    mt, nt, dt = WAVE[arch] // 32, spec.tile.block_n // 16, spec.head_dim // 16
+    remarks = resource_remarks(binary.log)
+    for t in query_types(fmt):
+        main = funcs[entry_name(spec) + "_" + t]
+        f16_ops = op_count(MATRIX_OP["f16", arch], main)
+        pv = mt * nt * dt if t == "f16" else 0
+        qk_f16 = mt * nt if qk == "transform" and t == "f16" else 0  # (the channel loops stay rolled)
+        assert f16_ops == pv + qk_f16 + 2 * mt * nt, (t, f16_ops)  # the rope loop rolled: one 16-dim step's
+        assert remarks[entry_name(spec) + "_" + t]["ScratchSize"] == 0
+    writer = render(spec)
+    assert "rotated_bias(k_bias + h * D, rope_table + p * rotary_dim" in writer
+    for suffix in WRITERS:
+        assert remarks[entry_name(spec) + suffix]["ScratchSize"] == 0
+
+
+@pytest.fixture(scope="module")
+def host_rope(tmp_path_factory):
+    source = render(_spec("i8-i8", "gfx1100", "int8", ROPE, d=128))
+    parts = [cut_function(source, signature) for signature in (
+        "template <bool BF16>\nQATTN_DEVICE float to_float(u16 x)",
+        "QATTN_DEVICE float rotated_bias(const float* b, const u16* row, int c, int rotary_dim, bool gptj)",
+        "QATTN_DEVICE void rope_term(float qa, float qz, float ba, float bz, float scale_log2, float& u, float& w)")]
+    text = ("#define QATTN_DEVICE static inline\ntypedef unsigned u32;\ntypedef unsigned short u16;\n"
+            "typedef _Float16 f16;\n" + "".join(parts) + """
+extern "C" void bias(const float* b, const u16* table, const long long* positions, int tokens, int d, int rotary_dim,
+                     int gptj, int max_positions, float* out) {
+    for (int t = 0; t < tokens; ++t) {
+        const long long p = positions[t] < 0 ? 0 : (positions[t] > max_positions - 1 ? max_positions - 1 : positions[t]);
+        for (int c = 0; c < d; ++c)
+            out[t * d + c] = c < rotary_dim ? rotated_bias(b, table + p * rotary_dim, c, rotary_dim, gptj != 0) : b[c];
+    }
+}
+extern "C" void terms(const float* x, int n, float scale, float* out) {
+    for (int i = 0; i < n; ++i) rope_term(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3], scale, out[2 * i], out[2 * i + 1]);
+}
+""")
+    # contraction as HIP compiles (fast, honoring pragmas) on a host with FMA
+    return host_library(tmp_path_factory.mktemp("rope"), text, ["-ffp-contract=fast-honor-pragmas", "-march=native"])
+
+
+@pytest.mark.parametrize("style, rotary_dim", [("neox", 128), ("gptj", 64)])
+def test_writer_rotated_bias_matches_the_host_model(host_rope, style, rotary_dim):
+    from qattn.formats.decode.rope import RoPE, rotated_bias
+
+    rng = np.random.default_rng(9)
+    rope = RoPE(theta=1e6, rotary_dim=rotary_dim, style=style).resolved(128, 4096)
+    table = rope.table()
+    b = (rng.standard_normal((1, 128)) * 30).astype(np.float32)
+    positions = np.concatenate([rng.integers(0, 4096, 300), [-3, 0, 4095, 9000]]).astype(np.int64)
+    got = np.zeros((positions.size, 128), np.float32)
+    host_rope.bias(_ptr(b), _ptr(table.view(np.uint16)), _ptr(positions), ctypes.c_int(positions.size), ctypes.c_int(128),
+                   ctypes.c_int(rotary_dim), ctypes.c_int(rope.gptj), ctypes.c_int(rope.max_positions), _ptr(got))
+    want = rotated_bias(b, rope, table, positions)[:, 0]
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_pair_terms_round_each_product(host_rope):
+    """u = fl(fl(fl(q_a b_a) + fl(q_z b_z)) s), w = fl(fl(fl(q_z b_a) - fl(q_a b_z)) s): the CUDA kernel's order."""
+    rng = np.random.default_rng(10)
+    x = (rng.standard_normal((5000, 4)) * [3, 3, 40, 40]).astype(np.float32)
+    scale = np.float32(0.12751743)
+    got = np.zeros((5000, 2), np.float32)
+    host_rope.terms(_ptr(np.ascontiguousarray(x)), ctypes.c_int(5000), ctypes.c_float(scale), _ptr(got))
+    qa, qz, ba, bz = x.T
+    u = ((qa * ba).astype(np.float32) + (qz * bz).astype(np.float32)).astype(np.float32) * scale
+    w = ((qz * ba).astype(np.float32) - (qa * bz).astype(np.float32)).astype(np.float32) * scale
+    np.testing.assert_array_equal(got.view(np.uint32), np.stack([u, w], 1).astype(np.float32).view(np.uint32))

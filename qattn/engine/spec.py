@@ -80,7 +80,7 @@ class KernelSpec:
         object.__setattr__(self, "options", self._checked_options(rec.family(
             self.backend, self.arch, self.mma, self.head_dim)))
         fam = self.family
-        problem = fam.option_problem and fam.option_problem(dict(self.options), self.arch)
+        problem = fam.option_problem and fam.option_problem(dict(self.options), self.arch, self.head_dim)
         if problem:
             raise ValueError(problem)
         if self.tile is None:

@@ -128,7 +128,7 @@ def _options(fmt: str) -> dict:
             **({"k_mean": K_MEANS, "k_balance": K_BALANCES, "k_rope": K_ROPES, "qk": qk_paths(fmt)} if eight else {})}
 
 
-def _pre_rope_problem(options: dict, arch: str) -> str | None:
+def _pre_rope_problem(options: dict, arch: str, head_dim: int) -> str | None:
     """Pre-RoPE keys turn the codes on chip before the 16-bit MMA: the transform path only, and neither
     page means nor balancing (both act on channels that R_p mixes)."""
     if options.get("k_rope") != "pre":
@@ -227,13 +227,22 @@ def _hip_problem(tile: Tile, d: int) -> str | None:
     return smem_problem(_hip_lds(tile, d), "hip")
 
 
+# The most head dim the HIP kernel's post-RoPE term fits at: its query rows' terms take 4 x 32 x D bytes of LDS
+# beside the transform path's tiles, over the 64 KiB at d256.
+HIP_ROPE_HEAD_DIM = 128
+
+
 def _hip_qk_problem(fmt: str):
-    """The HIP family's option rule: an 8-bit QK path only where the target has its matrix op, and no RoPE
-    term (page means and balancing build as on CUDA)."""
-    def problem(options: dict, arch: str) -> str | None:
-        if options.get("k_rope", "off") != "off":
-            return (f"k_rope: the HIP decode kernel and writer keep no post-RoPE bias term (no R_p b); k_rope "
-                    f"{options['k_rope']!r} builds for CUDA, and {fmt} on {arch} takes k_rope 'off'")
+    """The HIP family's option rule: an 8-bit QK path only where the target has its matrix op; post-RoPE keys
+    up to HIP_ROPE_HEAD_DIM, pre-RoPE ones not at all (page means and balancing build as on CUDA)."""
+    def problem(options: dict, arch: str, head_dim: int) -> str | None:
+        rope = options.get("k_rope", "off")
+        if rope == "pre":
+            return (f"k_rope: the HIP decode kernel does not turn a pre-RoPE cache's codes on chip; k_rope 'pre' builds "
+                    f"for CUDA, and {fmt} on {arch} takes k_rope 'off' or 'post'")
+        if rope == "post" and head_dim > HIP_ROPE_HEAD_DIM:
+            return (f"k_rope: the HIP decode kernel's post-RoPE term needs head_dim <= {HIP_ROPE_HEAD_DIM} (LDS), got "
+                    f"{head_dim}; k_rope 'post' builds at d{head_dim} for CUDA")
         qk = options.get("qk", "transform")
         if qk == "transform" or arch in HIP_QK_ARCHS[qk]:
             return None
