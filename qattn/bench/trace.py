@@ -199,7 +199,9 @@ def run_traced(spec, xs: tuple, *, blocks: int = 132, events: int = 4096, **call
         out = cupy.empty_like(xs[0])
         kernel(*xs, out=out, **call)
         size = blocks * ROLES_MAX * events * 2
-        buffer = cupy.ndarray((size,), cupy.uint64, kernel._module.get_global_var("qattn_trace_events"))
+        address = kernel._module.get_global_var("qattn_trace_events")  # the module's array, as a device address
+        memory = cupy.cuda.UnownedMemory(int(address), size * 8, kernel)
+        buffer = cupy.ndarray((size,), cupy.uint64, cupy.cuda.MemoryPointer(memory, 0))
         buffer.fill(0)
         kernel(*xs, out=out, **call)
         cupy.cuda.runtime.deviceSynchronize()
