@@ -885,7 +885,7 @@ def bench_decode(shapes, batches, ctxs, preset, formats, qk_paths, k_terms, head
 
 @bench.command("paged-read")
 @click.option("--format", "-f", "formats", multiple=True, type=click.Choice(list(registry.recipes("decode"))),
-              help="cache format K-V (its K and V^T piece sizes); repeatable [default: e4m3-e4m3, f16-f16]")
+              help="cache format K-V (its K and V piece sizes); repeatable [default: e4m3-e4m3, f16-f16]")
 @click.option("--page-size", "page_sizes", multiple=True, type=click.Choice(["16", "32", "64", "128"]),
               help="tokens per page; repeatable [default: 16, 32, 64, 128]")
 @click.option("--head-dim", "-d", "head_dims", multiple=True, type=click.Choice(["64", "128"]),

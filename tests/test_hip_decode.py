@@ -18,7 +18,6 @@ import qattn
 from qattn.check.quant import to_e4m3
 from qattn.engine.compile import resource_remarks
 from qattn.engine.family import HIP_ARCHS
-from qattn.engine.fragments import pv_key_slot
 from qattn.engine.render import entry_name, main_entry_name, render
 from qattn.engine.spec import KernelSpec
 from qattn.formats.decode.recipes import HEAD_DIMS, HIP_QK_ARCHS, PAGE_SIZES, SCALE_MODES
@@ -184,12 +183,10 @@ def test_writer_entries_on_every_format_kind(fmt, arch, d, scale):
 def host_encoders(tmp_path_factory):
     source = render(_spec("e4m3-e4m3", "gfx942", qk="fp8"))
     parts = [cut_function(source, signature) for signature in ("QATTN_DEVICE u32 e4m3fn_code(float y)",
-                                                                "QATTN_DEVICE u32 k_codes(u32 w)",
-                                                                "QATTN_DEVICE int group_slot(int k)")]
+                                                                "QATTN_DEVICE u32 k_codes(u32 w)")]
     text = ("#define QATTN_DEVICE static inline\ntypedef unsigned u32;\n" + "".join(parts) + """
 extern "C" void encode(const float* y, u32* out, int n) { for (int i = 0; i < n; ++i) out[i] = e4m3fn_code(y[i]); }
 extern "C" void remap(const u32* w, u32* out, int n) { for (int i = 0; i < n; ++i) out[i] = k_codes(w[i]); }
-extern "C" int slot(int k) { return group_slot(k); }
 """)
     # __gfx942__ selects the fnuz remap, as on the target; -O2 without fast-math keeps IEEE rounding
     return host_library(tmp_path_factory.mktemp("encoders"), text, ["-D__gfx942__=1"])
@@ -233,6 +230,3 @@ def test_gfx942_k_remap_reads_half_the_ocp_value(host_encoders):
     ok = ~np.isnan(fn)
     np.testing.assert_array_equal(fnuz[ok], fn[ok] / 2)  # the product of two: 1/4, PRODUCT_UNIT puts it back
 
-
-def test_group_slot_is_the_cache_layout(host_encoders):
-    assert [host_encoders.slot(k) for k in range(16)] == list(pv_key_slot(np.arange(16)))

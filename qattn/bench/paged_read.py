@@ -4,7 +4,7 @@ below it is held back by its own work, not by the memory system; it is a referen
 bound (a decode kernel's copies can beat it by a few percent).
 
 The pools are laid out as PagedKVCache lays them out: a (page, kv head) holds one contiguous K piece
-(page_size rows) and one contiguous V^T piece, kv heads adjacent within a page. Blocks come in
+(page_size rows) and one contiguous V piece, kv heads adjacent within a page. Blocks come in
 groups of kv_heads, one block per kv head, each group over its own share of the pages in shuffled
 order, so that the blocks of a page's kv heads stream side by side as the decode kernel's splits do.
 Each block copies STAGE_BYTES a step into a ring of shared memory with 16-byte cp.async copies that
@@ -81,7 +81,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) paged_read(const unsig
 
 
 def piece_bytes(fmt: str, page_size: int, head_dim: int) -> tuple[int, int]:
-    """Bytes of one (page, kv head)'s K piece and V^T piece in a cache of format K-V."""
+    """Bytes of one (page, kv head)'s K piece and V piece in a cache of format K-V."""
     return tuple(page_size * head_dim * (1 if side in EIGHT_BIT else 2) for side in sides(fmt))
 
 

@@ -1,12 +1,11 @@
-"""Fragment layouts of mma.sync m16n8 operands that the kernels store data in (8-bit PV and paged V^T key
-orders), written once for the code that stores them and the tests that model them.
+"""Fragment layouts of mma.sync m16n8 operands that the kernels store data in (the 8-bit PV's key order),
+written once for the code that stores them and the tests that model them.
 
 In an ``mma.sync m16n8k32`` with 8-bit operands, the A register a0 of lane (g, t) holds k slots
 4t..4t+3 of row g, but the S accumulator it is packed from gives that lane keys 2t, 2t+1 of each
 8-key n-tile. Packing two n-tiles' pairs into one register makes slot s of every 16-key group
 stand for key ``pv_slot_key(s)``; V must be presented (transposed, k contiguous) in that order.
-The same order serves an m16n8k16 PV on 16-bit operands whose lane loads its four keys (slots 2t,
-2t + 1, 2t + 8, 2t + 9) from one 4-slot run of a transposed V. Both functions take ints or NumPy integer arrays.
+Both functions take ints or NumPy integer arrays.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """A paged K-V cache on the GPU (DESIGN §2 "FP8/INT8 KV-cache decode") and its one-launch writer.
 
 K and V are each stored 16-bit (f16 / bf16) or 8-bit (e4m3 / i8) in pages of page_size tokens, in
-the layouts the decode kernel reads (K rows per token; V transposed per page in blocks of 4 slots,
-decode.layout); 8-bit sides carry one fp32 scale per (token, kv head)
+the layout the decode kernel reads (K and V rows per token, [page][kv head][token][D]); 8-bit sides
+carry one fp32 scale per (token, kv head)
 (scale="token", dynamic) or one per kv head (scale="head", static: given, or calibrated from the first
 write). ``write(k, v, slots)`` quantizes and scatters new tokens (slot = page * page_size + offset,
 vLLM's slot mapping; negative slots are padding) in one kernel launch::
@@ -62,7 +62,6 @@ import numpy as np
 from ...engine.arrays import as_device_array, launch_stream
 from ...engine.memory import capturing
 from ...engine.packed import NULL, PackedLaunch, Pointer
-from . import layout
 from .quant import QMAX, HostPagedCache, balance_factors, balance_inverse, checked_balance, checked_layout
 from .quant import PageMeans, mean_record, mean_terms, mean_values
 from .rope import RoPE, constant_bias, rotated_bias
@@ -167,10 +166,9 @@ class PagedKVCache:
         self.k_dtype, self.v_dtype = k, v
         with cupy.cuda.Device(_cuda_device(device)) as dev:
             self.device = dev.id
-            shape = (self.num_pages, self.kv_heads, self.page_size, self.head_dim)
-            self.k_pool = cupy.zeros(shape[:3] + (self.head_dim * (2 if k in HALF else 1),), dtype=cupy.uint8)
-            self.v_pool = cupy.zeros(layout.pool_shape(self.num_pages, self.kv_heads, self.page_size, self.head_dim,
-                                                       2 if v in HALF else 1), dtype=cupy.uint8)
+            rows = (self.num_pages, self.kv_heads, self.page_size)
+            self.k_pool = cupy.zeros(rows + (self.head_dim * (2 if k in HALF else 1),), dtype=cupy.uint8)
+            self.v_pool = cupy.zeros(rows + (self.head_dim * (2 if v in HALF else 1),), dtype=cupy.uint8)
             self.k_scale = self._scale_buffer(k, k_scale, "k_scale")
             self.v_scale = self._scale_buffer(v, v_scale, "v_scale")
             self.k_bias = self._bias_buffer(k_bias)
@@ -434,7 +432,7 @@ class PagedKVCache:
 
         from ...check.quant import E4M3
 
-        def values(raw, side, transposed):
+        def values(raw, side):
             raw = cupy.asnumpy(raw)
             if side in HALF:
                 data = raw.view(np.uint16)
@@ -442,8 +440,6 @@ class PagedKVCache:
                     data.view(np.float16).astype(np.float32)
             else:
                 values = raw.view(E4M3 if side == "e4m3" else np.int8).astype(np.float32)
-            if transposed:  # [P, H, page / 4, D, 4] V^T blocks -> [P, H, page, D] in token order
-                values = layout.tokens(values)
             return np.ascontiguousarray(values)
 
         def scales(buffer):
@@ -454,7 +450,7 @@ class PagedKVCache:
             sums = cupy.asnumpy(self.mean_sums[:-1]).reshape(self.kv_heads, self.head_dim + 1)
             means = PageMeans(cupy.asnumpy(self.mean_codes), cupy.asnumpy(self.mean_scale), sums[:, :-1].copy(),
                               sums[:, -1].copy(), self._mean_seeded)
-        return HostPagedCache(self.format, self.page_size, values(self.k_pool, self.k_dtype, False),
-                              values(self.v_pool, self.v_dtype, True), scales(self.k_scale), scales(self.v_scale),
+        return HostPagedCache(self.format, self.page_size, values(self.k_pool, self.k_dtype),
+                              values(self.v_pool, self.v_dtype), scales(self.k_scale), scales(self.v_scale),
                               scales(self.k_bias), means, scales(self.k_balance), self.rope,
                               None if self.rope is None else cupy.asnumpy(self.rope_table), self.k_bias_layout)

@@ -88,12 +88,13 @@ def query_dtypes(fmt: str) -> tuple[str, ...]:
 
 
 def stage_bytes(fmt: str, tile: Tile, d: int) -> int:
-    """One pipeline slot: K rows, V^T channel rows and the 8-bit sides' token scales."""
+    """One pipeline slot: K rows, V rows and the 8-bit sides' token scales."""
     k, v = sides(fmt)
     kb, vb = (2 if side in HALF else 1 for side in (k, v))
-    padded = kb == 2 and 32 * tile.warps // (d * kb // 16) < 4  # 16-bit rows as the template's K_PITCH
-    k_tile = tile.block_n * (d * kb + (32 if padded else 0))
-    v_tile = d * tile.block_n * vb
+    k_padded = kb == 2 and 32 * tile.warps // (d * kb // 16) < 4  # as the template's K_PITCH
+    v_padded = 32 * tile.warps // (d * vb // 16) < 4  # as its V_PITCH
+    k_tile = tile.block_n * (d * kb + (32 if k_padded else 0))
+    v_tile = tile.block_n * (d * vb + (16 if v_padded else 0))
     return k_tile + v_tile + 4 * tile.block_n * sum(side in EIGHT_BIT for side in (k, v))
 
 
@@ -147,7 +148,7 @@ def _pre_rope_problem(options: dict, arch: str, head_dim: int) -> str | None:
 # on two slots (a smaller block in flight, more blocks per SM), on the pages of TWO_WARP_PAGES; on longer pages a
 # two-warp step reads part of a page and four warps are faster. K8/V8 on the transform path takes four warps on
 # pages of 16 and 32 at D128 (16: the same for e4m3, 2% for int8; 32: 0.98-0.99x the time of two warps on three
-# slots since V^T is kept in blocks of 4 slots) and two warps on three slots at D64 (15-17% faster:
+# slots) and two warps on three slots at D64 (15-17% faster:
 # TWO_WARP_PAGES_AT). The 8-bit QK paths keep four warps, whose wgmma takes a warpgroup.
 WGMMA_QK = {"sm_90a": ("fp8", "int8")}
 SM90_TILES = {(16, 16): Tile(MAX_ROWS, 32, 2, 2), (16, 8): Tile(MAX_ROWS, 32, 2, 2), (8, 16): Tile(MAX_ROWS, 32, 2, 2),
@@ -216,8 +217,8 @@ HIP_QK_ARCHS = {"fp8": ("gfx942", "gfx1201"), "int8": HIP_ARCHS}
 
 
 def _hip_lds(tile: Tile, d: int) -> int:
-    """Static LDS: Q rows, the K tile, V^T and the token scales, 16-bit rows padded by 8 elements (the
-    transform path's; the 8-bit paths hold Q and K as bytes, in less)."""
+    """Static LDS: Q rows, the K tile, V^T (transposed from the pool's rows) and the token scales, 16-bit rows
+    padded by 8 elements (the transform path's; the 8-bit paths hold Q and K as bytes, in less)."""
     return 2 * (tile.block_m * (d + 8) + tile.block_n * (d + 8) + d * (tile.block_n + 8)) + 8 * tile.block_n
 
 
