@@ -278,3 +278,10 @@ def test_pair_terms_round_each_product(host_rope):
     u = ((qa * ba).astype(np.float32) + (qz * bz).astype(np.float32)).astype(np.float32) * scale
     w = ((qz * ba).astype(np.float32) - (qa * bz).astype(np.float32)).astype(np.float32) * scale
     np.testing.assert_array_equal(got.view(np.uint32), np.stack([u, w], 1).astype(np.float32).view(np.uint32))
+def test_writer_zeroes_its_block_sums_before_any_group_adds():
+    """The page-mean writer's LDS sums are zeroed, then a barrier, then the groups' atomics (a group that ran
+    ahead would otherwise add onto sums another thread has not zeroed yet)."""
+    source = render(_spec("i8-i8", "gfx1100", "transform", MEAN))
+    body = source[source.index("QATTN_DEVICE void write_body("):]
+    zero, add = body.index("block_sums[i] = 0ull"), body.index("__hip_atomic_fetch_add(block_sums")
+    assert "block_sync();" in body[zero:add]
