@@ -34,6 +34,15 @@ def test_idle_stretches_are_the_issue_queue_running_dry():
     assert result["late_bursts"] == 1  # wg1 saw its S land at 150, before the queue could finish it at 210
 
 
+def test_a_burst_of_both_products_is_late_only_if_its_first_lands_early():
+    """S issued with PV lands once S is done, before the PV: that is on time; landing before S could be done is not."""
+    cycles = {"s": 100, "pv": 100}
+    on_time = _role(0, [(0, "ROLE_START", 0), (10, "S_PV_ISSUED", 0), (115, "S_LANDED", 1), (215, "PV_LANDED", 0)])
+    early = _role(0, [(0, "ROLE_START", 0), (10, "S_PV_ISSUED", 0), (60, "S_LANDED", 1), (215, "PV_LANDED", 0)])
+    assert trace.analyse(on_time, cycles)["late_bursts"] == 0
+    assert trace.analyse(early, cycles)["late_bursts"] == 1
+
+
 def test_sms_are_queued_apart_and_back_to_back_issues_leave_no_gap():
     cycles = {"s": 50, "pv": 70}
     events = (_role(0, [(0, "ROLE_START", 0), (10, "PV_ISSUED", 0), (20, "S_ISSUED", 1), (200, "PV_LANDED", 0)], sm=0)

@@ -8,8 +8,8 @@ The analysis reads a role's MMA issues (S, PV, or both) as work for one tensor p
 cycles its FLOPs take at the pipe's peak rate (FLOPS_PER_CYCLE), served in issue order: the stretches where that
 queue runs dry are the tensor pipe's idle time as the issues allow it, each put down to what every role on the
 SM was doing when the stretch began (the last point it had passed). Beside it, per consumer role, the median
-cycles of a work item's phases. A queue that finishes a burst after its warpgroup saw it land means the model's
-rate is too high (`late_bursts`).
+cycles of a work item's phases. A queue that finishes a burst's first product after its warpgroup saw that product
+land means the model's rate is too high (`late_bursts`).
 """
 from __future__ import annotations
 
@@ -141,15 +141,17 @@ def analyse(events: list[dict], cycles: dict) -> dict:
                 gap_state = label(free_at, last)  # the queue ran dry at free_at: what each role was doing then
             kinds = ISSUES.get(e["point"])
             if kinds is not None:
-                work = sum(cycles[k] for k in kinds)
+                work, first = sum(cycles[k] for k in kinds), cycles[kinds[0]]
                 if free_at is not None and free_at < e["clock"]:
                     idle_by_state[gap_state] += e["clock"] - free_at
-                free_at = (e["clock"] if free_at is None else max(free_at, e["clock"])) + work
+                start = e["clock"] if free_at is None else max(free_at, e["clock"])
+                free_at = start + work
                 gap_state = None
                 busy_total += work
                 seen = lands[(e["block"], e["role"])]  # in clock order
                 at = bisect.bisect_left(seen, e["clock"])
-                if at < len(seen) and seen[at] < free_at - 0.05 * work:  # seen landed before the queue finished it
+                # its first product seen landed before the queue could finish that product
+                if at < len(seen) and seen[at] < start + first - 0.05 * first:
                     late += 1
             last[(e["block"], e["role"])] = e["point"]
     idle_total = sum(idle_by_state.values())
