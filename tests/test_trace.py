@@ -76,6 +76,22 @@ def test_item_phases_follow_one_another():
                       "output": 200, "whole item": 900, "to the next item": 100}
 
 
+def test_item_phases_when_the_next_item_starts_before_the_output():
+    """A schedule whose next item's Q lands and first S is issued before this item's output is written: the next
+    ITEM_START comes before this one's ITEM_END, and each item's phases still end at its own points."""
+    timeline = [(0, "ROLE_START", 0), (100, "ITEM_START", 0), (140, "Q_LANDED", 0), (150, "S_ISSUED", 0)]
+    for item, base in enumerate((100, 1100)):
+        timeline += [(base + 80, "S_LANDED", 0), (base + 130, "SOFTMAX_DONE", 0), (base + 700, "KEYS_DONE", item)]
+        if item == 0:
+            timeline += [(base + 710, "ITEM_START", 1), (base + 720, "Q_LANDED", 1), (base + 760, "S_ISSUED", 0)]
+        timeline += [(base + 900, "ITEM_END", item)]
+    phases = trace.analyse(_role(0, timeline) + _role(1, [(0, "ROLE_START", 0)]), {"s": 1, "pv": 1})["phases"]
+    # item 1: Q load 10, turn 40, first S 1180 - 860 = 320, softmax 50, keys 570, output 200
+    assert phases["output"] == 200 and phases["key loop"] == 570 and phases["first softmax"] == 50
+    assert phases["Q load"] == (40 + 10) / 2 and phases["whole item"] == (900 + 1190) / 2
+    assert "to the next item" not in phases
+
+
 def test_recorded_words_decode():
     blocks, events = 2, 3
     raw = np.zeros((blocks, trace.ROLES_MAX, events, 2), np.uint64)

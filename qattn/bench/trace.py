@@ -36,15 +36,18 @@ def prelude(blocks: int, events: int) -> str:
     enum = ", ".join(f"TRACE_{name} = {i}" for i, name in enumerate(POINTS))
     return f"""enum {{ {enum} }};
 __device__ unsigned long long qattn_trace_events[{blocks} * {ROLES_MAX} * {events} * 2];
+// each role's count of events, in global memory: static shared memory would move the kernel's 1024-aligned
+// dynamic shared memory past the most a block may have
+__device__ unsigned qattn_trace_n[{blocks} * {ROLES_MAX}];
 static __device__ __forceinline__ void qattn_trace_event(int point, int arg) {{
-    __shared__ unsigned qattn_trace_n[{ROLES_MAX}];
     if (threadIdx.x % 128 != 0) return;
     const unsigned block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), role = threadIdx.x / 128;
     if (block >= {blocks} || role >= {ROLES_MAX}) return;
-    if (point == TRACE_ROLE_START) qattn_trace_n[role] = 0;
-    const unsigned n = qattn_trace_n[role];
+    unsigned& count = qattn_trace_n[block * {ROLES_MAX} + role];
+    if (point == TRACE_ROLE_START) count = 0;
+    const unsigned n = count;
     if (n >= {events}) return;
-    qattn_trace_n[role] = n + 1;
+    count = n + 1;
     unsigned smid;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
     unsigned long long* e = qattn_trace_events + ((block * {ROLES_MAX} + role) * {events} + n) * 2;
@@ -162,14 +165,17 @@ def analyse(events: list[dict], cycles: dict) -> dict:
             "phases": item_phases(events, producer)}
 
 
-# A work item's phases on a consumer role, in order: each ends at the first of its end point after its start.
-PHASES = (("Q_LANDED", "Q load"), ("S_ISSUED", "turn, first S issued"), ("S_LANDED", "first S"),
-          ("SOFTMAX_DONE", "first softmax"), ("KEYS_DONE", "key loop"), ("ITEM_END", "output"))
+# A work item's phases on a consumer role, in order: each ends at the first of its end points after its start.
+# A schedule may start the next item (its Q, its first S) before this one's output is written, so an item's
+# events run from its ITEM_START to its own ITEM_END; an item whose first S goes out beside the item before's
+# last PV logs it as S_PV_ISSUED.
+PHASES = ((("Q_LANDED",), "Q load"), (("S_ISSUED", "S_PV_ISSUED"), "turn, first S issued"), (("S_LANDED",), "first S"),
+          (("SOFTMAX_DONE",), "first softmax"), (("KEYS_DONE",), "key loop"), (("ITEM_END",), "output"))
 
 
 def item_phases(events: list[dict], producer: int | None) -> dict:
     """Median cycles of each phase of a work item (ITEM_START, then PHASES in turn), of the whole item, and
-    from an item's end to the next one's start, over the consumer roles' items."""
+    from an item's end to the next one's start where the next starts later, over the consumer roles' items."""
     by_role = defaultdict(list)
     for e in events:
         if e["role"] != producer:
@@ -178,17 +184,22 @@ def item_phases(events: list[dict], producer: int | None) -> dict:
     for role_events in by_role.values():
         role_events.sort(key=lambda e: e["n"])
         starts = [i for i, e in enumerate(role_events) if e["point"] == "ITEM_START"]
-        for i, nxt in zip(starts, starts[1:] + [len(role_events)]):
+        for i, nxt in zip(starts, starts[1:] + [None]):
+            item = role_events[i]["arg"]
+            end = next((j for j in range(i + 1, len(role_events))
+                        if role_events[j]["point"] == "ITEM_END" and role_events[j]["arg"] == item), None)
+            if end is None:
+                continue
             at, clock = i, role_events[i]["clock"]
-            for point, name in PHASES:
-                found = next((j for j in range(at + 1, nxt) if role_events[j]["point"] == point), None)
+            for points, name in PHASES:
+                found = next((j for j in range(at + 1, end + 1) if role_events[j]["point"] in points), None)
                 if found is None:
                     break
                 spans[name].append(role_events[found]["clock"] - clock)
                 at, clock = found, role_events[found]["clock"]
             else:
                 spans["whole item"].append(clock - role_events[i]["clock"])
-                if nxt < len(role_events):
+                if nxt is not None and role_events[nxt]["clock"] > clock:
                     spans["to the next item"].append(role_events[nxt]["clock"] - clock)
     return {name: statistics.median(v) for name, v in spans.items() if v}
 
