@@ -11,8 +11,11 @@ from pathlib import Path
 
 import click
 
+from .engine import registry
 from .engine.cache import KernelNotCached
 from .engine.compile import CompileError
+from .engine.family import KINDS
+from .engine.registry import RECIPES
 
 HELP = {"help_option_names": ["-h", "--help"]}
 
@@ -150,3 +153,36 @@ def _parse_decode_shapes(ctx, param, values):
             raise click.BadParameter(f"expected BATCHxCTX with positive integers, e.g. 8x32768, got {value!r}")
         shapes.append((int(match.group(1)), int(match.group(2))))
     return shapes
+
+# Every format name of every kind, in registration order.
+ALL_FORMATS = list(dict.fromkeys(name for kind in KINDS for name in registry.recipes(kind)))
+
+
+def _split_formats(ctx, param, values):
+    """FORMAT[,FORMAT...] lists; FORMAT@UNIT names the format's kernel on another matrix unit (e.g.
+    i8-f8@mma.sync), which the arch that runs it must build."""
+    formats = [f.strip() for value in values for f in value.split(",") if f.strip()]
+    units = sorted({fam.values["mma_unit"] for rec in RECIPES.values() for options in rec.arch_families.values()
+                    for fam in options if "mma_unit" in fam.values})
+    for f in formats:
+        name, at, unit = f.partition("@")
+        if name not in ALL_FORMATS:  # which kind a name belongs to is checked where the kind is known
+            raise click.BadParameter(f"unknown format {name!r}; known formats: {', '.join(ALL_FORMATS)}")
+        if at and unit not in units:
+            raise click.BadParameter(f"{f!r}: unknown matrix unit {unit!r}; units: {', '.join(units)}")
+    return formats
+
+
+def _split_kernel_entries(ctx, param, values):
+    """FORMAT[@UNIT][+OPTION[=VALUE]...][:TILE] lists (bench.prefill.kernel_entry): the format on a
+    matrix unit, with template options and a tile; each part but the format optional."""
+    from .bench.prefill import kernel_entry
+
+    entries = [e.strip() for value in values for e in value.split(",") if e.strip()]
+    for entry in entries:
+        try:
+            kernel_entry(entry)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc).removeprefix("tile: ")) from None
+        _split_formats(ctx, param, [entry.split("+")[0].split(":")[0]])
+    return entries

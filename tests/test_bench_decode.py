@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import qattn.cli
+import qattn.cli_bench
 from qattn.bench import decode as bench
 from qattn.bench import paged_peers
 from qattn.bench.timing import Timing
@@ -303,7 +303,7 @@ def fake_sweep(monkeypatch):
                                  vs_sdpa=2.0, vs_sdpa_flash=2.0) for f, qk, term in variants]
         return records
 
-    monkeypatch.setattr(qattn.cli, "device_arch", lambda: "sm_90a")
+    monkeypatch.setattr(qattn.cli_bench, "device_arch", lambda: "sm_90a")
     monkeypatch.setattr(bench, "bench_sweep", sweep)
     monkeypatch.setattr(bench, "bench_write", lambda *a, **k: [])
     monkeypatch.setattr(bench, "gpu_name", lambda: "NVIDIA H200")
@@ -419,7 +419,7 @@ def test_cap_that_skips_everything_is_an_error(fake_sweep):
 
 
 def test_needs_a_gpu(monkeypatch):
-    monkeypatch.setattr(qattn.cli, "device_arch", lambda: None)
+    monkeypatch.setattr(qattn.cli_bench, "device_arch", lambda: None)
     result = run("--shape", "1x1024")
     assert result.exit_code == 1 and "no CUDA GPU" in result.output
 

@@ -13,6 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 import qattn.cli
+import qattn.cli_bench
+import qattn.cli_plan
 import qattn.check.parity
 from qattn.cli import compile_matrix, main
 from qattn.engine.inspect import blocks_per_sm, count_instructions
@@ -37,7 +39,7 @@ def cache_dir(tmp_path, monkeypatch):
 @pytest.fixture
 def no_gpu(monkeypatch):
     """Behave as on a machine without a GPU, wherever the tests run."""
-    for module in (qattn.cli, qattn.check.parity):
+    for module in (qattn.cli, qattn.cli_bench, qattn.cli_plan, qattn.check.parity):
         monkeypatch.setattr(module, "device_arch", lambda: None)
 
 
@@ -466,7 +468,7 @@ def test_bench_table(monkeypatch, tmp_path):
                 dict(base, impl="sageattn", error="needs sm_80 or newer"),
                 dict(base, impl="qattn f16", ms=0.25, tflops=0.2, rel_l2=2.7e-4, vs_sdpa_flash=2.0)]
 
-    monkeypatch.setattr(qattn.cli, "device_arch", lambda: "sm_90a")
+    monkeypatch.setattr(qattn.cli_bench, "device_arch", lambda: "sm_90a")
     monkeypatch.setattr("qattn.bench.prefill.bench_prefill", fake_bench)
     out = tmp_path / "bench.json"
     result = run("bench", "--shape", "1/2/128", "-d", "64", "--peer", "sdpa_flash", "--rounds", "5", "--json", str(out))
@@ -487,7 +489,7 @@ def test_bench_takes_kernel_entries(monkeypatch):
     """qattn bench -f takes the benchmark entries (FORMAT@UNIT+OPTION=VALUE:TILE) as they are and
     refuses a bad part by name."""
     calls = {}
-    monkeypatch.setattr(qattn.cli, "device_arch", lambda: "sm_90a")
+    monkeypatch.setattr(qattn.cli_bench, "device_arch", lambda: "sm_90a")
     monkeypatch.setattr("qattn.bench.prefill.bench_prefill", lambda shapes, formats, **kw: calls.update(formats=formats) or [])
     result = run("bench", "-f", "f16@wgmma+persistent,i8-f16+pingpong=off:m128n64w8s3", "-f", "i8-f8")
     assert result.exit_code == 0, result.output
@@ -499,7 +501,7 @@ def test_bench_takes_kernel_entries(monkeypatch):
 
 
 def test_bench_rounds_must_be_positive(monkeypatch):
-    monkeypatch.setattr(qattn.cli, "device_arch", lambda: "sm_90a")
+    monkeypatch.setattr(qattn.cli_bench, "device_arch", lambda: "sm_90a")
     result = run("bench", "--rounds", "0")
     assert result.exit_code == 2 and "--rounds" in result.output
     result = run("bench", "--sustained", "0")

@@ -95,7 +95,7 @@ def test_plan_prefill_command():
 
 
 def test_plan_prefill_measure_needs_a_gpu(monkeypatch):
-    monkeypatch.setattr("qattn.cli.device_arch", lambda: None)
+    monkeypatch.setattr("qattn.cli_plan.device_arch", lambda: None)
     result = CliRunner().invoke(main, ["plan", "prefill", "--measure", "--seq", "256", "--head-dim", "64"])
     assert result.exit_code == 1 and "no CUDA GPU found" in result.output
 

@@ -18,7 +18,7 @@ try:
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from qattn.cli import bench_decode
+from qattn.cli_bench import bench_decode
 
 if __name__ == "__main__":
     bench_decode(prog_name="tools/bench_decode.py")
