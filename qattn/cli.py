@@ -211,7 +211,8 @@ def list_():
                 entry = families.setdefault((backend, id(family)), (family, [], []))
                 if label not in entry[1]:
                     entry[1].append(label)
-                entry[2].append(arch)
+                if arch not in entry[2]:  # (formats that share the family name its archs once)
+                    entry[2].append(arch)
     kernels = _table("kernels", "backend", "formats", "head dims", "default tiles (m BLOCK_M n BLOCK_N w warps s stages)", "archs")
     for (backend, _), (family, names, used_on) in sorted(families.items(), key=lambda item: (item[0][0], item[1][1][0])):
         if used_on is None:  # the backend's family: on the archs that do not build another one

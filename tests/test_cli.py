@@ -79,6 +79,9 @@ def test_list():
     rows = [line for line in wide.splitlines() if "│ kv8-imma" in line]
     assert any("kv8-imma (--mma wgmma)" in line and "sm_90a" in line for line in rows), rows
     assert any("kv8-imma " in line.replace("kv8-imma (", "") and "sm_90a," in line for line in rows), rows
+    # formats that share a family (f16 and bf16 on wgmma) name each arch once
+    row = next(line for line in wide.splitlines() if "f16 (--mma wgmma)" in line)
+    assert row.count("sm_90a") == 1, row
 
 
 def test_gen_prints_source():
