@@ -1,6 +1,6 @@
 """i8-f8 on Hopper warpgroup MMAs (mma="wgmma", sm_90a): against its CPU emulator (rel_l2 <= 1e-3)
 and FP64 on the shapes of the mma.sync kernels' tests (tails, GQA, causal Lq != Lk), with bf16
-inputs, LSE, strided output, and other tiles (64 or 128 keys; one, two or three warpgroups, whose
+inputs, LSE, strided output, and other tiles (64 to 224 keys; one, two or three warpgroups, whose
 output bits must not depend on the rows per block). Skipped off sm_90a."""
 from __future__ import annotations
 
@@ -66,10 +66,11 @@ def test_bf16_lse_and_strided_output(causal):
 @pytest.mark.parametrize("head_dim,tile,causal", [(64, (128, 128, 8, 2), False), (64, (64, 64, 4, 3), True),
                                                    (64, (64, 128, 4, 2), True), (128, (64, 128, 4, 2), False),
                                                    (128, (128, 64, 8, 2), True), (128, (64, 64, 4, 3), False),
-                                                   (128, (128, 64, 8, 4), False)])
+                                                   (128, (128, 64, 8, 4), False), (128, (128, 224, 8, 2), False),
+                                                   (128, (128, 224, 8, 2), True), (64, (128, 160, 8, 2), False)])
 def test_other_tiles(head_dim, tile, causal):
-    """Two warpgroups of 64 rows, 64- and 128-key blocks, deeper rings: 128 query rows per Q scale
-    whatever the tile, the tile's keys per K scale and softmax step."""
+    """Two warpgroups of 64 rows, 64- to 224-key blocks, deeper rings: 128 query rows per Q scale
+    whatever the tile, the tile's keys per K scale and softmax step (1100 keys: a tail on every tile)."""
     from qattn.engine.tile import Tile
 
     kernel = _kernel(head_dim, causal, Tile(*tile))

@@ -131,9 +131,11 @@ def test_strided_bshd_views(fmt, causal):
     ("bf16", 64, (64, 128, 4, 2), True), ("f16", 128, (128, 64, 8, 3), True),
     ("bf16", 128, (128, 64, 8, 2), False), ("i8-f16", 64, (128, 64, 8, 2), True),
     ("i8-f16", 64, (64, 128, 4, 2), False), ("bf16", 64, (192, 128, 12, 2), True),
-    ("f16", 128, (192, 80, 12, 2), False), ("i8-f16", 64, (192, 128, 12, 2), False)])
+    ("f16", 128, (192, 80, 12, 2), False), ("i8-f16", 64, (192, 128, 12, 2), False),
+    ("f16", 128, (128, 176, 8, 2), False), ("bf16", 128, (128, 176, 8, 2), True)])
 def test_other_tiles(fmt, head_dim, tile, causal):
-    """One and three consumer warpgroups, 64- to 128-key tiles, a deeper ring."""
+    """One and three consumer warpgroups, 64- to 176-key tiles (176: the output staged over Q's rows),
+    a deeper ring."""
     from qattn.engine.tile import Tile
 
     kernel = _kernel(fmt, head_dim, causal, Tile(*tile))
@@ -257,12 +259,13 @@ def test_warpgroups_in_turns_give_the_same_bits(fmt, head_dim, tile, causal):
 @pytest.mark.parametrize("fmt", ["f16", "bf16"])
 @pytest.mark.parametrize("options", [{}, {"pingpong": "on"}, {"kv_rows": "on"}])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim,tile", [(128, None), (64, Tile(192, 128, 12, 2))])
+@pytest.mark.parametrize("head_dim,tile", [(128, None), (64, Tile(192, 128, 12, 2)), (128, Tile(128, 176, 8, 2))])
 def test_persistent_blocks_give_the_same_bits(fmt, options, causal, head_dim, tile):
     """persistent "on" (as many blocks as the SMs hold, each taking work items in turn; the ring's slots
     and phases, and the warpgroups' turns, running on across items) against a block per item: the same
     bits, with more items than blocks (several per block, of different key counts when causal), tails
-    and GQA; two and three consumer warpgroups."""
+    and GQA; two and three consumer warpgroups; the output staged over Q's rows (176-key tiles), which the
+    next item's Q rows then overwrite."""
     import cupy
 
     one = _kernel(fmt, head_dim, causal, tile, options=options)

@@ -148,7 +148,11 @@ def _wgmma_specs():
                     KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma", tile=Tile(64, 128, 4, 2)),
                     KernelSpec(recipe="i8-f8", head_dim=64, arch="sm_90a", mma="wgmma", tile=Tile(192, 64, 12, 2)),
                     KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma", tile=Tile(128, 64, 8, 4)),
-                    KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma", tile=Tile(64, 64, 4, 3))]
+                    KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma", tile=Tile(64, 64, 4, 3)),
+                    # FlashAttention-3's fp8 tile at d128 (128 x 224 on two consumer warpgroups' 240 registers), and
+                    # a 160-key one at d64: wider key tiles, fewer instructions a key
+                    KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma", tile=Tile(128, 224, 8, 2)),
+                    KernelSpec(recipe="i8-f8", head_dim=64, arch="sm_90a", mma="wgmma", tile=Tile(128, 160, 8, 2))]
 
 
 def test_mma_unit_choice():
@@ -176,6 +180,12 @@ def test_mma_unit_choice():
             KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma", tile=tile)
     for d in (64, 128):
         assert KernelSpec(recipe="i8-f8", head_dim=d, arch="sm_90a", mma="wgmma").tile == Tile(192, 128, 12, 2)
+    # key tiles: whole 32-key steps of the e4m3 PV, up to FlashAttention-3's 224; O and S in the registers
+    for tile, why in ((Tile(128, 96 + 16, 8, 2), "multiple of 32 in \\[64, 224\\]"),
+                      (Tile(128, 256, 8, 2), "multiple of 32 in \\[64, 224\\]"),
+                      (Tile(192, 224, 12, 2), "registers a consumer thread")):
+        with pytest.raises(ValueError, match=why):
+            KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma", tile=tile)
 
 
 @pytest.mark.parametrize("spec", _wgmma_specs(), ids=lambda s: s.name)

@@ -201,3 +201,26 @@ def test_inspect_shows_the_wgmma_kernel():
                                        "wgmma"])
     assert result.exit_code == 0, result.output
     assert "m128n128w8s2" in result.output and "HGMMA" in result.output and "mma.sync" not in result.output
+
+
+@pytest.mark.parametrize("fmt,causal", [("f16", False), ("bf16", True)])
+def test_176_key_tiles_stage_the_output_over_q(fmt, causal):
+    """FlashAttention-3's fp16 tile at d128 (128 x 176): the output rows' own region does not fit beside
+    two 176-key K/V slots, so each warp stages its rows over its own Q rows (swizzled rows of 256 bytes);
+    every tile that fits keeps its region. ptxas keeps the key loop in registers: the few values it spills
+    are stored before the first warpgroup MMA and loaded after the last."""
+    from qattn.formats.dense.recipes import wgmma_stages_over_q
+
+    spec = KernelSpec(recipe=fmt, head_dim=128, causal=causal, arch="sm_90a", mma="wgmma", tile=Tile(128, 176, 8, 2))
+    assert wgmma_stages_over_q(spec.tile, 128)
+    assert spec.family.smem_bytes(spec.tile, 128) == 128 * 256 + 2 * 2 * 176 * 256 + 64
+    assert not any(wgmma_stages_over_q(Tile(*t), d) for d, t in ((128, (128, 128, 8, 2)), (64, (192, 128, 12, 2)),
+                                                                  (128, (128, 160, 8, 2)), (128, (192, 80, 12, 2))))
+    binary = _compiled(spec)  # the kernel's static_assert holds its smem to the recipe's
+    assert "C7514" not in binary.log
+    assert f"wgmma.mma_async.sync.aligned.m64n176k16.f32.{fmt}.{fmt}" in entry_ptx(binary.ptx, _attention_entry(spec))
+    sass = disassemble(binary.data, "cuda").splitlines()
+    mmas = [i for i, line in enumerate(sass) if "HGMMA" in line]
+    assert mmas and entry_resources(binary.log, _attention_entry(spec))["spill_stores"] <= 96
+    assert all(i < mmas[0] for i, line in enumerate(sass) if "STL" in line)
+    assert all(i > mmas[-1] for i, line in enumerate(sass) if "LDL" in line)

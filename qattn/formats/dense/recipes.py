@@ -3,7 +3,7 @@ tensor cores (mma.sync m16n8k16 on CUDA, warp-specialized wgmma on sm_90a, MFMA/
 fp32 SIMT noise floor."""
 from __future__ import annotations
 
-from ...engine.family import CUDA_ARCHS, HIP_ARCHS, Family, LaunchChoice, Recipe, Tolerance
+from ...engine.family import CUDA_ARCHS, HIP_ARCHS, SMEM_PER_BLOCK, Family, LaunchChoice, Recipe, Tolerance
 from ...engine.tiling import (first_problem, padded_row_bytes, ring_problem, simt_problem, simt_smem, smem_problem,
                               tile_pitch, unpipelined_problem, warp_rows_problem)
 from ...engine.tile import Tile
@@ -54,11 +54,23 @@ CUDA_MMA = Family(
 # cp.async (the launch's fallback for strides the TMA cannot read: broadcast or negative; and the
 # kernel the TMA producer is measured against). Q, K and V rows of 2D bytes, unpadded (wgmma's
 # core-matrix layout; K and V chunk-major as the TMA writes them); the output rows staged in their
-# own region; four mbarriers per slot.
+# own region, or over Q's where that region does not fit (wgmma_stages_over_q); four mbarriers per slot.
+
+def _wgmma_loop_smem(tile: Tile, d: int) -> int:
+    return tile.block_m * 2 * d + tile.stages * 2 * tile.block_n * 2 * d
+
+
+def wgmma_stages_over_q(tile: Tile, d: int) -> bool:
+    """Whether the wgmma kernel stages its output rows over each warp's own Q rows (swizzled rows of 2d
+    bytes) instead of a region of their own: where that region does not fit beside Q and the K/V ring
+    (STAGE_OVER_Q in wgmma_attention.cuh.j2), e.g. FlashAttention-3's 128 x 176 tiles at d128."""
+    own = _wgmma_loop_smem(tile, d) + tile.block_m * padded_row_bytes(d, 2) + 4 * 8 * tile.stages
+    return own > SMEM_PER_BLOCK["sm_90a"]
+
 
 def _wgmma_smem(tile: Tile, d: int) -> int:
-    loop = tile.block_m * 2 * d + tile.stages * 2 * tile.block_n * 2 * d
-    return loop + tile.block_m * padded_row_bytes(d, 2) + 4 * 8 * tile.stages
+    stage = 0 if wgmma_stages_over_q(tile, d) else tile.block_m * padded_row_bytes(d, 2)
+    return _wgmma_loop_smem(tile, d) + stage + 4 * 8 * tile.stages
 
 
 # Registers the producer warpgroup keeps: setmaxnreg's least, 24, for TMA copies by one thread; 56

@@ -137,16 +137,18 @@ def _wgmma_problem(pv: str) -> Callable[[Tile, int], str | None]:
             if tile.block_m not in (64, 128, 192) or tile.block_m != 16 * tile.warps:
                 return ("block_m must be 64, 128 or 192, 64 rows per consumer warpgroup of 4 warps "
                         f"(warps = block_m / 16), got {tile.block_m}/{tile.warps}")
-            if tile.block_n not in (64, 128):
-                return f"block_n must be 64 or 128 (the s8 wgmma's n), got {tile.block_n}"
+            if tile.block_n % 32 or not 64 <= tile.block_n <= 224:
+                return f"block_n must be a multiple of 32 in [64, 224] (the s8 wgmma's k step), got {tile.block_n}"
             return None
 
         def registers():
             # fp16 PV: O, S and P (d / 2 + block_n / 2 + block_n / 4 a thread) and ~32 for addresses,
             # scales and statistics: m192n128w12 at d64 fits 160 without spills (causal: 120 B stored,
-            # 188 loaded). (The e4m3 kernel trades S beside PV for registers itself.)
-            need, have = d // 2 + 3 * tile.block_n // 4 + 32, _wgmma_consumer_registers(tile, d)
-            if pv == "f16" and need > have:
+            # 188 loaded). The e4m3 kernel holds O and S (d / 2 + block_n / 2) and ~24 more: S is issued
+            # beside PV only where registers allow (S_BESIDE_PV), and the softmax packs P over S.
+            have = _wgmma_consumer_registers(tile, d)
+            need = d // 2 + 3 * tile.block_n // 4 + 32 if pv == "f16" else d // 2 + tile.block_n // 2 + 24
+            if need > have:
                 return (f"O, S and P need about {need} registers a consumer thread, {have} are left: use "
                         "fewer warps or a narrower block_n")
             return None
