@@ -3,7 +3,7 @@ there) on the GPU: against FP64 at the mma.sync kernels' tolerances (and i8-f16 
 its emulator under the kernel's scale layout), causal and not, GQA 1/4/8, D64/D128, lengths that are
 no multiple of any tile, LSE, causal rows with no key, strided inputs and output, NaN-poisoned
 outputs fully written, other valid tiles, and agreement with the mma.sync kernel on the same inputs.
-Skipped off sm_90a (CPU half: tests/test_wgmma_prefill.py)."""
+D256 by name. Skipped off sm_90a (CPU half: tests/test_wgmma_prefill.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -347,3 +347,20 @@ def test_tma_kernel_in_a_cuda_graph():
         stream.synchronize()
     assert cupy.array_equal(out.view(cupy.uint16), want.view(cupy.uint16))
     _check("bf16", kernel, out, host, causal=True)
+
+
+@pytest.mark.parametrize("fmt", ["f16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("options", [{}, {"kv_rows": "on"}, {"persistent": "on"}])
+def test_head_dim_256(fmt, causal, options):
+    """D = 256 on wgmma (named: calls keep mma.sync there): against FP64 with tails, GQA, LSE and one query row
+    over 65 keys; with the K/V rows producer (a row's 32 chunks wider than a pass of its 128 threads) and
+    with persistent blocks (the output staged over Q's rows, which the block's next item then overwrites)."""
+    kernel = _kernel(fmt, 256, causal, options=options or None)
+    rng = np.random.default_rng()
+    for b, hq, hkv, lq, lk in ((2, 8, 2, 700, 1100), (1, 4, 4, 1, 65), (3, 4, 1, 333, 333)):
+        host, (q, k, v) = _host_inputs(rng, fmt, b, hq, hkv, lq, lk, 256)
+        out = _poisoned(q.shape, q.dtype)
+        res, lse = kernel(q, k, v, out=out, return_lse=True)
+        assert res is out
+        _check(fmt, kernel, out, host, causal=causal, lse=lse)

@@ -80,7 +80,7 @@ def test_sm90a_defaults_follow_the_measurements_and_both_units_are_selectable(fm
 
 
 def test_head_dims_without_a_wgmma_kernel_keep_mma_sync():
-    for d in (32, 96, 256):
+    for d in (32, 96):
         spec = KernelSpec(recipe="f16", head_dim=d, arch="sm_90a")
         assert spec.family.values["mma_unit"] == "mma.sync" and spec.mma is None
         assert spec == KernelSpec(recipe="f16", head_dim=d, arch="sm_90a", mma="mma.sync")
@@ -88,10 +88,29 @@ def test_head_dims_without_a_wgmma_kernel_keep_mma_sync():
             KernelSpec(recipe="f16", head_dim=d, arch="sm_90a", mma="wgmma")
 
 
+def test_d256_on_wgmma_is_selectable_and_not_routed():
+    """D = 256 has a wgmma kernel (128 x 64 tiles, the output staged over Q's rows) that a caller names with
+    mma="wgmma"; calls keep the mma.sync kernel at every length until the two are timed against each other
+    (no launch band at d256). One consumer warpgroup cannot compile O's 128 registers a thread at launch."""
+    from qattn.formats.dense.recipes import wgmma_stages_over_q
+
+    for fmt in ("f16", "bf16"):
+        spec = KernelSpec(recipe=fmt, head_dim=256, arch="sm_90a")
+        assert spec.family.values["mma_unit"] == "mma.sync"
+        assert not registry.launch_choices(fmt, 256, "sm_90a", False) and not registry.launch_choices(fmt, 256, "sm_90a", True)
+        wgmma = KernelSpec(recipe=fmt, head_dim=256, arch="sm_90a", mma="wgmma")
+        assert wgmma.tile == Tile(128, 64, 8, 2) and wgmma_stages_over_q(wgmma.tile, 256)
+        assert wgmma.family.smem_bytes(wgmma.tile, 256) == 128 * 512 + 2 * 2 * 64 * 512 + 64
+    with pytest.raises(ValueError, match="two or more consumer warpgroups"):
+        KernelSpec(recipe="f16", head_dim=256, arch="sm_90a", mma="wgmma", tile=Tile(64, 64, 4, 2))
+    with pytest.raises(ValueError, match="registers a consumer thread"):
+        KernelSpec(recipe="f16", head_dim=256, arch="sm_90a", mma="wgmma", tile=Tile(128, 112, 8, 2))
+
+
 def test_default_tiles_and_tile_rules():
     for fmt in ("f16", "bf16"):
         fam = KernelSpec(recipe=fmt, head_dim=128, arch="sm_90a", mma="wgmma").family
-        assert fam.default_tiles == {64: Tile(128, 128, 8, 2), 128: Tile(128, 128, 8, 2)}
+        assert fam.default_tiles == {64: Tile(128, 128, 8, 2), 128: Tile(128, 128, 8, 2), 256: Tile(128, 64, 8, 2)}
         assert fam.smem_bytes(Tile(128, 128, 8, 2), 128) == 128 * 256 + 2 * 2 * 128 * 256 + 128 * 136 * 2 + 64
     fam = KernelSpec(recipe="i8-f16", head_dim=128, arch="sm_90a", mma="wgmma").family
     assert fam.default_tiles == {64: Tile(128, 128, 8, 2), 128: Tile(128, 128, 8, 2)}
@@ -203,24 +222,28 @@ def test_inspect_shows_the_wgmma_kernel():
     assert "m128n128w8s2" in result.output and "HGMMA" in result.output and "mma.sync" not in result.output
 
 
-@pytest.mark.parametrize("fmt,causal", [("f16", False), ("bf16", True)])
-def test_176_key_tiles_stage_the_output_over_q(fmt, causal):
-    """FlashAttention-3's fp16 tile at d128 (128 x 176): the output rows' own region does not fit beside
-    two 176-key K/V slots, so each warp stages its rows over its own Q rows (swizzled rows of 256 bytes);
+@pytest.mark.parametrize("fmt,head_dim,causal,tile", [("f16", 128, False, (128, 176, 8, 2)), ("bf16", 128, True, (128, 176, 8, 2)),
+                                                     ("f16", 256, True, (128, 64, 8, 2)), ("bf16", 256, False, (128, 64, 8, 2))])
+def test_tiles_that_stage_the_output_over_q(fmt, head_dim, causal, tile):
+    """FlashAttention-3's fp16 tile at d128 (128 x 176) and d256's tile: the output rows' own region does not
+    fit beside two K/V slots, so each warp stages its rows over its own Q rows (swizzled rows of 2D bytes);
     every tile that fits keeps its region. ptxas keeps the key loop in registers: the few values it spills
     are stored before the first warpgroup MMA and loaded after the last."""
     from qattn.formats.dense.recipes import wgmma_stages_over_q
 
-    spec = KernelSpec(recipe=fmt, head_dim=128, causal=causal, arch="sm_90a", mma="wgmma", tile=Tile(128, 176, 8, 2))
-    assert wgmma_stages_over_q(spec.tile, 128)
-    assert spec.family.smem_bytes(spec.tile, 128) == 128 * 256 + 2 * 2 * 176 * 256 + 64
+    spec = KernelSpec(recipe=fmt, head_dim=head_dim, causal=causal, arch="sm_90a", mma="wgmma", tile=Tile(*tile))
+    bm, bn = tile[:2]
+    assert wgmma_stages_over_q(spec.tile, head_dim)
+    assert spec.family.smem_bytes(spec.tile, head_dim) == bm * 2 * head_dim + 2 * 2 * bn * 2 * head_dim + 64
     assert not any(wgmma_stages_over_q(Tile(*t), d) for d, t in ((128, (128, 128, 8, 2)), (64, (192, 128, 12, 2)),
                                                                   (128, (128, 160, 8, 2)), (128, (192, 80, 12, 2))))
     binary = _compiled(spec)  # the kernel's static_assert holds its smem to the recipe's
     assert "C7514" not in binary.log
-    assert f"wgmma.mma_async.sync.aligned.m64n176k16.f32.{fmt}.{fmt}" in entry_ptx(binary.ptx, _attention_entry(spec))
+    ptx = entry_ptx(binary.ptx, _attention_entry(spec))
+    assert f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{fmt}.{fmt}" in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.{fmt}.{fmt}" in ptx
     sass = disassemble(binary.data, "cuda").splitlines()
     mmas = [i for i, line in enumerate(sass) if "HGMMA" in line]
-    assert mmas and entry_resources(binary.log, _attention_entry(spec))["spill_stores"] <= 96
+    assert mmas and entry_resources(binary.log, _attention_entry(spec))["spill_stores"] <= 128
     assert all(i < mmas[0] for i, line in enumerate(sass) if "STL" in line)
     assert all(i > mmas[-1] for i, line in enumerate(sass) if "LDL" in line)

@@ -104,6 +104,12 @@ def _wgmma_problem(tile: Tile, d: int) -> str | None:
         if need > have:
             return (f"O, S and P need about {need} registers a consumer thread, {have} are left: use fewer "
                     "warps or a narrower block_n")
+        # ptxas compiles the kernel for its launch registers (two blocks an SM with one consumer warpgroup:
+        # 128), and one P V product holds O's d / 2 of them (at d256: C7602, too few to compile)
+        launch = 65536 // ((32 * tile.warps + 128) * (2 if tile.warps == 4 else 1)) // 8 * 8
+        if d // 2 + 32 > launch:
+            return (f"O needs {d // 2} registers a thread and a launch of {tile.warps} warps gives {launch}: use "
+                    "two or more consumer warpgroups")
         return None
 
     return first_problem(shape, registers, lambda: ring_problem(tile),
@@ -112,8 +118,8 @@ def _wgmma_problem(tile: Tile, d: int) -> str | None:
 
 CUDA_WGMMA = Family(
     template="cuda/prefill_wgmma.cu.j2",
-    head_dims=(64, 128),
-    default_tiles={64: Tile(128, 128, 8, 2), 128: Tile(128, 128, 8, 2)},
+    head_dims=(64, 128, 256),
+    default_tiles={64: Tile(128, 128, 8, 2), 128: Tile(128, 128, 8, 2), 256: Tile(128, 64, 8, 2)},
     tile_problem=_wgmma_problem,
     smem_bytes=_wgmma_smem,
     archs=("sm_90a",),
@@ -162,7 +168,7 @@ WGMMA_BANDS = {
 }
 
 
-LAUNCH_TILES = {(fmt, d, "sm_90a"): WGMMA_BANDS[d] for fmt in ("f16", "bf16") for d in CUDA_WGMMA.head_dims}
+LAUNCH_TILES = {(fmt, d, "sm_90a"): bands for fmt in ("f16", "bf16") for d, bands in WGMMA_BANDS.items()}
 
 
 CUDA_SIMT = Family(
