@@ -441,14 +441,15 @@ def test_tools_parity_defaults_without_gpu():
     """tools/parity with no options on a machine without a GPU (hidden here): it says so, runs
     every default format on the emulators, writes no fake timing, and stays quick: a budget on
     CPU time with one BLAS thread (waiting BLAS threads spin, so on a busy machine wall and CPU
-    time measure the load, not the job; an idle run takes ~3 s)."""
+    time measure the load, not the job; the emulators of every default format and shape take about
+    30 s of one core of a CI machine, so the budget is three times that)."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = subprocess.run([sys.executable, str(ROOT / "tools" / "parity")], capture_output=True, text=True,
                             cwd="/", env=env, timeout=300)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime) < 30
+    assert (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime) < 90
     assert "no CUDA GPU found: running the CPU emulators" in result.stderr
     rows = [line for line in result.stdout.splitlines() if "numpy" in line]
     expected = len(qattn.check.parity.DEFAULT_FORMATS) * len(qattn.check.parity.DEFAULT_SHAPES["numpy"])
