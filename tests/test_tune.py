@@ -233,11 +233,13 @@ def test_candidates_are_the_valid_grid_tiles_on_each_unit_default_first():
     # on sm_90a the mma.sync kernel's grid, then the wgmma kernel's (its 64-row warpgroups, 64 or 128 keys)
     wgmma = [s for s in specs if s.mma == "wgmma"]
     plain = candidate_specs("f16", 128, False, "sm_90a", options=False)
-    assert len([s for s in plain if s.mma == "wgmma"]) == 11 and len(plain) == 40 + 11
+    # (m128n128w8s3 and m192n64w12s4 fit by staging their output over Q's rows)
+    assert len([s for s in plain if s.mma == "wgmma"]) == 13 and len(plain) == 40 + 13
+    assert {"m128n128w8s3", "m192n64w12s4"} <= {s.tile.name for s in plain if s.mma == "wgmma"}
     # with the options (the default): persistent blocks on and off on every wgmma tile, and turns on and
     # off where a tile has two or more consumer warpgroups (d128's default takes them: "=off" is named)
     names = {tuned.TunedKernel.of(s).name for s in wgmma}
-    assert len(wgmma) == 34 and len(specs) == 40 + 34
+    assert len(wgmma) == 42 and len(specs) == 40 + 42
     assert {"m128n128w8s2@wgmma", "m128n128w8s2@wgmma+persistent", "m128n128w8s2@wgmma+pingpong=off",
             "m128n128w8s2@wgmma+persistent+pingpong=off", "m64n64w4s2@wgmma+persistent"} <= names
     assert "m64n64w4s2@wgmma+pingpong=off" not in names  # one consumer warpgroup: no turns to take
