@@ -23,12 +23,13 @@ from qattn.formats.int8qk import host as int8
 FORMATS = ("f16", "bf16", "i8-f16")
 SPECS = [KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wgmma") for f in FORMATS
          for d in (64, 128) for c in (False, True)]
-# other valid tiles: one and three consumer warpgroups, 64-key blocks, a deeper ring (d128's m192n64
+# other valid tiles: one and three consumer warpgroups, 64- to 192-key blocks, a deeper ring (d128's m192n64
 # and m64n128 fit the consumers' registers since the TMA producer keeps 24)
 OTHER_TILES = [KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wgmma", tile=Tile(*t))
                for f, d, c, t in (("f16", 64, False, (192, 64, 12, 2)), ("bf16", 64, True, (64, 128, 4, 2)),
                                   ("f16", 128, True, (128, 64, 8, 3)), ("i8-f16", 64, True, (128, 64, 8, 2)),
-                                  ("bf16", 128, True, (192, 64, 12, 3)), ("f16", 128, False, (64, 128, 4, 2)))]
+                                  ("bf16", 128, True, (192, 64, 12, 3)), ("f16", 128, False, (64, 128, 4, 2)),
+                                  ("i8-f16", 128, True, (128, 160, 8, 2)), ("i8-f16", 128, False, (128, 192, 8, 2)))]
 # the kernels calls are routed to by their query rows (recipes.LAUNCH_TILES: persistent blocks, three consumer
 # warpgroups at d64), each (tile, options) once
 ROUTED = list(dict.fromkeys(
