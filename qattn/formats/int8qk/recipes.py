@@ -213,6 +213,10 @@ I8_F8_LONG_QUERIES = {False: 2048, True: 4096}  # by causal: from these rows the
 # i8-f16 below 4096 rows at d128 runs persistent blocks (causal: in pairs of a heavy and a light query block):
 # time 0.93-0.97 of a block per item at B16 L1024 and B8 L2048, causal and not; 0.99-1.03 from L4096.
 I8_F16_PERSISTENT_BELOW = 4096
+# From 8192 rows at d128, 192-key tiles (no spill; each softmax step's fixed costs spread over more keys): H100,
+# same run, x cuDNN, default m128n128w8s2 / m128n192w8s2: B2 L8192 1.05 / 1.18 non-causal, 0.98 / 1.01 causal;
+# B1 L16384 1.21 / 1.31 and 1.17 / 1.20 (docs/notes/int8qk.md). The K scale block follows the tile (192 keys).
+I8_F16_WIDE = LaunchChoice(8192, Tile(128, 192, 8, 2))
 # Non-causal i8-f16 at d64 from 2048 rows runs three consumer warpgroups (m192n128w12s2, a block an item): × cuDNN
 # 1.14 against 0.92 for the two-warpgroup default at B4 L8192 and 0.84 against 0.72 at B8 L2048 (persistent blocks
 # 1.04 and 0.80). Causal, it measured 0.89 against 0.82 at B4 L8192 but spills (above) and is not routed.
@@ -229,7 +233,7 @@ def _i8_f8_bands(d: int) -> tuple:
 def _i8_f16_bands(d: int) -> tuple:
     default = CUDA_I8_F16_WGMMA.default_tiles[d]
     return (LaunchChoice(1, default, options=(("persistent", "on"),)),
-            LaunchChoice(I8_F16_PERSISTENT_BELOW, default))
+            LaunchChoice(I8_F16_PERSISTENT_BELOW, default), I8_F16_WIDE)
 
 
 LAUNCH_TILES = {**{("i8-f8", d, "sm_90a"): _i8_f8_bands(d) for d in CUDA_I8_F8_WGMMA.head_dims},
