@@ -203,6 +203,24 @@ def test_attention_runs_wgmma_from_1024_query_rows(fmt, causal, monkeypatch):
         _check(fmt, kernel, out, host, causal=causal)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_i8_f16_runs_192_key_tiles_from_8192_query_rows(causal, monkeypatch):
+    """qattn.attention with i8-f16 at d128 on sm_90a: calls of 8192 query rows and more run the 192-key tile
+    (recipes.I8_F16_WIDE; its K scale blocks follow), within rel_l2 1e-3 of the emulator at that key block and
+    the format's tolerance of FP64, with a tail past the last tile."""
+    from qattn import api
+
+    _kernel("i8-f16", 128, causal)  # skips off sm_90a
+    monkeypatch.setenv("QATTN_TUNED", "0")
+    monkeypatch.setattr(api, "_CALL_KERNELS", {})
+    rng = np.random.default_rng()
+    host, (q, k, v) = _host_inputs(rng, "i8-f16", 1, 2, 1, 8192 + 77, 8192 + 77, 128)
+    out = qattn.attention(q, k, v, format="i8-f16", causal=causal)
+    (kernel,) = api._CALL_KERNELS.values()
+    assert kernel.spec.tile == Tile(128, 192, 8, 2) and dict(kernel.spec.options)["persistent"] == "off"
+    _check("i8-f16", kernel, out, host, causal=causal)
+
+
 # ---- the TMA producer of the f16 / bf16 kernel (engine/tensormap.py) ------------------------------
 
 @pytest.mark.parametrize("fmt", ["f16", "bf16"])
