@@ -555,11 +555,11 @@ def test_flashinfer_peers_agree_with_fp64(name, tol):
 @pytest.mark.parametrize("page_order", ["shuffled", "in-order"])
 def test_bench_sweep_times_every_format_on_one_block_table(page_order):
     """`qattn bench decode`'s sweep: every format of a point is filled into the same pages and timed,
-    none recorded as an error, and (where torch's SDPA runs) each agrees with the fp16 answer within its
-    format's error."""
+    none recorded as an error (bf16 caches written and read in bf16), and (where torch's SDPA runs) each agrees
+    with the fp16 answer within its format's error."""
     from qattn.bench import decode as bench
 
-    formats = ("f16-f16", "e4m3-e4m3", "i8-i8", "f16-e4m3")
+    formats = ("f16-f16", "e4m3-e4m3", "i8-i8", "f16-e4m3", "bf16-bf16", "e4m3-bf16")
     run = bench.Run(bench.Point(2, 200, heads=8, kv_heads=2, head_dim=64, page_size=16), ("warm",))
     records = bench.bench_sweep([run], [(f, "auto") for f in formats], rounds=1, page_order=page_order)
     ours = {r["format"]: r for r in records if r["impl"].startswith("qattn:")}
@@ -569,4 +569,4 @@ def test_bench_sweep_times_every_format_on_one_block_table(page_order):
         assert rec["splits"] >= 1 and (rec["splits"] == 1) == (rec["merge"] == "none"), rec
         assert rec["merge"] in ("none", "kernel", "cluster") and rec["kernel"].startswith(f"decode_{fmt}_"), rec
         if "rel_l2_vs_fp16" in rec:
-            assert rec["rel_l2_vs_fp16"] < (1e-3 if fmt == "f16-f16" else 6e-2), rec
+            assert rec["rel_l2_vs_fp16"] < {"f16-f16": 1e-3, "bf16-bf16": 8e-3}.get(fmt, 6e-2), rec

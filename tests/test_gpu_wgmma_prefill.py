@@ -179,7 +179,8 @@ def test_attention_runs_wgmma_from_1024_query_rows(fmt, causal, monkeypatch):
     (recipes.LAUNCH_TILES), shorter ones the mma.sync default, but for non-causal d128 calls from 512
     rows; persistent blocks for causal calls (at d64 below 4096 rows) and non-causal d64 ones, and
     non-causal d128 ones below 4096 rows; d64 on three consumer warpgroups but for causal calls below 4096
-    rows; each within its format's tolerance of FP64, with a tail past the last block."""
+    rows; d256 on wgmma from 256 rows, a block an item; each within its format's tolerance of FP64, with a tail
+    past the last block."""
     from qattn import api
 
     _kernel(fmt, 64, causal)  # skips off sm_90a
@@ -192,7 +193,9 @@ def test_attention_runs_wgmma_from_1024_query_rows(fmt, causal, monkeypatch):
                                       (1000, 64, "mma.sync", None, None),
                                       (600, 128, "mma.sync" if causal else "wgmma", None if causal else "on", None),
                                       (1024 + 77, 128, "wgmma", "on", m128),
-                                      (4096 + 77, 128, "wgmma", "on" if causal else "off", m128)):
+                                      (4096 + 77, 128, "wgmma", "on" if causal else "off", m128),
+                                      (200, 256, "mma.sync", None, None),
+                                      (256 + 77, 256, "wgmma", "off", Tile(128, 64, 8, 2))):
         host, (q, k, v) = _host_inputs(rng, fmt, 1, 4, 2, lq, lq + 33, d)
         before = set(api._CALL_KERNELS)
         out = qattn.attention(q, k, v, format=fmt, causal=causal)
@@ -372,7 +375,7 @@ def test_tma_kernel_in_a_cuda_graph():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("options", [{}, {"kv_rows": "on"}, {"persistent": "on"}])
 def test_head_dim_256(fmt, causal, options):
-    """D = 256 on wgmma (named: calls keep mma.sync there): against FP64 with tails, GQA, LSE and one query row
+    """D = 256 on wgmma (named; calls from 1024 rows run it): against FP64 with tails, GQA, LSE and one query row
     over 65 keys; with the K/V rows producer (a row's 32 chunks wider than a pass of its 128 threads) and
     with persistent blocks (the output staged over Q's rows, which the block's next item then overwrites)."""
     kernel = _kernel(fmt, 256, causal, options=options or None)

@@ -89,16 +89,19 @@ def test_head_dims_without_a_wgmma_kernel_keep_mma_sync():
             KernelSpec(recipe="f16", head_dim=d, arch="sm_90a", mma="wgmma")
 
 
-def test_d256_on_wgmma_is_selectable_and_not_routed():
-    """D = 256 has a wgmma kernel (128 x 64 tiles, the output staged over Q's rows) that a caller names with
-    mma="wgmma"; calls keep the mma.sync kernel at every length until the two are timed against each other
-    (no launch band at d256). One consumer warpgroup cannot compile O's 128 registers a thread at launch."""
+def test_d256_calls_from_256_rows_run_wgmma():
+    """D = 256 has a wgmma kernel (128 x 64 tiles, the output staged over Q's rows): calls of 1024 query rows and
+    more run it (3.4x the mma.sync kernel at L4096 on the H100), shorter ones the mma.sync kernel, which stays
+    the spec's default. One consumer warpgroup cannot compile O's 128 registers a thread at launch."""
     from qattn.formats.dense.recipes import wgmma_stages_over_q
 
     for fmt in ("f16", "bf16"):
         spec = KernelSpec(recipe=fmt, head_dim=256, arch="sm_90a")
         assert spec.family.values["mma_unit"] == "mma.sync"
-        assert not registry.launch_choices(fmt, 256, "sm_90a", False) and not registry.launch_choices(fmt, 256, "sm_90a", True)
+        for causal in (False, True):
+            assert registry.launch_choice(fmt, 256, "sm_90a", 255, causal) is None
+            choice = registry.launch_choice(fmt, 256, "sm_90a", 256, causal)
+            assert (choice.mma, choice.tile, choice.options) == ("wgmma", Tile(128, 64, 8, 2), ())
         wgmma = KernelSpec(recipe=fmt, head_dim=256, arch="sm_90a", mma="wgmma")
         assert wgmma.tile == Tile(128, 64, 8, 2) and wgmma_stages_over_q(wgmma.tile, 256)
         assert wgmma.family.smem_bytes(wgmma.tile, 256) == 128 * 512 + 2 * 2 * 64 * 512 + 64

@@ -325,29 +325,34 @@ def _bench_point(run: Run, variants, *, queries, scale, peers, rounds, splits, t
     table = page_ids(p.batch, p.ctx, p.page_size, page_order, rng)
     timed, failed, reference = _peer_calls(p, q, k, v, peers, base, table) if queries == 1 else ([], [], None)
     caches = {}
+    inputs = {"float16": (q, k, v)}  # a cache with a bf16 side takes bf16 K/V and Q: the same values rounded
     for fmt, qk, *rest in variants:
         term = rest[0] if rest else "plain"
         rec = dict(base, impl=impl_name(fmt, qk, term), format=fmt, qk=qk, k_term=term,
                    bytes=kv_bytes(fmt, p.batch, p.kv_heads, p.ctx, p.head_dim, p.page_size, scale))
+        half = "bfloat16" if "bf16" in fmt.split("-") else "float16"
+        if half not in inputs:
+            inputs[half] = tuple(x.astype(half) for x in (q, k, v))
+        fq, fk, fv = inputs[half]
         try:  # a path, option or spec this build or GPU lacks is recorded, not raised
             if (fmt, term) not in caches:
-                caches[fmt, term] = filled_cache(fmt, k, v, p.batch, p.ctx, p.kv_heads, p.head_dim, p.page_size,
+                caches[fmt, term] = filled_cache(fmt, fk, fv, p.batch, p.ctx, p.kv_heads, p.head_dim, p.page_size,
                                                  scale, table, **k_term_options(term, p.kv_heads, p.head_dim, p.ctx))
             cache, block_table = caches[fmt, term]
             own = tile
             if stages is not None:  # the variant's own default tile, with that many K/V slots
                 own = replace(cache.spec(qk=qk, rows=p.heads // p.kv_heads * queries).tile, stages=stages)
-            out = cupy.empty_like(q)
-            call = functools.partial(decode, q, cache, block_table, lens, out=out, qk=qk, splits=splits, tile=own)
+            out = cupy.empty_like(fq)
+            call = functools.partial(decode, fq, cache, block_table, lens, out=out, qk=qk, splits=splits, tile=own)
             call()
-            rec.update(launch_shape(q, cache, block_table, lens, qk=qk, splits=splits, tile=own))
+            rec.update(launch_shape(fq, cache, block_table, lens, qk=qk, splits=splits, tile=own))
         except (ValueError, TypeError, RuntimeError) as exc:
             failed.append(dict(rec, error=_first_line(exc)))
             continue
         if reference is not None and term in ("plain", "balance"):  # the K terms with a bias time unit keys
             rec["rel_l2_vs_fp16"] = _rel_l2(out, reference)
         timed.append((rec, call))
-    del k, v  # the caches and the peers' dense copies hold them now
+    del k, v, inputs  # the caches and the peers' dense copies hold them now
     records = failed
     for mode in run.modes:
         records += _time_mode(timed, mode, rounds, preludes[mode], copy_gbs)

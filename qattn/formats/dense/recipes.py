@@ -155,6 +155,10 @@ CUDA_WGMMA = Family(
 # 0.94 at B4 L8192, 1.00 against 0.92 at B8 L2048, 0.90 against 0.89 at B16 L1024; causal, a block an item,
 # 1.06 against 0.94 at B4 L8192, but 0.88 against 0.86 at B8 L2048 and 0.70 against 0.80 at B16 L1024
 # (persistent pairs of 192-row blocks lose there: 0.73 at L2048). So causal d64 calls change tile at 4096 rows.
+# d256 (two consumer warpgroups, the output staged over Q's rows) against the mma.sync kernel's m64n64w4s2 on the
+# H100, x cuDNN: 0.96-0.97 against 0.28 at B4 H16 L4096 (causal 0.91-0.96 against 0.32); 0.98-1.07 at B2 L8192;
+# time over mma.sync's 0.37 at B8 L1024, 0.48 at B16 L512, 0.67 at B32 L256 (causal 0.47, 0.61, 0.81).
+D256_WGMMA_QUERIES = 256
 WGMMA_QUERIES = 1024
 D64_THREE_WARPGROUPS = Tile(192, 128, 12, 2)
 _PERSISTENT = (("persistent", "on"),)
@@ -165,6 +169,7 @@ WGMMA_BANDS = {
     64: (LaunchChoice(WGMMA_QUERIES, Tile(128, 128, 8, 2), "wgmma", _PERSISTENT, causal=True),
          LaunchChoice(4096, D64_THREE_WARPGROUPS, "wgmma", causal=True),
          LaunchChoice(WGMMA_QUERIES, D64_THREE_WARPGROUPS, "wgmma", _PERSISTENT, causal=False)),
+    256: (LaunchChoice(D256_WGMMA_QUERIES, Tile(128, 64, 8, 2), "wgmma"),),
 }
 
 
