@@ -179,7 +179,7 @@ def test_attention_runs_wgmma_from_1024_query_rows(fmt, causal, monkeypatch):
     (recipes.LAUNCH_TILES), shorter ones the mma.sync default, but for non-causal d128 calls from 512
     rows; persistent blocks for causal calls (at d64 below 4096 rows) and non-causal d64 ones, and
     non-causal d128 ones below 4096 rows; d64 on three consumer warpgroups but for causal calls below 4096
-    rows; d256 on wgmma from 256 rows, a block an item; each within its format's tolerance of FP64, with a tail
+    rows; d256 on wgmma from 256 rows (causal persistent); each within its format's tolerance of FP64, with a tail
     past the last block."""
     from qattn import api
 
@@ -195,7 +195,7 @@ def test_attention_runs_wgmma_from_1024_query_rows(fmt, causal, monkeypatch):
                                       (1024 + 77, 128, "wgmma", "on", m128),
                                       (4096 + 77, 128, "wgmma", "on" if causal else "off", m128),
                                       (200, 256, "mma.sync", None, None),
-                                      (256 + 77, 256, "wgmma", "off", Tile(128, 64, 8, 2))):
+                                      (256 + 77, 256, "wgmma", "on" if causal else "off", Tile(128, 64, 8, 2))):
         host, (q, k, v) = _host_inputs(rng, fmt, 1, 4, 2, lq, lq + 33, d)
         before = set(api._CALL_KERNELS)
         out = qattn.attention(q, k, v, format=fmt, causal=causal)

@@ -157,7 +157,10 @@ CUDA_WGMMA = Family(
 # (persistent pairs of 192-row blocks lose there: 0.73 at L2048). So causal d64 calls change tile at 4096 rows.
 # d256 (two consumer warpgroups, the output staged over Q's rows) against the mma.sync kernel's m64n64w4s2 on the
 # H100, x cuDNN: 0.96-0.97 against 0.28 at B4 H16 L4096 (causal 0.91-0.96 against 0.32); 0.98-1.07 at B2 L8192;
-# time over mma.sync's 0.37 at B8 L1024, 0.48 at B16 L512, 0.67 at B32 L256 (causal 0.47, 0.61, 0.81).
+# time over mma.sync's 0.37 at B8 L1024, 0.48 at B16 L512, 0.67 at B32 L256 (causal 0.47, 0.61, 0.81), but 1.03 at
+# B64 L128 (causal 1.18). Causal calls in persistent pairs: 0.95 of a block an item at B8 L1024, 0.93 at B4 L2048,
+# 0.99 at B2 L4096 (bf16 0.96 and 0.91); non-causal ones gain nothing that holds (0.99 at L1024, 1.05 at L2048, 1.08
+# at L4096).
 D256_WGMMA_QUERIES = 256
 WGMMA_QUERIES = 1024
 D64_THREE_WARPGROUPS = Tile(192, 128, 12, 2)
@@ -169,7 +172,8 @@ WGMMA_BANDS = {
     64: (LaunchChoice(WGMMA_QUERIES, Tile(128, 128, 8, 2), "wgmma", _PERSISTENT, causal=True),
          LaunchChoice(4096, D64_THREE_WARPGROUPS, "wgmma", causal=True),
          LaunchChoice(WGMMA_QUERIES, D64_THREE_WARPGROUPS, "wgmma", _PERSISTENT, causal=False)),
-    256: (LaunchChoice(D256_WGMMA_QUERIES, Tile(128, 64, 8, 2), "wgmma"),),
+    256: (LaunchChoice(D256_WGMMA_QUERIES, Tile(128, 64, 8, 2), "wgmma", _PERSISTENT, causal=True),
+          LaunchChoice(D256_WGMMA_QUERIES, Tile(128, 64, 8, 2), "wgmma", causal=False)),
 }
 
 
