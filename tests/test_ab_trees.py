@@ -52,6 +52,20 @@ def test_record_key_leaves_out_measurements():
     assert ab_trees.record_key(ran) == ab_trees.record_key(dict(a, splits=4, merge="kernel"))
 
 
+def test_prefill_records_keep_causal_apart_and_name_their_length():
+    """`qattn bench` (prefill) records carry seq and a causal flag: the same shape causal and not are two records,
+    each labelled with its length."""
+    rec = {"batch": 16, "heads": 32, "seq": 1024, "head_dim": 128, "causal": False, "impl": "qattn:f16", "ms": 0.6,
+           "kernel": "prefill_f16_d128_m128n128w8s2_wgmma_sm90a", "rel_l2": 2.8e-4, "tflops": 450.0}
+    causal = dict(rec, causal=True, ms=0.4)
+    assert ab_trees.record_key(rec) != ab_trees.record_key(causal)
+    rows = ab_trees.summary_rows(ab_trees.collect({"base": [[rec, causal]], "new": [[dict(rec, ms=0.5), causal]]}),
+                                 ["base", "new"])
+    assert [row["label"] for row in rows] == ["qattn:f16 16x1024 causal head_dim 128, heads 32",
+                                              "qattn:f16 16x1024 head_dim 128, heads 32"]
+    assert rows[0]["ratio"]["new"] == pytest.approx(1.0) and rows[1]["ratio"]["new"] == pytest.approx(0.5 / 0.6)
+
+
 def test_records_of_a_list_or_an_object():
     rec = _record("x", 0.1)
     assert ab_trees.records_of([rec, "note"]) == [rec]  # `qattn parity --json` writes a list

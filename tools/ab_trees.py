@@ -49,10 +49,10 @@ def round_orders(names: list[str], rounds: int) -> list[list[str]]:
 
 
 def record_key(record: dict) -> tuple:
-    """What identifies a record across runs: its str and int fields, measurements excluded."""
+    """What identifies a record across runs: its str, int and bool fields (a prefill record's causal flag),
+    measurements excluded."""
     return tuple(sorted((k, v) for k, v in record.items()
-                        if k not in MEASURED and k not in HOW and not k.startswith("vs_") and isinstance(v, (str, int))
-                        and not isinstance(v, bool)))
+                        if k not in MEASURED and k not in HOW and not k.startswith("vs_") and isinstance(v, (str, int))))
 
 
 def records_of(result) -> list[dict]:
@@ -77,10 +77,14 @@ LABEL_FIELDS = ("impl", "batch", "ctx", "page_size", "head_dim", "heads", "kv_he
 
 
 def label(key: tuple) -> str:
+    """A record's name in the summary: its implementation, BATCHxLENGTH (a decode record's context, a prefill
+    record's sequence), "causal" where it is, and the other fields that tell records apart."""
     fields = dict(key)
-    shape = f"{fields['batch']}x{fields['ctx']}" if "batch" in fields and "ctx" in fields else ""
+    length = fields.get("ctx", fields.get("seq"))
+    shape = f"{fields['batch']}x{length}" if "batch" in fields and length is not None else ""
     rest = [f"{k} {fields[k]}" for k in LABEL_FIELDS if k in fields and k not in ("impl", "batch", "ctx")]
-    return " ".join(x for x in (str(fields.get("impl", "")), shape, ", ".join(rest)) if x)
+    return " ".join(x for x in (str(fields.get("impl", "")), shape, "causal" if fields.get("causal") else "",
+                                ", ".join(rest)) if x)
 
 
 def summary_rows(table: dict, names: list[str]) -> list[dict]:
