@@ -33,6 +33,35 @@ def warp_rows_problem(tile: Tile, d: int) -> str | None:
     return None
 
 
+def warpgroup_rows_problem(tile: Tile) -> str | None:
+    """Warp-specialized wgmma kernels: one, two or three consumer warpgroups of 64 query rows each."""
+    if tile.block_m not in (64, 128, 192) or tile.block_m != 16 * tile.warps:
+        return ("block_m must be 64, 128 or 192, 64 rows per consumer warpgroup of 4 warps "
+                f"(warps = block_m / 16), got {tile.block_m}/{tile.warps}")
+    return None
+
+
+def wgmma_launch_registers(tile: Tile, blocks_per_sm: int) -> int:
+    """Registers a thread of a warp-specialized wgmma kernel (the consumer warps and one producer warpgroup)
+    has at launch, blocks_per_sm blocks to an SM: what ptxas compiles it for."""
+    return 65536 // ((32 * tile.warps + 128) * blocks_per_sm) // 8 * 8
+
+
+def wgmma_consumer_registers(tile: Tile, blocks_per_sm: int, producer_regs: int) -> int:
+    """Registers a consumer thread gets once the producer warpgroup keeps producer_regs a thread (setmaxnreg,
+    in its steps of 8)."""
+    threads = 32 * tile.warps + 128
+    return (wgmma_launch_registers(tile, blocks_per_sm) * threads - producer_regs * 128) // (32 * tile.warps) // 8 * 8
+
+
+def consumer_registers_problem(need: int, have: int) -> str | None:
+    """A consumer thread's O, S and P (need registers, counted by its family) against what it gets (have)."""
+    if need > have:
+        return (f"O, S and P need about {need} registers a consumer thread, {have} are left: use fewer warps or a "
+                "narrower block_n")
+    return None
+
+
 def first_problem(*checks) -> str | None:
     """The first check that fails (checks are zero-argument callables, run in order)."""
     return next((p for p in (check() for check in checks) if p), None)

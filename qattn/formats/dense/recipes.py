@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from ...engine.family import CUDA_ARCHS, HIP_ARCHS, SMEM_PER_BLOCK, Family, LaunchChoice, Recipe, Tolerance
 from ...engine.tiling import (first_problem, padded_row_bytes, ring_problem, simt_problem, simt_smem, smem_problem,
-                              tile_pitch, unpipelined_problem, warp_rows_problem)
+                              tile_pitch, unpipelined_problem, warp_rows_problem, warpgroup_rows_problem,
+                              consumer_registers_problem, wgmma_consumer_registers, wgmma_launch_registers)
 from ...engine.tile import Tile
 
 
@@ -80,19 +81,13 @@ _WGMMA_PRODUCER_REGS = 24
 _WGMMA_ROWS_PRODUCER_REGS = 56
 
 
-def wgmma_consumer_registers(tile: Tile, producer_regs: int = _WGMMA_PRODUCER_REGS) -> int:
-    """Registers a consumer thread gets (prefill_wgmma.cu.j2: one block per SM, two for a single
-    consumer warpgroup; the producer warpgroup keeps producer_regs: the TMA producer's by default)."""
-    threads = 32 * tile.warps + 128
-    launch = 65536 // (threads * (2 if tile.warps == 4 else 1)) // 8 * 8
-    return (launch * threads - producer_regs * 128) // (32 * tile.warps) // 8 * 8
+def _wgmma_blocks_per_sm(tile: Tile) -> int:
+    """prefill_wgmma.cu.j2's BLOCKS_PER_SM: one block per SM, two for a single consumer warpgroup."""
+    return 2 if tile.warps == 4 else 1
 
 
 def _wgmma_problem(tile: Tile, d: int) -> str | None:
     def shape():
-        if tile.block_m not in (64, 128, 192) or tile.block_m != 16 * tile.warps:
-            return ("block_m must be 64, 128 or 192, 64 rows per consumer warpgroup of 4 warps "
-                    f"(warps = block_m / 16), got {tile.block_m}/{tile.warps}")
         if tile.block_n % 16 or not 64 <= tile.block_n <= 192:
             return f"block_n must be a multiple of 16 in [64, 192], got {tile.block_n}"
         return None
@@ -100,19 +95,19 @@ def _wgmma_problem(tile: Tile, d: int) -> str | None:
     def registers():
         # O, S and P (d / 2 + block_n / 2 + block_n / 4 a thread) and ~32 for addresses and statistics
         # (ptxas 13.0 fits m192n128w12 at d64 and m192n80w12 at d128 in 160 without spills)
-        need, have = d // 2 + 3 * tile.block_n // 4 + 32, wgmma_consumer_registers(tile)
-        if need > have:
-            return (f"O, S and P need about {need} registers a consumer thread, {have} are left: use fewer "
-                    "warps or a narrower block_n")
+        need = d // 2 + 3 * tile.block_n // 4 + 32
+        have = wgmma_consumer_registers(tile, _wgmma_blocks_per_sm(tile), _WGMMA_PRODUCER_REGS)
+        if problem := consumer_registers_problem(need, have):
+            return problem
         # ptxas compiles the kernel for its launch registers (two blocks an SM with one consumer warpgroup:
         # 128), and one P V product holds O's d / 2 of them (at d256: C7602, too few to compile)
-        launch = 65536 // ((32 * tile.warps + 128) * (2 if tile.warps == 4 else 1)) // 8 * 8
+        launch = wgmma_launch_registers(tile, _wgmma_blocks_per_sm(tile))
         if d // 2 + 32 > launch:
             return (f"O needs {d // 2} registers a thread and a launch of {tile.warps} warps gives {launch}: use "
                     "two or more consumer warpgroups")
         return None
 
-    return first_problem(shape, registers, lambda: ring_problem(tile),
+    return first_problem(lambda: warpgroup_rows_problem(tile), shape, registers, lambda: ring_problem(tile),
                          lambda: smem_problem(_wgmma_smem(tile, d), "cuda"))
 
 

@@ -7,7 +7,8 @@ from typing import Callable
 
 from ...engine.family import CUDA_ARCHS, HIP_ARCHS, Family, LaunchChoice, Recipe, Tolerance
 from ...engine.tiling import (first_problem, padded_row_bytes, ring_problem, smem_problem, tile_pitch,
-                              unpipelined_problem, warp_rows_problem)
+                              unpipelined_problem, warp_rows_problem, warpgroup_rows_problem, consumer_registers_problem,
+                              wgmma_consumer_registers)
 from ...engine.tile import Tile
 
 # ---- CUDA: m16n8k32 s8 QK, PV in fp16, int8 or e4m3 ---------------------------------------------
@@ -124,19 +125,9 @@ def wgmma_blocks_per_sm(tile: Tile, d: int) -> int:
     return 1 if tile.warps >= 8 else 3 if d + tile.block_n <= 128 else 2
 
 
-def _wgmma_consumer_registers(tile: Tile, d: int) -> int:
-    """Registers a consumer thread gets (BLOCKS_PER_SM in attention_i8_wgmma.cuh.j2)."""
-    threads = 32 * tile.warps + 128
-    launch = 65536 // (threads * wgmma_blocks_per_sm(tile, d)) // 8 * 8
-    return (launch * threads - _PRODUCER_REGS * 128) // (32 * tile.warps) // 8 * 8
-
-
 def _wgmma_problem(pv: str) -> Callable[[Tile, int], str | None]:
     def problem(tile: Tile, d: int) -> str | None:
         def shape():
-            if tile.block_m not in (64, 128, 192) or tile.block_m != 16 * tile.warps:
-                return ("block_m must be 64, 128 or 192, 64 rows per consumer warpgroup of 4 warps "
-                        f"(warps = block_m / 16), got {tile.block_m}/{tile.warps}")
             if tile.block_n % 32 or not 64 <= tile.block_n <= 224:
                 return f"block_n must be a multiple of 32 in [64, 224] (the s8 wgmma's k step), got {tile.block_n}"
             return None
@@ -146,14 +137,11 @@ def _wgmma_problem(pv: str) -> Callable[[Tile, int], str | None]:
             # scales and statistics: m192n128w12 at d64 fits 160 without spills (causal: 120 B stored,
             # 188 loaded). The e4m3 kernel holds O and S (d / 2 + block_n / 2) and ~24 more: S is issued
             # beside PV only where registers allow (S_BESIDE_PV), and the softmax packs P over S.
-            have = _wgmma_consumer_registers(tile, d)
             need = d // 2 + 3 * tile.block_n // 4 + 32 if pv == "f16" else d // 2 + tile.block_n // 2 + 24
-            if need > have:
-                return (f"O, S and P need about {need} registers a consumer thread, {have} are left: use "
-                        "fewer warps or a narrower block_n")
-            return None
+            return consumer_registers_problem(need, wgmma_consumer_registers(tile, wgmma_blocks_per_sm(tile, d),
+                                                                             _PRODUCER_REGS))
 
-        return first_problem(shape, registers, lambda: ring_problem(tile),
+        return first_problem(lambda: warpgroup_rows_problem(tile), shape, registers, lambda: ring_problem(tile),
                              lambda: smem_problem(_wgmma_smem(pv)(tile, d), "cuda"))
 
     return problem
