@@ -525,6 +525,21 @@ def test_cache_commands(cache_dir):
     assert KernelCache().entries() == []
 
 
+def test_python_m_qattn_runs_the_cli():
+    """`python -m qattn` is the console script: same commands, same name in its usage line."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-m", "qattn", "--help"], capture_output=True, text=True, cwd="/",
+                            env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Usage: qattn [OPTIONS] COMMAND") and "tune" in result.stdout
+    version = subprocess.run([sys.executable, "-m", "qattn", "--version"], capture_output=True, text=True, cwd="/",
+                             env=env, timeout=120)
+    assert version.returncode == 0 and version.stdout.strip() == f"qattn, version {qattn.__version__}"
+    bad = subprocess.run([sys.executable, "-m", "qattn", "no-such-command"], capture_output=True, text=True, cwd="/",
+                         env=env, timeout=120)
+    assert bad.returncode == 2 and "No such command 'no-such-command'" in bad.stderr
+
+
 def test_tools_parity_help():
     path = ROOT / "tools" / "parity"
     assert os.access(path, os.X_OK)
