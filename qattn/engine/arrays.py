@@ -5,6 +5,11 @@ from __future__ import annotations
 import contextlib
 
 
+# What a caller holding host arrays can do instead.
+HOST_HINT = ("copy it to the GPU first (cupy.asarray(x), or x.cuda() for torch); "
+             "qattn.check.emulate.emulate(format, q, k, v) computes a format on the CPU")
+
+
 def as_device_array(x, name: str):
     """A CuPy view of x on the GPU, or TypeError naming the argument."""
     import cupy
@@ -17,7 +22,7 @@ def as_device_array(x, name: str):
         device_type = x.__dlpack_device__()[0]
         if int(device_type) not in (2, 13):  # kDLCUDA, kDLCUDAManaged
             raise TypeError(f"{name}: expected a CUDA array, got a {type(x).__module__}.{type(x).__name__} "
-                            f"on a non-CUDA device (DLPack device type {int(device_type)})")
+                            f"on a non-CUDA device (DLPack device type {int(device_type)}); {HOST_HINT}")
         try:
             return cupy.from_dlpack(x)
         except Exception:  # older exporters: fall back to the CUDA array interface below
@@ -25,7 +30,7 @@ def as_device_array(x, name: str):
     if hasattr(x, "__cuda_array_interface__"):
         return cupy.asarray(x)
     raise TypeError(f"{name}: expected a CUDA array (CuPy, or an object with DLPack/__cuda_array_interface__ "
-                    f"such as a torch CUDA tensor), got {type(x).__module__}.{type(x).__name__}")
+                    f"such as a torch CUDA tensor), got {type(x).__module__}.{type(x).__name__}; {HOST_HINT}")
 
 
 def like_input(result, example):
