@@ -386,3 +386,41 @@ def test_head_dim_256(fmt, causal, options):
         res, lse = kernel(q, k, v, out=out, return_lse=True)
         assert res is out
         _check(fmt, kernel, out, host, causal=causal, lse=lse)
+
+
+@pytest.mark.parametrize("fmt", ["f16", "bf16", "i8-f16", "i8-f8"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("persistent", ["off", "on"])
+def test_bulk_stored_rows_give_the_same_bits(fmt, causal, persistent):
+    """out_bulk "on" (each warp hands its output rows to bulk copies and goes on; a persistent block stages its
+    next item's rows only once the copies have read the last) against the warps' own stores: the same bits
+    and LSE, into an output stored [B, L, H, D] with rows past Lq that neither writes, with tails, GQA and
+    several items per persistent block; within the format's tolerance of FP64."""
+    import cupy
+    from qattn.formats.int8qk import host as int8
+
+    options = {"persistent": persistent}
+    own = _kernel(fmt, 128, causal, options=options)
+    bulk = _kernel(fmt, 128, causal, options={**options, "out_bulk": "on"})
+    assert "outbulk" in bulk.spec.name and bulk.spec.tile == own.spec.tile
+    rng = np.random.default_rng()
+    for b, hq, hkv, lq, lk in ((2, 16, 4, 2100, 2100), (3, 8, 8, 300, 1029), (1, 2, 1, 77, 1)):
+        if fmt.startswith("i8"):
+            host, (q, k, v) = _i8_inputs(rng, "float16", b, hq, hkv, lq, lk, 128)
+        else:
+            host, (q, k, v) = _host_inputs(rng, fmt, b, hq, hkv, lq, lk, 128)
+        outs = []
+        for kernel in (own, bulk):
+            store = _poisoned((b, lq + 5, hq, 128), q.dtype)
+            out = store[:, :lq].transpose(0, 2, 1, 3)
+            res, lse = kernel(q, k, v, out=out, return_lse=True)
+            poison = _poisoned((1,), q.dtype).view(cupy.uint16)[0]
+            assert res is out and bool((store[:, lq:].view(cupy.uint16) == poison).all()), "a row past Lq was written"
+            outs.append((out, lse))
+        (a, la), (c, lc) = outs
+        assert cupy.array_equal(a.view(cupy.uint16), c.view(cupy.uint16)), (b, hq, lq, lk)
+        assert cupy.array_equal(la, lc), (b, hq, lq, lk)
+    if fmt == "i8-f8":
+        _check_i8(fmt, c, host, causal=causal, lse=lc, options=int8.emulator_options(bulk.spec))
+    else:
+        _check(fmt, bulk, c, host, causal=causal, lse=lc)
