@@ -49,6 +49,28 @@ def _default_arch(backend: str) -> str:
 DEFAULT_FORMAT = {"prefill": "f16", "decode": "f16-f16"}
 
 
+def _parse_template_options(ctx, param, values) -> dict:
+    """--option NAME=VALUE pairs as a dict (a name once)."""
+    options = {}
+    for value in values:
+        name, eq, setting = value.partition("=")
+        name, setting = name.strip(), setting.strip()
+        if not eq or not name or not setting:
+            raise click.BadParameter(f"expected NAME=VALUE, e.g. persistent=on, got {value!r}")
+        if name in options:
+            raise click.BadParameter(f"{name} given twice ({options[name]!r} and {setting!r})")
+        options[name] = setting
+    return options
+
+
+def template_options(kind: str, options: dict) -> dict:
+    """The prefill template options of --option (a decode kernel's are its own flags, --page-size to --k-rope)."""
+    if options and kind != "prefill":
+        raise click.BadParameter(f"{kind} kernels take their options as --page-size, --scale, --qk, --k-mean, "
+                                 "--k-balance and --k-rope", param_hint="'--option'")
+    return options
+
+
 def decode_options(kind: str, page_size: int | None, scale: str | None, qk: str | None,
                    k_mean: str | None = None, k_balance: bool | None = None, k_rope: str | None = None) -> dict:
     """The spec options of --page-size, --scale, --qk, --k-mean, --k-balance and --k-rope: decode kernels only."""
@@ -140,6 +162,9 @@ def spec_options(repeatable: bool = False):
                      help="decode: the residual K of an 8-bit K with a pre-RoPE bias: post-RoPE keys (K - R_p b stored, "
                           "q·R_p b added back per key), pre-RoPE keys (k_pre - b stored, turned on chip; transform "
                           "path) or off (default)"),
+        click.option("--option", "options", multiple=True, metavar="NAME=VALUE", callback=_parse_template_options,
+                     help="prefill: a template option of the kernel's family, e.g. persistent=on or out_bulk=on on the "
+                          "sm_90a wgmma kernels (`qattn list` names each family's); repeatable"),
         click.option("--arch", "arch", multiple=repeatable, metavar="ARCH",
                      help=f"target, e.g. sm_90a or gfx942 (default: the current GPU's, else "
                           f"{FALLBACK_ARCH['cuda']} / {FALLBACK_ARCH['hip']}){many}"),
@@ -159,9 +184,16 @@ def main():
     time and checked against an FP64 reference."""
 
 
+def _option_choices(family, name: str) -> str:
+    """An option's values, with the head dims whose default is not the first (pingpong off|on (d128: on))."""
+    first = family.options[name][0]
+    other = [f"d{d}: {family.option_default(name, d)}" for d in family.head_dims if family.option_default(name, d) != first]
+    return f"{name} {'|'.join(map(str, family.options[name]))}" + (f" ({', '.join(other)})" if other else "")
+
+
 @main.command("list")
 def list_():
-    """Show kernel kinds, formats, and for each backend its head dims, default tiles and archs."""
+    """Show kernel kinds, formats, and for each backend its head dims, default tiles, template options and archs."""
     console = _console()
     console.print(f"kinds: {', '.join(KINDS)}")
     formats = _table("formats", "format", "summary", "inputs", "kernels", "max_rel / rel_l2")
@@ -214,6 +246,8 @@ def list_():
                 if arch not in entry[2]:  # (formats that share the family name its archs once)
                     entry[2].append(arch)
     kernels = _table("kernels", "backend", "formats", "head dims", "default tiles (m BLOCK_M n BLOCK_N w warps s stages)", "archs")
+    options = _table("template options of the prefill kernels (--option NAME=VALUE; the default first, or as named "
+                     "for a head dim)", "backend", "formats", "options")
     for (backend, _), (family, names, used_on) in sorted(families.items(), key=lambda item: (item[0][0], item[1][1][0])):
         if used_on is None:  # the backend's family: on the archs that do not build another one
             used_on = [a for a in family.archs
@@ -230,7 +264,10 @@ def list_():
         tiles = "\n".join(tiles)
         kernels.add_row(backend, ", ".join(names), ", ".join(map(str, family.head_dims)), tiles,
                         ", ".join(used_on))
+        if family.options:
+            options.add_row(backend, ", ".join(names), "; ".join(_option_choices(family, name) for name in family.options))
     console.print(kernels)
+    console.print(options)
 
 
 @main.command()
@@ -239,12 +276,13 @@ def list_():
               help="write the source to FILE instead of printing it")
 @user_errors
 def gen(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, k_mean, k_balance, k_rope,
-        arch, output):
+        options, arch, output):
     """Print the rendered kernel source of one spec (KIND: prefill or decode)."""
     from .engine.render import render
 
     spec = make_spec(kind, fmt, head_dim, tile, warps, stages, bool(causal), backend, arch or _default_arch(backend), mma,
-                     decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope))
+                     {**template_options(kind, options),
+                      **decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope)})
     source = render(spec)
     if output is None:
         click.echo(source, nl=False)
@@ -299,15 +337,15 @@ def _resource_rows(backend: str, res: dict) -> list[tuple[str, object]]:
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @user_errors
 def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, k_mean, k_balance, k_rope,
-            arch,
-            as_json):
+            options, arch, as_json):
     """Compile one spec and show its resources (CUDA: registers, shared memory, stack, spills,
     blocks/SM; HIP: VGPRs, SGPRs, LDS, scratch, spills, waves/SIMD) and its matrix and conversion
     instructions."""
     spec = make_spec(kind, fmt, head_dim, tile, warps, stages, bool(causal), backend, arch or _default_arch(backend), mma,
-                     decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope))
+                     {**template_options(kind, options),
+                      **decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope)})
     report = inspect_spec(spec)
-    named_tile = tile is not None or warps is not None or stages is not None
+    named_tile = tile is not None or warps is not None or stages is not None or bool(options)
     # prefill only: a decode kernel's tile is fixed by its format
     listed = () if spec.kind != "prefill" or named_tile or backend != "cuda" or spec.mma is not None else \
         registry.launch_choices(spec.recipe, spec.head_dim, spec.arch, spec.causal)
@@ -404,13 +442,13 @@ def _first_error_line(exc: Exception) -> str:
               help="every supported combination of the formats with a kernel (options given narrow it)")
 @user_errors
 def compile_(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, k_mean, k_balance, k_rope,
-             arch,
-             every):
+             options, arch, every):
     """Compile a matrix of specs x archs into the kernel cache (no GPU needed); exit 1 if any fails."""
     from .engine.kernel import build_kernel
 
     specs = compile_matrix(kind, list(fmt), list(head_dim), tile, warps, stages, causal, backend, list(arch), every, mma,
-                           decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope))
+                           {**template_options(kind, options),
+                            **decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope)})
     regs, spills = ("regs", "spills (B)") if backend == "cuda" else ("VGPRs", "spilled regs")
     summary = _table(None, "spec", "status", "s", regs, "smem (B)", spills, right=("s", regs, "smem (B)", spills))
     failed, start = [], time.perf_counter()

@@ -25,8 +25,14 @@ _OPTION_OF_FIELD = {
     "kind": "KIND", "format": "--format", "backend": "--backend", "head_dim": "--head-dim", "arch": "--arch",
     "causal": "--causal", "mma": "--mma", "tile": "--tile", "tile.warps": "--warps", "tile.stages": "--stages",
     "shape": "--shape", "heads": "--heads", "kv_heads": "--kv-heads", "ctx": "--ctx", "preset": "--preset",
-    "npz": "--npz", "page_size": "--page-size", "scale_mode": "--scale", "options": "--page-size / --scale",
+    "npz": "--npz", "page_size": "--page-size", "scale_mode": "--scale", "options": "--option",
 }
+
+
+def _template_option(field: str) -> bool:
+    """Whether field is a prefill family's template option (an --option name)."""
+    return any(field in family.options for rec in RECIPES.values()
+               for families in ((*rec.families.values(),), *rec.arch_families.values()) for family in families)
 
 
 _FIELD = re.compile(r"^([a-z_]+(?:\.[a-z_]+)?)\b")
@@ -39,7 +45,8 @@ def _as_click_error(exc: Exception) -> click.ClickException:
         match = _FIELD.match(message)
         if match:
             field = match.group(1)
-            hint = _OPTION_OF_FIELD.get(field) or _OPTION_OF_FIELD.get(field.split(".")[0])
+            hint = (_OPTION_OF_FIELD.get(field) or _OPTION_OF_FIELD.get(field.split(".")[0])
+                    or ("--option" if _template_option(field) else None))
             if hint:
                 return click.BadParameter(message, param_hint=f"'{hint}'")
     return click.ClickException(message)

@@ -563,6 +563,49 @@ def test_gen_on_a_chosen_matrix_unit():
     assert bad.exit_code == 2 and "'--mma'" in bad.output and "mma.sync" in bad.output
 
 
+def test_template_options_select_a_kernel_variant(tmp_path):
+    """--option NAME=VALUE (repeatable) sets a prefill family's template options in gen, inspect and compile, each
+    checked against the family's (named in `qattn list`), its errors pointing at --option."""
+    runner = CliRunner()
+    base = ["gen", "-f", "f16", "--arch", "sm_90a", "--mma", "wgmma"]
+    plain = runner.invoke(main, base)
+    chosen = runner.invoke(main, [*base, "--option", "persistent=on", "--option", "out_bulk=on"])
+    assert plain.exit_code == 0 and chosen.exit_code == 0, chosen.output
+    assert "constexpr bool O_BULK = false" in plain.output and "constexpr bool O_BULK = true" in chosen.output
+    assert "constexpr bool PERSISTENT = true" in chosen.output
+    assert "prefill_f16_d128_m128n128w8s2_wgmma_pingpong_persistent_outbulk_sm90a" in chosen.output
+    off = runner.invoke(main, [*base, "--option", "out_bulk=off"])
+    assert off.exit_code == 0 and off.output == plain.output  # the default, spelled out: the same kernel
+    specs = compile_matrix("prefill", ["f16", "bf16"], [64, 128], None, None, None, None, "cuda", ["sm_90a"], False,
+                           "wgmma", {"out_bulk": "on"})
+    assert len(specs) == 4 and all(dict(s.options)["out_bulk"] == "on" for s in specs)
+    listed = runner.invoke(main, ["list"], env={"COLUMNS": "240"}).output
+    rows = [line for line in listed.splitlines() if "out_bulk off|on" in line]
+    assert any("f16 (--mma wgmma)" in line and "persistent off|on" in line for line in rows), rows
+    assert any("i8-f8 (default: wgmma)" in line for line in rows), rows
+    assert "pingpong off|on (d128: on)" in " ".join(listed.split())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--option", "persistent"], "expected NAME=VALUE, e.g. persistent=on, got 'persistent'"),
+    (["--option", "persistent=on", "--option", "persistent=off"], "persistent given twice"),
+    (["--mma", "wgmma", "--option", "out_bulk=maybe"], "out_bulk: f16 takes one of off, on, got 'maybe'"),
+    (["--mma", "wgmma", "--option", "colour=blue"], "options: f16 takes kv_rows, pingpong, persistent, out_bulk, got colour"),
+    (["--mma", "wgmma", "-d", "256", "--option", "out_bulk=on"], "out_bulk: tile m128n64w8s2 at d256 stages its output"),
+    (["--option", "persistent=on"], "f16 on mma.sync takes none, got persistent; its wgmma kernel does (mma='wgmma')"),
+])
+def test_template_option_errors_name_the_option(args, message):
+    result = run("gen", "-f", "f16", "--arch", "sm_90a", *args)
+    assert_usage_error(result, "--option")
+    assert message in " ".join(result.output.split()), result.output
+
+
+def test_template_options_are_for_prefill():
+    result = run("gen", "decode", "-f", "e4m3-e4m3", "--arch", "sm_90a", "--option", "page_size=16")
+    assert_usage_error(result, "--option")
+    assert "decode kernels take their options as --page-size" in " ".join(result.output.split())
+
+
 def test_sanitize_workload_adds_the_arch_s_other_units(monkeypatch):
     """tools/sanitize.py covers every format, and on sm_90a also each format's other matrix unit
     (FORMAT@UNIT: f16 and bf16 on wgmma, i8-f16 and i8-f8 on mma.sync, kv8-imma on wgmma)."""

@@ -103,7 +103,13 @@ class KernelSpec:
         unknown = set(given) - set(fam.options)
         if unknown:
             have = ", ".join(fam.options) or "none"
-            raise ValueError(f"options: {self.recipe} takes {have}, got {', '.join(sorted(map(str, unknown)))}")
+            # another matrix unit of this arch whose kernel takes them all (f16's wgmma kernel on sm_90a)
+            units = [f.values["mma_unit"] for f in recipe(self.recipe, self.kind).arch_options(self.backend, self.arch)
+                     if f is not fam and "mma_unit" in f.values and set(given) <= set(f.options)]
+            elsewhere = f"; its {units[0]} kernel does (mma={units[0]!r})" if units else ""
+            unit = f" on {fam.values['mma_unit']}" if units and "mma_unit" in fam.values else ""
+            raise ValueError(f"options: {self.recipe}{unit} takes {have}, got {', '.join(sorted(map(str, unknown)))}"
+                             f"{elsewhere}")
         for name, allowed in fam.options.items():
             if name in given and given[name] not in allowed:
                 raise ValueError(f"{name}: {self.recipe} takes one of {', '.join(map(str, allowed))}, "
