@@ -163,7 +163,7 @@ def spec_options(repeatable: bool = False):
                           "q·R_p b added back per key), pre-RoPE keys (k_pre - b stored, turned on chip; transform "
                           "path) or off (default)"),
         click.option("--option", "options", multiple=True, metavar="NAME=VALUE", callback=_parse_template_options,
-                     help="prefill: a template option of the kernel's family, e.g. persistent=on or out_bulk=on on the "
+                     help="prefill: a template option of the kernel's family, e.g. persistent=on or pingpong=off on the "
                           "sm_90a wgmma kernels (`qattn list` names each family's); repeatable"),
         click.option("--arch", "arch", multiple=repeatable, metavar="ARCH",
                      help=f"target, e.g. sm_90a or gfx942 (default: the current GPU's, else "

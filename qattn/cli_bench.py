@@ -50,9 +50,10 @@ def _parse_bench_shapes(ctx, param, values):
 @click.option("--sustained", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
               help="time each implementation over SECONDS of back-to-back calls per round (the power-capped "
                    "steady state) instead of single calls")
-@click.option("--settle", type=click.FloatRange(min=0), default=0.0, show_default=True, metavar="SECONDS",
+@click.option("--settle", type=click.FloatRange(min=0), default=0.3, show_default=True, metavar="SECONDS",
               help="idle the GPU this long before each implementation's timing, so that none is timed in the "
-                   "wake of a power-hungry one")
+                   "wake of a power-hungry one (with 0, the entry listed right after the peers follows them in "
+                   "every other round and reads several percent slow)")
 @user_errors
 def bench(ctx, formats, shapes, head_dim, causal, peers, json_path, seed, rounds, sustained, settle):
     """Time qattn prefill kernels and their peers (torch SDPA flash and cuDNN, SageAttention) on the

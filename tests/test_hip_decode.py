@@ -83,10 +83,9 @@ def test_cuda_family_takes_no_arch_refusal():
     from qattn.engine.family import CUDA_ARCHS
 
     problem = qattn.recipe("e4m3-e4m3", "decode").family("cuda").option_problem
-    tile = qattn.Tile(64, 64, 4, 2)
-    assert all(problem({"qk": qk, "k_rope": rope}, arch, 256, tile) is None for arch in CUDA_ARCHS
+    assert all(problem({"qk": qk, "k_rope": rope}, arch, 256) is None for arch in CUDA_ARCHS
                for qk in ("transform", "fp8") for rope in ("off", "post"))
-    assert problem({"qk": "fp8", "k_rope": "pre"}, "sm_90a", 128, tile).startswith("qk: the pre-RoPE residual K")
+    assert problem({"qk": "fp8", "k_rope": "pre"}, "sm_90a", 128).startswith("qk: the pre-RoPE residual K")
 
 
 # ---- compiled code ------------------------------------------------------------------------------

@@ -338,9 +338,8 @@ def test_attention_takes_the_listed_wgmma_kernel_from_1024_query_rows(monkeypatc
 
 def test_int8_calls_on_short_sequences_take_their_listed_kernels(monkeypatch):
     """On sm_90a (int8qk recipes.LAUNCH_TILES) i8-f8 calls below 2048 query rows (non-causal) or 4096
-    (causal) run the m64 tile, two blocks per SM; longer ones the 192-row default (at d128 with its output rows
-    by bulk copies, but for non-causal calls from 32768 rows); both tiles quantize alike (one Q scale a row, four K
-    scale groups per 128 keys), so the operands do not depend on it.
+    (causal) run the m64 tile, two blocks per SM; longer ones the 192-row default; both tiles quantize
+    alike (one Q scale a row, four K scale groups per 128 keys), so the operands do not depend on it.
     i8-f16 calls below 4096 rows run persistent blocks."""
     import contextlib
     from types import SimpleNamespace
@@ -362,12 +361,9 @@ def test_int8_calls_on_short_sequences_take_their_listed_kernels(monkeypatch):
     for d in (64, 128):
         for causal, least in ((False, 2048), (True, 4096)):
             for rows, tile in ((1, I8_F8_SHORT_TILE), (1024, I8_F8_SHORT_TILE), (least - 1, I8_F8_SHORT_TILE),
-                               (least, long_tile), (32767, long_tile), (32768, long_tile)):
+                               (least, long_tile), (32768, long_tile)):
                 chosen = spec(rows, d, causal)
                 assert chosen.tile == tile and chosen.family.values["mma_unit"] == "wgmma", (d, causal, rows)
-                # the 192-row tile's output by bulk copies at d128, but for non-causal calls from 32768 rows
-                bulk = d == 128 and tile == long_tile and (causal or rows < 32768)
-                assert dict(chosen.options)["out_bulk"] == ("on" if bulk else "off"), (d, causal, rows)
         assert emulator_options(spec(1024, d, False)) == emulator_options(spec(32768, d, False))
     q = SimpleNamespace(shape=(1, 8, 1024, 128), data=SimpleNamespace(device_id=0), device=contextlib.nullcontext())
     assert api._call_kernel("i8-f8", q, q, False, long_tile).spec.tile == long_tile  # a named tile still decides
@@ -381,7 +377,7 @@ def test_int8_calls_on_short_sequences_take_their_listed_kernels(monkeypatch):
                                        (8191, "off", 128), (8192, "off", 192), (32768, "off", 192)):
             chosen = api._call_kernel("i8-f16", *(SimpleNamespace(shape=(2, 8, rows, 128), data=SimpleNamespace(
                 device_id=0), device=contextlib.nullcontext()),) * 2, causal, None).spec
-            assert dict(chosen.options) == {"pingpong": "on", "persistent": persistent, "out_bulk": "off"}, (causal, rows)
+            assert dict(chosen.options) == {"pingpong": "on", "persistent": persistent}, (causal, rows)
             assert chosen.tile == Tile(128, keys, 8, 2) and emulator_options(chosen)["block_n"] == keys
     # i8-f16 at d64: three consumer warpgroups for non-causal calls from 2048 rows; causal ones keep the default
     assert registry.launch_choice("i8-f16", 64, "sm_90a", 2047) is None

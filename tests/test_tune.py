@@ -236,16 +236,13 @@ def test_candidates_are_the_valid_grid_tiles_on_each_unit_default_first():
     # (m128n128w8s3 and m192n64w12s4 fit by staging their output over Q's rows)
     assert len([s for s in plain if s.mma == "wgmma"]) == 13 and len(plain) == 40 + 13
     assert {"m128n128w8s3", "m192n64w12s4"} <= {s.tile.name for s in plain if s.mma == "wgmma"}
-    # with the options (the default): persistent blocks and bulk-stored output rows on and off on every wgmma
-    # tile, and turns on and off where a tile has two or more consumer warpgroups (d128's default takes them:
-    # "=off" is named); no bulk-stored rows where a tile stages its output over Q's rows
+    # with the options (the default): persistent blocks on and off on every wgmma tile, and turns on and
+    # off where a tile has two or more consumer warpgroups (d128's default takes them: "=off" is named)
     names = {tuned.TunedKernel.of(s).name for s in wgmma}
-    assert len(wgmma) == 76 and len(specs) == 40 + 76
+    assert len(wgmma) == 42 and len(specs) == 40 + 42
     assert {"m128n128w8s2@wgmma", "m128n128w8s2@wgmma+persistent", "m128n128w8s2@wgmma+pingpong=off",
-            "m128n128w8s2@wgmma+persistent+pingpong=off", "m64n64w4s2@wgmma+persistent",
-            "m128n128w8s2@wgmma+out_bulk", "m64n64w4s2@wgmma+out_bulk+persistent"} <= names
+            "m128n128w8s2@wgmma+persistent+pingpong=off", "m64n64w4s2@wgmma+persistent"} <= names
     assert "m64n64w4s2@wgmma+pingpong=off" not in names  # one consumer warpgroup: no turns to take
-    assert not any("+out_bulk" in n for n in names if n.startswith(("m128n128w8s3", "m192n64w12s4")))
     wgmma = [s for s in plain if s.mma == "wgmma"]
     assert all(s.tile.block_m == 16 * s.tile.warps and s.tile.block_n in (64, 128) for s in wgmma)
     assert tuned.TunedKernel.of(wgmma[0]).name == "m64n64w4s2@wgmma"
@@ -495,8 +492,7 @@ def test_bad_options_are_usage_errors_naming_the_option(on_h200, args, option):
 def test_tune_on_a_fake_gpu_prints_and_stores_the_winners(on_h200, monkeypatch, tmp_path):
     ms = {"m64n64w4s2": 0.9, "m64n64w4s3": 0.8, "m128n64w4s2": 0.85, "m128n64w4s3": 1.0,
           "m64n64w4s2@wgmma": 0.7, "m64n64w4s3@wgmma": 0.75, "m64n64w4s2@wgmma+persistent": 0.72,
-          "m64n64w4s3@wgmma+persistent": 0.65, "m64n64w4s2@wgmma+out_bulk": 0.71, "m64n64w4s3@wgmma+out_bulk": 0.76,
-          "m64n64w4s2@wgmma+out_bulk+persistent": 0.73, "m64n64w4s3@wgmma+out_bulk+persistent": 0.66}
+          "m64n64w4s3@wgmma+persistent": 0.65}
     monkeypatch.setattr(qattn.tune.run, "prebuild", compiled)
     monkeypatch.setattr(qattn.tune.run, "GpuCase", fake_case(ms))
     monkeypatch.setattr(qattn.tune.sweep, "round_timer", fake_timer)
@@ -525,7 +521,7 @@ def test_tune_on_a_fake_gpu_prints_and_stores_the_winners(on_h200, monkeypatch, 
     assert "m64n64w4s3@wgmma+persistent" in result.output and "1.31x" in result.output  # 0.85 / 0.65
     (stored,) = tuned.load()
     assert stored.kernel == tuned.TunedKernel(Tile(64, 64, 4, 3), "wgmma", (("persistent", "on"),))
-    assert len(stored.candidates) == 12
+    assert len(stored.candidates) == 8
     chosen = call_spec("f16", 128, False, 2048, "sm_90a", shape=MHA_4K)
     assert dict(chosen.options)["persistent"] == "on" and chosen.tile == Tile(64, 64, 4, 3)
     assert tuned.TunedKernel.of(chosen) == stored.kernel

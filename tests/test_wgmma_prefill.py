@@ -45,14 +45,6 @@ PINGPONG = [KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wgmma
                                ("f16", 128, True, (128, 160, 8, 2)), ("bf16", 128, False, (128, 144, 8, 2)),
                                ("i8-f16", 128, True, (128, 64, 8, 3)), ("i8-f16", 64, False, (192, 64, 12, 2)))]
 
-# output rows handed to bulk copies (out_bulk), with and without persistent blocks, on every wgmma family
-OUT_BULK = [KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wgmma", tile=Tile(*t), options=o)
-            for f, d, c, t, o in (("f16", 128, False, (128, 128, 8, 2), {"persistent": "on", "out_bulk": "on"}),
-                                  ("bf16", 64, True, (192, 128, 12, 2), {"out_bulk": "on"}),
-                                  ("i8-f16", 128, True, (128, 128, 8, 2), {"persistent": "on", "out_bulk": "on"}),
-                                  ("i8-f8", 128, False, (64, 128, 4, 2), {"persistent": "on", "out_bulk": "on"}),
-                                  ("i8-f8", 64, True, (192, 128, 12, 2), {"out_bulk": "on"}))]
-
 
 @functools.lru_cache(maxsize=None)
 def _compiled(spec: KernelSpec):
@@ -129,10 +121,8 @@ def test_default_tiles_and_tile_rules():
     fam = KernelSpec(recipe="i8-f16", head_dim=128, arch="sm_90a", mma="wgmma").family
     assert fam.default_tiles == {64: Tile(128, 128, 8, 2), 128: Tile(128, 128, 8, 2)}
     assert fam.values == {"pv_operand": "f16", "mma_unit": "wgmma", "q_scale_rows": 1, "k_scale_groups": 4,
-                          "pingpong": "on", "persistent": "off", "out_bulk": "off"}  # the d128 default takes turns
-    # (option_defaults), d64's does not
-    assert dict(KernelSpec(recipe="i8-f16", head_dim=64, arch="sm_90a").options) == {"pingpong": "off", "persistent": "off",
-                                                                                   "out_bulk": "off"}
+                          "pingpong": "on", "persistent": "off"}  # the d128 default takes turns (option_defaults), d64's does not
+    assert dict(KernelSpec(recipe="i8-f16", head_dim=64, arch="sm_90a").options) == {"pingpong": "off", "persistent": "off"}
     # i8-f16's Q8/K8 rows of D bytes, fp16 V rows of 2D
     assert fam.smem_bytes(Tile(128, 64, 8, 3), 128) == 128 * 128 + 3 * (64 * 128 + 64 * 256) + 128 * 136 * 2 + 96
     for fmt in FORMATS:
@@ -160,7 +150,7 @@ def test_i8_f16_scale_blocks_follow_the_kernel():
 
 # ---- NVRTC compile ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec", SPECS + OTHER_TILES + ROUTED + KV_ROWS + PINGPONG + OUT_BULK[:3], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", SPECS + OTHER_TILES + ROUTED + KV_ROWS + PINGPONG, ids=lambda s: s.name)
 def test_compiles_on_warpgroup_mmas(spec):
     binary = _compiled(spec)
     entry = _attention_entry(spec)
@@ -263,35 +253,3 @@ def test_tiles_that_stage_the_output_over_q(fmt, head_dim, causal, tile):
     assert mmas and entry_resources(binary.log, _attention_entry(spec))["spill_stores"] <= 128
     assert all(i < mmas[0] for i, line in enumerate(sass) if "STL" in line)
     assert all(i > mmas[-1] for i, line in enumerate(sass) if "LDL" in line)
-
-
-@pytest.mark.parametrize("spec", OUT_BULK, ids=lambda s: s.name)
-def test_output_rows_by_bulk_copies(spec):
-    """out_bulk "on": each warp stages its rows, fences them for the async proxy and hands each row to a bulk
-    store (no 16-byte stores of its own); the stage is written again, and the consumers exit, only once the
-    copies have read it. "off" (the default) keeps the warp's stores."""
-    entry = _attention_entry(spec)
-    binary = _compiled(spec)
-    attn = entry_ptx(binary.ptx, entry)
-    assert "outbulk" in spec.name
-    assert attn.count("cp.async.bulk.global.shared::cta.bulk_group") == 1 and "cp.async.bulk.commit_group" in attn
-    assert attn.count("cp.async.bulk.wait_group.read 0") == 2  # before the stage is written, and at the exit
-    assert "st.global.v4" not in attn
-    sass = disassemble(binary.data, "cuda")
-    assert "UBLKCP.G.S" in sass
-    stores = _compiled(spec.with_(options={**dict(spec.options), "out_bulk": "off"}))
-    plain = entry_ptx(stores.ptx, entry.replace("_outbulk", ""))
-    # the bulk copies add no spill to what the kernel with its own stores has (recipes.py's measured spills)
-    bulk, own = entry_resources(binary.log, entry), entry_resources(stores.log, entry.replace("_outbulk", ""))
-    assert bulk["spill_stores"] <= own["spill_stores"] and bulk["spill_loads"] <= own["spill_loads"], (bulk, own)
-    assert "cp.async.bulk.global" not in plain and "st.global.v4" in plain
-
-
-@pytest.mark.parametrize("fmt,head_dim,tile", [("f16", 256, (128, 64, 8, 2)), ("bf16", 128, (128, 176, 8, 2))])
-def test_bulk_copies_refused_where_the_output_is_staged_over_q(fmt, head_dim, tile):
-    """A tile that stages its output over Q's rows cannot hand them to bulk copies (the next item's Q lands
-    there): the spec is refused, naming the option and the tile."""
-    with pytest.raises(ValueError, match=r"out_bulk: tile m128n\d+w8s2 at d\d+ stages its output rows over Q's"):
-        KernelSpec(recipe=fmt, head_dim=head_dim, arch="sm_90a", mma="wgmma", tile=Tile(*tile),
-                   options={"out_bulk": "on"})
-    assert KernelSpec(recipe=fmt, head_dim=head_dim, arch="sm_90a", mma="wgmma", tile=Tile(*tile)).tile == Tile(*tile)

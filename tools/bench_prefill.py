@@ -75,9 +75,10 @@ def main() -> int:
     ap.add_argument("--sustained", type=_seconds(zero_ok=False), metavar="SECONDS",
                     help="time each implementation over SECONDS of back-to-back calls per round (the "
                          "power-capped steady state) instead of single calls")
-    ap.add_argument("--settle", type=_seconds(zero_ok=True), default=0.0, metavar="SECONDS",
+    ap.add_argument("--settle", type=_seconds(zero_ok=True), default=0.3, metavar="SECONDS",
                     help="idle the GPU this long before each implementation's timing, so that none is timed "
-                         "in the wake of a power-hungry one (default 0)")
+                         "in the wake of a power-hungry one (default 0.3; with 0 the implementation timed right "
+                         "after the peers follows them in every other round)")
     ap.add_argument("--json", help="write the records here")
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in (args.shape or ["4x32x4096"])]

@@ -60,10 +60,10 @@ class Family:
     # head_dim -> {option: value}: where a head dim's default differs from the first allowed value
     # (measured faster there; docs/notes/<family>.md)
     option_defaults: dict = field(default_factory=dict)
-    # why a spec's options do not build on its arch, head dim and tile (a message that names the option), or
-    # None: for option values that need an instruction only some of the family's archs have, or room that only
-    # some head dims or tiles leave
-    option_problem: Callable[[dict, str, int, Tile], str | None] | None = None
+    # why a spec's options do not build on its arch and head dim (a message that names the option), or None:
+    # for option values that need an instruction only some of the family's archs have, or room that only
+    # some head dims leave
+    option_problem: Callable[[dict, str, int], str | None] | None = None
     # the default tile where it depends on a spec's options (e.g. a QK path that runs a whole warpgroup):
     # (head_dim, arch, options) -> Tile, or None for the tuned tile or the head dim's default
     option_tile: Callable[[int, str, dict], Tile | None] | None = None

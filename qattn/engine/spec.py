@@ -80,14 +80,14 @@ class KernelSpec:
         object.__setattr__(self, "options", self._checked_options(rec.family(
             self.backend, self.arch, self.mma, self.head_dim)))
         fam = self.family
+        problem = fam.option_problem and fam.option_problem(dict(self.options), self.arch, self.head_dim)
+        if problem:
+            raise ValueError(problem)
         if self.tile is None:
             object.__setattr__(self, "tile", fam.default_tile(self.head_dim, self.causal, self.arch,
                                                                 dict(self.options)))
         if not isinstance(self.tile, Tile):
             raise ValueError(f"tile: expected a qattn.Tile, got {self.tile!r}")
-        problem = fam.option_problem and fam.option_problem(dict(self.options), self.arch, self.head_dim, self.tile)
-        if problem:
-            raise ValueError(problem)
         problem = fam.tile_problem(self.tile, self.head_dim)
         if problem:
             raise ValueError(f"tile {self.tile.name} for {self.recipe} d{self.head_dim} on {self.backend}: {problem}")
@@ -153,13 +153,13 @@ class KernelSpec:
 def _option_tag(name: str, value) -> str:
     """An option in a spec name: page_size 32 -> p32, k_mean page -> kmean-page, k_rope post -> krope-post,
     k_balance on -> kbal, kv_rows on -> kvrows, pingpong on -> pingpong, persistent on -> persistent,
-    out_bulk on -> outbulk, other values as they are (an option left "off" is left out, so that adding one renames no existing
+    other values as they are (an option left "off" is left out, so that adding one renames no existing
     kernel)."""
     if name == "page_size":
         return f"p{value}"
     if name == "k_balance":
         return "kbal"
-    if name in ("kv_rows", "pingpong", "persistent", "out_bulk"):
+    if name in ("kv_rows", "pingpong", "persistent"):
         return name.replace("_", "")
     if name in ("k_mean", "k_rope"):
         return f"{name.replace('_', '')}-{value}"

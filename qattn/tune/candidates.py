@@ -12,9 +12,9 @@ from ..engine.tile import Tile
 
 BLOCK_M = (32, 64, 128, 192, 256)
 # Template options a sweep also tries on every tile, where the unit's kernel family has them: the
-# wgmma kernels' turns between consumer warpgroups, persistent blocks and output rows by bulk copies (kv_rows,
-# the TMA kernel's fallback for strides it cannot read, is never faster and stays out).
-SWEPT_OPTIONS = ("pingpong", "persistent", "out_bulk")
+# wgmma kernels' turns between consumer warpgroups and persistent blocks (kv_rows, the TMA kernel's
+# fallback for strides it cannot read, is never faster and stays out).
+SWEPT_OPTIONS = ("pingpong", "persistent")
 BLOCK_N = (32, 64, 128)
 # From one warp per SM scheduler up, as every built-in default has; --warps names fewer.
 WARPS = (4, 8, 12, 16)
@@ -46,16 +46,13 @@ def units(fmt: str, head_dim: int, arch: str) -> list[str]:
 
 
 def option_variants(spec: KernelSpec) -> list[KernelSpec]:
-    """spec under every combination of the SWEPT_OPTIONS its family has that the tile takes, spec's own
-    first; turns are left out for a single consumer warpgroup (nothing to take turns with)."""
+    """spec under every combination of the SWEPT_OPTIONS its family has, spec's own first; turns are
+    left out for a single consumer warpgroup (nothing to take turns with)."""
     fam = spec.family
     names = [n for n in SWEPT_OPTIONS if n in fam.options and not (n == "pingpong" and spec.tile.warps <= 4)]
     variants = [spec]
     for values in itertools.product(*(fam.options[n] for n in names)):
-        try:
-            variant = spec.with_(options={**dict(spec.options), **dict(zip(names, values))})
-        except ValueError:  # an option the tile cannot take (bulk-stored rows where the output is staged over Q)
-            continue
+        variant = spec.with_(options={**dict(spec.options), **dict(zip(names, values))})
         if variant not in variants:
             variants.append(variant)
     return variants

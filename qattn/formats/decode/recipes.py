@@ -129,7 +129,7 @@ def _options(fmt: str) -> dict:
             **({"k_mean": K_MEANS, "k_balance": K_BALANCES, "k_rope": K_ROPES, "qk": qk_paths(fmt)} if eight else {})}
 
 
-def _pre_rope_problem(options: dict, arch: str, head_dim: int, tile: Tile) -> str | None:
+def _pre_rope_problem(options: dict, arch: str, head_dim: int) -> str | None:
     """Pre-RoPE keys turn the codes on chip before the 16-bit MMA: the transform path only, and neither
     page means nor balancing (both act on channels that R_p mixes)."""
     if options.get("k_rope") != "pre":
@@ -236,7 +236,7 @@ HIP_ROPE_HEAD_DIM = 128
 def _hip_qk_problem(fmt: str):
     """The HIP family's option rule: an 8-bit QK path only where the target has its matrix op; post-RoPE keys
     up to HIP_ROPE_HEAD_DIM, pre-RoPE ones not at all (page means and balancing build as on CUDA)."""
-    def problem(options: dict, arch: str, head_dim: int, tile: Tile) -> str | None:
+    def problem(options: dict, arch: str, head_dim: int) -> str | None:
         rope = options.get("k_rope", "off")
         if rope == "pre":
             return (f"k_rope: the HIP decode kernel does not turn a pre-RoPE cache's codes on chip; k_rope 'pre' builds "

@@ -69,14 +69,6 @@ def wgmma_stages_over_q(tile: Tile, d: int) -> bool:
     return own > SMEM_PER_BLOCK["sm_90a"]
 
 
-def _wgmma_option_problem(options: dict, arch: str, head_dim: int, tile: Tile) -> str | None:
-    if options.get("out_bulk") == "on" and wgmma_stages_over_q(tile, head_dim):
-        return (f"out_bulk: tile {tile.name} at d{head_dim} stages its output rows over Q's rows (no room for a "
-                "region of their own), and the next item's Q would land under the bulk copies reading them; "
-                "out_bulk 'on' needs a tile whose output rows fit beside Q and the K/V ring")
-    return None
-
-
 def _wgmma_smem(tile: Tile, d: int) -> int:
     stage = 0 if wgmma_stages_over_q(tile, d) else tile.block_m * padded_row_bytes(d, 2)
     return _wgmma_loop_smem(tile, d) + stage + 4 * 8 * tile.stages
@@ -132,11 +124,8 @@ CUDA_WGMMA = Family(
     # kv_rows "on": K and V rows gathered by the producer warpgroup with cp.async instead of TMA boxes
     # (the tile rules above count the TMA producer's registers); pingpong "on": two or three consumer
     # warpgroups issue their MMAs in turns (wgmma_attention.cuh.j2, consumer_turns_begin); persistent "on":
-    # as many blocks as the SMs hold, each taking work items in turn (the launch's grid; one kernel); out_bulk
-    # "on": each warp hands its output rows to bulk copies and goes on to its next item (write_item_rows)
-    options={"kv_rows": ("off", "on"), "pingpong": ("off", "on"), "persistent": ("off", "on"),
-             "out_bulk": ("off", "on")},
-    option_problem=_wgmma_option_problem,
+    # as many blocks as the SMs hold, each taking work items in turn (the launch's grid; one kernel)
+    options={"kv_rows": ("off", "on"), "pingpong": ("off", "on"), "persistent": ("off", "on")},
     # turns at d128: 1.00-1.03x without them non-causal, 1.00-1.03x causal at 4096+ rows (H200,
     # docs/notes/dense.md); at d64 they change nothing measurable, so d64 keeps the simpler schedule
     option_defaults={128: {"pingpong": "on"}},

@@ -169,10 +169,8 @@ def _cuda_i8_wgmma(pv: str, default_tiles: dict, measured_spills: frozenset = fr
         # fp16 PV issues S ahead of PV, so two or three consumer warpgroups can take turns issuing their
         # MMAs (wgmma_attention.cuh.j2, consumer_turns_begin); the e4m3 kernel adds PV partials with weights
         # persistent "on": as many blocks as the SMs hold, each taking work items in turn (causal: in pairs of a
-        # heavy and a light query block; wgmma_attention.cuh.j2, work_item); out_bulk "on": each warp hands its
-        # output rows to bulk copies and goes on to its next item (write_item_rows)
-        options={**({"pingpong": ("off", "on")} if pv == "f16" else {}), "persistent": ("off", "on"),
-                 "out_bulk": ("off", "on")},
+        # heavy and a light query block; wgmma_attention.cuh.j2, work_item)
+        options={**({"pingpong": ("off", "on")} if pv == "f16" else {}), "persistent": ("off", "on")},
         option_defaults=option_defaults or {},
     )
 
@@ -200,13 +198,6 @@ CUDA_I8_F16_WGMMA = _cuda_i8_wgmma(
 # B4 L4096 causal 1.05; d64 0.98 / 0.89 at L1024, 1.01 / 0.96 at L2048.
 I8_F8_SHORT_TILE = Tile(64, 128, 4, 2)
 I8_F8_LONG_QUERIES = {False: 2048, True: 4096}  # by causal: from these rows the 192-row default again
-# On the 192-row tile at d128 the output rows leave by bulk copies (out_bulk). H100, two runs of 5 rounds, time bulk /
-# own stores: non-causal 0.95-0.96 at B8 L2048, 0.94 at B4 L4096, 0.92-0.95 at B2 L8192, 0.95 at B1 L16384, but 1.01
-# at B1 L32768, where non-causal calls keep their own stores; causal 0.93-0.98 at B4 L4096, 0.96-0.99 at B2 L8192,
-# 0.92-0.95 at B1 L16384, 0.98-1.01 at B1 L32768. The m64 tile below those rows (0.98-1.02) and d64 (0.98-1.04)
-# gain nothing that holds and keep their own stores (docs/notes/int8qk.md).
-I8_F8_BULK_HEAD_DIM = 128
-I8_F8_OWN_STORES_FROM = {False: 32768, True: None}  # by causal: from these rows the 192-row tile stores its own rows
 # i8-f16 below 4096 rows at d128 runs persistent blocks (causal: in pairs of a heavy and a light query block):
 # time 0.93-0.97 of a block per item at B16 L1024 and B8 L2048, causal and not; 0.99-1.03 from L4096.
 I8_F16_PERSISTENT_BELOW = 4096
@@ -222,13 +213,9 @@ I8_F16_D64_THREE_WARPGROUPS = LaunchChoice(2048, Tile(192, 128, 12, 2), causal=F
 
 def _i8_f8_bands(d: int) -> tuple:
     default = CUDA_I8_F8_WGMMA.default_tiles[d]
-    bulk = (("out_bulk", "on"),) if d == I8_F8_BULK_HEAD_DIM else ()
-    choices = []
-    for causal, least in I8_F8_LONG_QUERIES.items():
-        choices += [LaunchChoice(1, I8_F8_SHORT_TILE, causal=causal), LaunchChoice(least, default, options=bulk, causal=causal)]
-        if bulk and I8_F8_OWN_STORES_FROM[causal]:
-            choices.append(LaunchChoice(I8_F8_OWN_STORES_FROM[causal], default, causal=causal))
-    return tuple(choices)
+    return tuple(choice for causal, least in I8_F8_LONG_QUERIES.items()
+                 for choice in (LaunchChoice(1, I8_F8_SHORT_TILE, causal=causal),
+                                LaunchChoice(least, default, causal=causal)))
 
 
 def _i8_f16_bands(d: int) -> tuple:
