@@ -211,12 +211,15 @@ def list_():
                        f"{rec.tolerance.max_rel:g} / {rec.tolerance.rel_l2:g}")
     console.print(decode)
     if family is not None:
-        from .formats.decode.recipes import QK_CODE, SM90_TILES, TWO_WARP_PAGES_AT, tolerance, two_warp_pages
+        from .formats.decode.recipes import PAGE_SIZES, QK_CODE, SM90_TILES, TWO_WARP_PAGES_AT, tolerance, two_warp_pages
 
         paths = ", ".join(f"{path} ({code} K; tolerance {tolerance('i8-i8', path).max_rel:g} / "
                           f"{tolerance('i8-i8', path).rel_l2:g})" for path, code in QK_CODE.items())
         def pages(k, v, d=128):
-            return " and ".join(map(str, two_warp_pages((k, v), d)))
+            sizes = sorted(two_warp_pages((k, v), d))
+            if sizes == sorted(PAGE_SIZES):
+                return "every size"
+            return " and ".join(filter(None, (", ".join(map(str, sizes[:-1])), str(sizes[-1])))) if sizes else ""
 
         def where(k, v):
             by_dim = [f"{pages(k, v, d)} at d{d}" for (bits, d) in TWO_WARP_PAGES_AT if bits == (k, v)]

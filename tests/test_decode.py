@@ -270,9 +270,9 @@ def test_int8_k_on_the_transform_path_widens_without_a_subtract():
 
 
 def test_default_tile_by_arch_and_qk_path():
-    """Two warps a block where the H200 measured them faster (on sm_90a: K16/V16, K16/V8 and K8/V16 on two slots on
-    pages of 16 and 32 tokens, K8/V8 on the transform path on three slots on pages of 16 and 32 at D64); the 8-bit
-    paths' wgmma there, K8/V8 at D128 and D256, longer pages and other archs keep four warps."""
+    """Two warps a block where measured faster (on sm_90a: K16/V16, K16/V8 and K8/V16 on two slots on every page
+    size, K8/V8 on the transform path on three slots on pages of 16 and 32 at D64); the 8-bit paths' wgmma there,
+    K8/V8 at D128 and D256 and on longer pages, and other archs keep four warps."""
     def tile(fmt, arch, head_dim=128, **options):
         return KernelSpec(kind="decode", recipe=fmt, head_dim=head_dim, arch=arch, options=options).tile.name
 
@@ -289,10 +289,12 @@ def test_default_tile_by_arch_and_qk_path():
         "e4m3-e4m3", "sm_90a", 64, qk="transform", page_size=16) == "m8n32w2s3"
     assert tile("e4m3-e4m3", "sm_90a", 64, qk="fp8", page_size=16) == "m8n64w4s2"
     assert tile("f16-e4m3", "sm_90a", page_size=16) == tile("e4m3-f16", "sm_90a", qk="transform", page_size=16) == "m8n32w2s2"
-    assert tile("e4m3-f16", "sm_90a", qk="fp8", page_size=32) == tile("e4m3-f16", "sm_90a", qk="transform", page_size=64) == "m8n64w4s2"
+    assert tile("e4m3-f16", "sm_90a", qk="fp8", page_size=32) == "m8n64w4s2"
     for page in (64, 128):
-        assert tile("f16-f16", "sm_90a", page_size=page) == tile("e4m3-e4m3", "sm_90a", qk="transform",
-                                                                  page_size=page) == "m8n64w4s2"
+        assert tile("f16-f16", "sm_90a", page_size=page) == tile("bf16-e4m3", "sm_90a", page_size=page) == tile(
+            "e4m3-f16", "sm_90a", qk="transform", page_size=page) == "m8n32w2s2"
+        assert tile("e4m3-e4m3", "sm_90a", qk="transform", page_size=page) == tile(
+            "e4m3-e4m3", "sm_90a", 64, qk="transform", page_size=page) == "m8n64w4s2"
     given = KernelSpec(kind="decode", recipe="f16-f16", arch="sm_90a", tile=Tile(8, 64, 4, 2))
     assert given.tile.name == "m8n64w4s2"  # a tile named is kept
     two = Tile(8, 32, 2, 3)
@@ -319,8 +321,8 @@ def test_cli_generates_and_lists_decode_kernels():
     listing = runner.invoke(main, ["list"])
     assert listing.exit_code == 0 and "e4m3-f16" in listing.output and "page_size" in listing.output
     assert "qk transform, fp8 (e4m3 K" in " ".join(listing.output.split())
-    assert ("on sm_90a K16/V16 m8n32w2s2 on pages of 16 and 32, K16/V8 m8n32w2s2 on pages of 16 and 32, K8/V16 "
-            "m8n32w2s2 on pages of 16 and 32, K8/V8 m8n32w2s3 on pages of 16 and 32 at d64"
+    assert ("on sm_90a K16/V16 m8n32w2s2 on pages of every size, K16/V8 m8n32w2s2 on pages of every size, K8/V16 "
+            "m8n32w2s2 on pages of every size, K8/V8 m8n32w2s3 on pages of 16 and 32 at d64"
             in " ".join(listing.output.split()))
     built = runner.invoke(main, ["compile", "decode", "-f", "i8-f16", "-d", "64", "--scale", "head", "--arch", "sm_80"])
     assert built.exit_code == 0 and "1 of 1 compiled" in built.output

@@ -29,6 +29,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--format", action="append", help="decode formats (default: all)")
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per page of the decode caches (default 16)")
     args = ap.parse_args()
     import cupy
     import ml_dtypes
@@ -36,7 +37,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     failures = 0
     arch = device_arch()
-    d, page, kv_heads = args.head_dim, 16, 2
+    d, page, kv_heads = args.head_dim, args.page_size, 2
     k_bias = rng.standard_normal((kv_heads, d)) * 4
     rope = qattn.RoPE(rotary_dim=d // 2, style="gptj")  # partial rotary: the constant part too
     # (name, k_bias, k_mean, k_balance, rope, k_bias_layout): all but plain and bias for an 8-bit K only

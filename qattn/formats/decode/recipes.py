@@ -144,16 +144,17 @@ def _pre_rope_problem(options: dict, arch: str, head_dim: int) -> str | None:
 
 
 # The default tile by arch, format, QK path and page size, where measured faster than four warps of 16 keys and
-# two slots (docs/notes/decode.md, H200): on sm_90a a block of two warps streams 16-bit K/V, K16/V8 and K8/V16 faster
-# on two slots (a smaller block in flight, more blocks per SM), on the pages of TWO_WARP_PAGES; on longer pages a
-# two-warp step reads part of a page and four warps are faster. K8/V8 on the transform path takes four warps on
-# pages of 16 and 32 at D128 (16: the same for e4m3, 2% for int8; 32: 0.98-0.99x the time of two warps on three
-# slots) and two warps on three slots at D64 (15-17% faster:
-# TWO_WARP_PAGES_AT). The 8-bit QK paths keep four warps, whose wgmma takes a warpgroup.
+# two slots (docs/notes/decode.md): on sm_90a a block of two warps streams 16-bit K/V, K16/V8 and K8/V16 faster on
+# two slots (a smaller block in flight, more blocks per SM) on every page size (H200 on pages of 16 and 32; on pages
+# of 64 and 128, where a step reads part of a page's rows, H100: 0.96-1.01x the time of four warps). K8/V8 on the
+# transform path takes four warps at D128 (pages of 16: the same for e4m3, 2% for int8; 32: 0.98-0.99x the time of
+# two warps on three slots; 64 and 128: 6% faster, measured before V was stored as rows) and two warps on three
+# slots at D64 on pages of 16 and 32 (15-17% faster: TWO_WARP_PAGES_AT). The 8-bit QK paths keep four warps, whose
+# wgmma takes a warpgroup.
 WGMMA_QK = {"sm_90a": ("fp8", "int8")}
 SM90_TILES = {(16, 16): Tile(MAX_ROWS, 32, 2, 2), (16, 8): Tile(MAX_ROWS, 32, 2, 2), (8, 16): Tile(MAX_ROWS, 32, 2, 2),
               (8, 8): Tile(MAX_ROWS, 32, 2, 3)}
-TWO_WARP_PAGES = {(16, 16): (16, 32), (16, 8): (16, 32), (8, 16): (16, 32), (8, 8): ()}
+TWO_WARP_PAGES = {(16, 16): PAGE_SIZES, (16, 8): PAGE_SIZES, (8, 16): PAGE_SIZES, (8, 8): ()}
 TWO_WARP_PAGES_AT = {((8, 8), 64): (16, 32)}  # (bits, head dim) whose pages differ from TWO_WARP_PAGES
 
 
