@@ -167,12 +167,12 @@ def test_inspect_names_the_tile_kv8_calls_run():
     # f16 on sm_90a d128: bands by the query rows, causal or not (dense recipes.LAUNCH_TILES)
     f16 = json.loads(run("inspect", "-f", "f16", "-d", "128", "--arch", "sm_90a", "--json").stdout)
     assert [(b["least_queries"], b["mma"], b["options"]) for b in f16["launch_tiles"]] == [
-        (512, "wgmma", {"persistent": "on"}), (4096, "wgmma", {})]
+        (512, "wgmma", {"persistent": "on", "chain": "on"}), (4096, "wgmma", {})]
     text = " ".join(run("inspect", "-f", "f16", "-d", "128", "--arch", "sm_90a").output.split())
-    assert "calls of 512 to 4095 query rows run m128n128w8s2 on wgmma, persistent on instead" in text, text
+    assert "calls of 512 to 4095 query rows run m128n128w8s2 on wgmma, persistent on, chain on instead" in text, text
     assert "calls of at least 4096 query rows run m128n128w8s2 on wgmma instead" in text
     causal = json.loads(run("inspect", "-f", "f16", "-d", "128", "--arch", "sm_90a", "--causal", "--json").stdout)
-    assert [(b["least_queries"], b["options"]) for b in causal["launch_tiles"]] == [(1024, {"persistent": "on"})]
+    assert [(b["least_queries"], b["options"]) for b in causal["launch_tiles"]] == [(1024, {"persistent": "on", "chain": "on"})]
 
 
 def test_inspect_shows_the_format_blocks():
@@ -591,7 +591,7 @@ def test_template_options_select_a_kernel_variant():
     (["--option", "persistent"], "expected NAME=VALUE, e.g. persistent=on, got 'persistent'"),
     (["--option", "persistent=on", "--option", "persistent=off"], "persistent given twice"),
     (["--mma", "wgmma", "--option", "persistent=maybe"], "persistent: f16 takes one of off, on, got 'maybe'"),
-    (["--mma", "wgmma", "--option", "colour=blue"], "options: f16 takes kv_rows, pingpong, persistent, got colour"),
+    (["--mma", "wgmma", "--option", "colour=blue"], "options: f16 takes kv_rows, pingpong, persistent, chain, got colour"),
     (["--option", "persistent=on"], "f16 on mma.sync takes none, got persistent; its wgmma kernel does (mma='wgmma')"),
 ])
 def test_template_option_errors_name_the_option(args, message):

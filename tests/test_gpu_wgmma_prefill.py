@@ -179,8 +179,8 @@ def test_attention_runs_wgmma_from_1024_query_rows(fmt, causal, monkeypatch):
     (recipes.LAUNCH_TILES), shorter ones the mma.sync default, but for non-causal d128 calls from 512
     rows; persistent blocks for causal calls (at d64 below 4096 rows) and non-causal d64 ones, and
     non-causal d128 ones below 4096 rows; d64 on three consumer warpgroups but for causal calls below 4096
-    rows; d256 on wgmma from 256 rows (causal persistent); each within its format's tolerance of FP64, with a tail
-    past the last block."""
+    rows; d256 on wgmma from 256 rows (causal persistent); the persistent blocks of two warpgroups chain their
+    items; each within its format's tolerance of FP64, with a tail past the last block."""
     from qattn import api
 
     _kernel(fmt, 64, causal)  # skips off sm_90a
@@ -203,6 +203,8 @@ def test_attention_runs_wgmma_from_1024_query_rows(fmt, causal, monkeypatch):
         assert kernel.spec.family.values["mma_unit"] == unit, kernel.spec.name
         assert dict(kernel.spec.options).get("persistent") == blocks, kernel.spec.name
         assert tile is None or kernel.spec.tile == tile, kernel.spec.name
+        chained = blocks == "on" and kernel.spec.tile == m128
+        assert dict(kernel.spec.options).get("chain", "off") == ("on" if chained else "off"), kernel.spec.name
         _check(fmt, kernel, out, host, causal=causal)
 
 
@@ -279,7 +281,8 @@ def test_warpgroups_in_turns_give_the_same_bits(fmt, head_dim, tile, causal):
 
 
 @pytest.mark.parametrize("fmt", ["f16", "bf16"])
-@pytest.mark.parametrize("options", [{}, {"pingpong": "on"}, {"kv_rows": "on"}])
+@pytest.mark.parametrize("options", [{}, {"pingpong": "on"}, {"kv_rows": "on"}, {"chain": "on"},
+                                     {"chain": "on", "pingpong": "off"}])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim,tile", [(128, None), (64, Tile(192, 128, 12, 2)), (128, Tile(128, 176, 8, 2))])
 def test_persistent_blocks_give_the_same_bits(fmt, options, causal, head_dim, tile):
@@ -287,13 +290,14 @@ def test_persistent_blocks_give_the_same_bits(fmt, options, causal, head_dim, ti
     and phases, and the warpgroups' turns, running on across items) against a block per item: the same
     bits, with more items than blocks (several per block, of different key counts when causal), tails
     and GQA; two and three consumer warpgroups; the output staged over Q's rows (176-key tiles), which the
-    next item's Q rows then overwrite."""
+    next item's Q rows then overwrite; chained items (an item's last P V beside the next one's first Q Kᵀ, Q
+    rows in two regions), with causal items that see no key (more queries than keys) between them."""
     import cupy
 
     one = _kernel(fmt, head_dim, causal, tile, options=options)
     many = _kernel(fmt, head_dim, causal, tile, options={**options, "persistent": "on"})
     rng = np.random.default_rng()
-    for b, hq, hkv, lq, lk in ((2, 16, 4, 2100, 2100), (3, 8, 8, 300, 1029), (1, 2, 1, 77, 1)):
+    for b, hq, hkv, lq, lk in ((2, 16, 4, 2100, 2100), (3, 8, 8, 300, 1029), (1, 2, 1, 77, 1), (2, 8, 2, 1029, 300)):
         host, (q, k, v) = _host_inputs(rng, fmt, b, hq, hkv, lq, lk, head_dim)
         a, la = many(q, k, v, return_lse=True)
         ref, lref = one(q, k, v, return_lse=True)

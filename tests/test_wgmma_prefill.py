@@ -6,6 +6,7 @@ tests/test_gpu_wgmma_prefill.py)."""
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 import pytest
 from conftest import check_grid_dependency, check_spills, entry_ptx
@@ -147,10 +148,14 @@ def test_i8_f16_scale_blocks_follow_the_kernel():
     sync = KernelSpec(recipe="i8-f16", head_dim=128, arch="sm_90a", mma="mma.sync")
     assert tile_keys(sync) == 0 and int8.emulator_options(sync)["block_m"] == sync.tile.block_m
 
+# persistent blocks that run their items back to back (chain on, two consumer warpgroups, TMA K/V)
+CHAINED = [KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wgmma", options={"persistent": "on", "chain": "on"})
+           for f, d, c in (("f16", 128, False), ("bf16", 128, True), ("f16", 64, True))]
+
 
 # ---- NVRTC compile ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec", SPECS + OTHER_TILES + ROUTED + KV_ROWS + PINGPONG, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", SPECS + OTHER_TILES + ROUTED + KV_ROWS + PINGPONG + CHAINED, ids=lambda s: s.name)
 def test_compiles_on_warpgroup_mmas(spec):
     binary = _compiled(spec)
     entry = _attention_entry(spec)
@@ -208,6 +213,39 @@ def test_compiles_on_warpgroup_mmas(spec):
     # every warpgroup MMA of the PTX reaches the SASS as a product, none as a placeholder onto RZ
     wgmma = warpgroup_mmas(ptx, disassemble(binary.data, "cuda"))
     assert wgmma["sass"] == wgmma["ptx"] > 0 and wgmma["placeholders"] == 0, wgmma
+
+
+@pytest.mark.parametrize("spec", CHAINED, ids=lambda s: s.name)
+def test_chained_items_issue_a_third_step(spec):
+    """Chained items: beside a work item's first S and the key loop's S-ahead step (S and P V) comes the step
+    that ends one item and begins the next (its last P V and the next item's first S), and the key loop's last
+    P V alone stays for a block's last item; without chain, two sites of each."""
+    from qattn.formats.dense.recipes import wgmma_chains
+
+    plain = spec.with_(options={**dict(spec.options), "chain": "off"})
+    assert wgmma_chains(spec.tile, spec.head_dim, dict(spec.options)) and "chain" in spec.name
+    bn, d, t = spec.tile.block_n, spec.head_dim, spec.recipe
+    for s, sites in ((spec, 3), (plain, 2)):
+        attn = entry_ptx(_compiled(s).ptx, _attention_entry(s))
+        expected = Counter({bn: sites * d // 16}) + Counter({d: sites * bn // 16})  # S: n = BN, k = D; P V: n = D
+        for n, count in expected.items():
+            assert attn.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t}") == count, (s.name, n)
+
+
+@pytest.mark.parametrize("tile,options", [((128, 128, 8, 2), {}), ((128, 128, 8, 2), {"persistent": "on", "kv_rows": "on"}),
+                                          ((192, 128, 12, 2), {"persistent": "on"}),
+                                          ((128, 176, 8, 2), {"persistent": "on"}), ((64, 128, 4, 2), {"persistent": "on"})])
+def test_chain_changes_nothing_where_there_is_nothing_to_chain(tile, options):
+    """chain "on" on a block an item, the cp.async producer, three or one consumer warpgroups, or a tile that stages
+    its output over Q: the same source as chain "off" but for the kernel's name."""
+    from qattn.formats.dense.recipes import wgmma_chains
+
+    d = 64 if tile[2] == 12 else 128
+    on = KernelSpec(recipe="f16", head_dim=d, arch="sm_90a", mma="wgmma", tile=Tile(*tile),
+                    options={**options, "chain": "on"})
+    off = on.with_(options={**options, "chain": "off"})
+    assert not wgmma_chains(on.tile, d, dict(on.options))
+    assert render(on).replace(on.name, off.name) == render(off)
 
 
 def test_bf16_output_of_the_i8_f16_kernel():

@@ -69,6 +69,16 @@ def wgmma_stages_over_q(tile: Tile, d: int) -> bool:
     return own > SMEM_PER_BLOCK["sm_90a"]
 
 
+def wgmma_chains(tile: Tile, d: int, options: dict) -> bool:
+    """Whether the wgmma kernel runs a persistent block's items back to back (option chain "on";
+    wgmma_attention.cuh.j2, chain_step): where items follow in a block (persistent "on"), the output rows' own
+    region can take every other item's Q rows (not wgmma_stages_over_q), and two consumer warpgroups beside the TMA
+    producer (240 registers each) hold both items' state without spilling (ptxas 13.0 spills 44-250 bytes with
+    three warpgroups' 160 or the cp.async producer's 224)."""
+    return (options.get("chain") == "on" and options.get("persistent") == "on" and options.get("kv_rows") == "off"
+            and tile.warps == 8 and not wgmma_stages_over_q(tile, d))
+
+
 def _wgmma_smem(tile: Tile, d: int) -> int:
     stage = 0 if wgmma_stages_over_q(tile, d) else tile.block_m * padded_row_bytes(d, 2)
     return _wgmma_loop_smem(tile, d) + stage + 4 * 8 * tile.stages
@@ -120,12 +130,14 @@ CUDA_WGMMA = Family(
     archs=("sm_90a",),
     producer_warps=4,
     values={"mma_unit": "wgmma", "producer_regs": _WGMMA_PRODUCER_REGS,
-            "rows_producer_regs": _WGMMA_ROWS_PRODUCER_REGS},
+            "rows_producer_regs": _WGMMA_ROWS_PRODUCER_REGS, "chains": wgmma_chains},
     # kv_rows "on": K and V rows gathered by the producer warpgroup with cp.async instead of TMA boxes
     # (the tile rules above count the TMA producer's registers); pingpong "on": two or three consumer
     # warpgroups issue their MMAs in turns (wgmma_attention.cuh.j2, consumer_turns_begin); persistent "on":
-    # as many blocks as the SMs hold, each taking work items in turn (the launch's grid; one kernel)
-    options={"kv_rows": ("off", "on"), "pingpong": ("off", "on"), "persistent": ("off", "on")},
+    # as many blocks as the SMs hold, each taking work items in turn (the launch's grid; one kernel); chain "on":
+    # a persistent block runs its items back to back, an item's last P V beside the next one's first Q Kᵀ, where
+    # wgmma_chains says it can (elsewhere, as on a block an item, the kernel is the one without it)
+    options={"kv_rows": ("off", "on"), "pingpong": ("off", "on"), "persistent": ("off", "on"), "chain": ("off", "on")},
     # turns at d128: 1.00-1.03x without them non-causal, 1.00-1.03x causal at 4096+ rows (H200,
     # docs/notes/dense.md); at d64 they change nothing measurable, so d64 keeps the simpler schedule
     option_defaults={128: {"pingpong": "on"}},
@@ -159,12 +171,17 @@ CUDA_WGMMA = Family(
 D256_WGMMA_QUERIES = 256
 WGMMA_QUERIES = 1024
 D64_THREE_WARPGROUPS = Tile(192, 128, 12, 2)
+# Chained items (chain "on", wgmma_chains) in those persistent m128n128w8s2 blocks, against the same blocks without,
+# same runs, H100: d128 non-causal 0.93x the time at B32 L512, 0.93-0.96x at B16 L1024, 0.97x at B8 L2048; causal
+# 0.98-0.99x at B16 L1024, 0.98x at B8 L2048 and B4 L4096, 0.96-0.98x at B2 L8192, 0.99-1.00x at B1 L32768 (bf16
+# and f16 alike); d64 causal 0.92x at B16 L1024, 0.96x at B8 L2048.
 _PERSISTENT = (("persistent", "on"),)
+_CHAINED = (("persistent", "on"), ("chain", "on"))
 WGMMA_BANDS = {
-    128: (LaunchChoice(WGMMA_QUERIES, Tile(128, 128, 8, 2), "wgmma", _PERSISTENT, causal=True),
-          LaunchChoice(512, Tile(128, 128, 8, 2), "wgmma", _PERSISTENT, causal=False),
+    128: (LaunchChoice(WGMMA_QUERIES, Tile(128, 128, 8, 2), "wgmma", _CHAINED, causal=True),
+          LaunchChoice(512, Tile(128, 128, 8, 2), "wgmma", _CHAINED, causal=False),
           LaunchChoice(4096, Tile(128, 128, 8, 2), "wgmma", causal=False)),
-    64: (LaunchChoice(WGMMA_QUERIES, Tile(128, 128, 8, 2), "wgmma", _PERSISTENT, causal=True),
+    64: (LaunchChoice(WGMMA_QUERIES, Tile(128, 128, 8, 2), "wgmma", _CHAINED, causal=True),
          LaunchChoice(4096, D64_THREE_WARPGROUPS, "wgmma", causal=True),
          LaunchChoice(WGMMA_QUERIES, D64_THREE_WARPGROUPS, "wgmma", _PERSISTENT, causal=False)),
     256: (LaunchChoice(D256_WGMMA_QUERIES, Tile(128, 64, 8, 2), "wgmma", _PERSISTENT, causal=True),
