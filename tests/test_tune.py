@@ -236,13 +236,16 @@ def test_candidates_are_the_valid_grid_tiles_on_each_unit_default_first():
     # (m128n128w8s3 and m192n64w12s4 fit by staging their output over Q's rows)
     assert len([s for s in plain if s.mma == "wgmma"]) == 13 and len(plain) == 40 + 13
     assert {"m128n128w8s3", "m192n64w12s4"} <= {s.tile.name for s in plain if s.mma == "wgmma"}
-    # with the options (the default): persistent blocks on and off on every wgmma tile, and turns on and
-    # off where a tile has two or more consumer warpgroups (d128's default takes them: "=off" is named)
+    # with the options (the default): persistent blocks on and off on every wgmma tile, turns on and off
+    # where a tile has two or more consumer warpgroups (d128's default takes them: "=off" is named), and chained
+    # items where persistent blocks of two warpgroups keep the output rows' region (8 of them)
     names = {tuned.TunedKernel.of(s).name for s in wgmma}
-    assert len(wgmma) == 42 and len(specs) == 40 + 42
+    assert len(wgmma) == 50 and len(specs) == 40 + 50
     assert {"m128n128w8s2@wgmma", "m128n128w8s2@wgmma+persistent", "m128n128w8s2@wgmma+pingpong=off",
-            "m128n128w8s2@wgmma+persistent+pingpong=off", "m64n64w4s2@wgmma+persistent"} <= names
+            "m128n128w8s2@wgmma+persistent+pingpong=off", "m64n64w4s2@wgmma+persistent",
+            "m128n128w8s2@wgmma+chain+persistent", "m128n64w8s3@wgmma+chain+persistent+pingpong=off"} <= names
     assert "m64n64w4s2@wgmma+pingpong=off" not in names  # one consumer warpgroup: no turns to take
+    assert not {"m64n64w4s2@wgmma+chain+persistent", "m128n128w8s3@wgmma+chain+persistent"} & names  # nothing to chain
     wgmma = [s for s in plain if s.mma == "wgmma"]
     assert all(s.tile.block_m == 16 * s.tile.warps and s.tile.block_n in (64, 128) for s in wgmma)
     assert tuned.TunedKernel.of(wgmma[0]).name == "m64n64w4s2@wgmma"
