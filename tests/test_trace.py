@@ -103,6 +103,7 @@ def test_recorded_words_decode():
 
 @pytest.mark.parametrize("fmt, d, causal, tile, options", [
     ("f16", 128, False, None, {"persistent": "on"}), ("bf16", 64, True, Tile(192, 128, 12, 2), {}),
+    ("bf16", 128, True, None, {"persistent": "on", "chain": "on"}),
     ("f16", 128, False, None, {"kv_rows": "on"}), ("i8-f16", 128, True, None, {}), ("i8-f8", 128, False, None, {})])
 def test_instrumented_kernels_compile_with_every_point_recording(fmt, d, causal, tile, options):
     spec = KernelSpec(kind="prefill", recipe=fmt, head_dim=d, arch="sm_90a", mma="wgmma", causal=causal, tile=tile)
