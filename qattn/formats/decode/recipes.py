@@ -148,7 +148,7 @@ def _pre_rope_problem(options: dict, arch: str, head_dim: int) -> str | None:
 # two slots (a smaller block in flight, more blocks per SM) on every page size (H200 on pages of 16 and 32; on pages
 # of 64 and 128, where a step reads part of a page's rows, H100: 0.96-1.01x the time of four warps). K8/V8 on the
 # transform path takes four warps at D128 (pages of 16: the same for e4m3, 2% for int8; 32: 0.98-0.99x the time of
-# two warps on three slots; 64 and 128: 6% faster, measured before V was stored as rows) and two warps on three
+# two warps on three slots; 64 and 128: 6% faster on the H200 with V^T, 1-2% with V stored as rows on the H100) and two warps on three
 # slots at D64 on pages of 16 and 32 (15-17% faster: TWO_WARP_PAGES_AT). The 8-bit QK paths keep four warps, whose
 # wgmma takes a warpgroup.
 WGMMA_QK = {"sm_90a": ("fp8", "int8")}
