@@ -92,6 +92,29 @@ def test_item_phases_when_the_next_item_starts_before_the_output():
     assert "to the next item" not in phases
 
 
+def test_block_ends_read_the_grid_tail_on_the_shared_clock():
+    """Block 0 ends two items at 900 (from the first event, at 100), block 1 one item at 600, block 2 two at 1000; the
+    producer's later events and the second consumer's item count are not the block's."""
+    events = (_role(0, [(100, "ROLE_START", 0), (400, "ITEM_END", 0), (1000, "ITEM_END", 1)], block=0)
+              + _role(1, [(100, "ROLE_START", 0), (390, "ITEM_END", 0), (980, "ITEM_END", 1)], block=0)
+              + _role(2, [(100, "ROLE_START", 0), (1500, "K_FREE", 0), (1600, "V_FREE", 0)], block=0)
+              + _role(0, [(150, "ROLE_START", 0), (700, "ITEM_END", 2)], block=1)
+              + _role(1, [(150, "ROLE_START", 0), (690, "ITEM_END", 2)], block=1)
+              + _role(0, [(120, "ROLE_START", 0), (500, "ITEM_END", 3), (1100, "ITEM_END", 4)], block=2))
+    ends = trace.block_ends(events)
+    assert ends["span"] == 1000
+    assert ends["idle_share"] == pytest.approx(1 - (900 + 600 + 1000) / 3 / 1000)
+    assert ends["by_items"] == {1: {"blocks": 1, "min": 600, "median": 600, "max": 600},
+                                2: {"blocks": 2, "min": 900, "median": 950, "max": 1000}}
+    with pytest.raises(ValueError, match="no block finished"):
+        trace.block_ends(_role(0, [(0, "ROLE_START", 0)]))
+
+
+def test_an_unknown_trace_clock_is_refused():
+    with pytest.raises(ValueError, match="clock: expected one of sm, global"):
+        trace.prelude(4, 64, clock="wall")
+
+
 def test_recorded_words_decode():
     blocks, events = 2, 3
     raw = np.zeros((blocks, trace.ROLES_MAX, events, 2), np.uint64)
@@ -116,6 +139,9 @@ def test_instrumented_kernels_compile_with_every_point_recording(fmt, d, causal,
     binary = compile_cuda(trace.instrumented(plain, 4, 64), "sm_90a", spec.name + "_traced",
                           entry=main_entry_name(spec))
     assert "qattn_trace_events" in binary.ptx and "%clock64" in binary.ptx and "%smid" in binary.ptx
+    on_global = compile_cuda(trace.instrumented(plain, 4, 64, clock="global"), "sm_90a", spec.name + "_traced_ns",
+                             entry=main_entry_name(spec))
+    assert "%globaltimer" in on_global.ptx and "%clock64" not in on_global.ptx
 
 
 def test_kernels_without_trace_points_are_refused():
@@ -148,3 +174,7 @@ def test_a_traced_call_records_each_key_tile_once():
     assert s_bursts == pv_bursts == 8 * 8 * consumers
     result = trace.analyse(events, trace.burst_cycles(128, spec.tile.block_n, 16, 16))
     assert 0 < result["busy_share"] < 1 and result["phases"]["whole item"] > 0
+    # the same call on the GPU's nanosecond timer: each traced block ended its one item, within the call's time
+    ends = trace.block_ends(trace.run_traced(spec, xs, blocks=8, events=512, clock="global"))
+    assert list(ends["by_items"]) == [1] and ends["by_items"][1]["blocks"] == 8
+    assert 0 < ends["span"] < 1e8 and 0 <= ends["idle_share"] < 1

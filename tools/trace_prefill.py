@@ -6,6 +6,11 @@ the shape (bench's entry syntax: FORMAT[@UNIT][+OPTION[=VALUE]...][:TILE]).
 
     tools/trace_prefill.py f16 --shape 16/32/1024
     tools/trace_prefill.py f16+persistent=off --shape 4/32/4096 --causal --json trace.json
+
+With --clock global the points record the GPU's nanosecond timer, which every SM shares, and the tool prints how
+ragged the grid's tail is instead: when each block finished its last item, by the blocks' item counts.
+
+    tools/trace_prefill.py f16 --shape 16/32/1024 --causal --clock global
 """
 import argparse
 import json
@@ -44,6 +49,9 @@ def main() -> int:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--blocks", type=_positive, default=132, help="blocks traced, from block 0 [default: 132]")
     ap.add_argument("--events", type=_positive, default=4096, help="events kept a role [default: 4096]")
+    ap.add_argument("--clock", choices=tuple(trace.CLOCKS), default="sm",
+                    help="sm: each SM's cycle counter (the tensor pipe and phase analysis); global: the GPU's "
+                         "nanosecond timer (the blocks' ends) [default: sm]")
     ap.add_argument("--json", type=Path, help="write the analysis and the events to this file")
     args = ap.parse_args()
     import cupy
@@ -59,9 +67,21 @@ def main() -> int:
         spec = spec.with_(tile=tile)
     q, k, v = (cupy.random.standard_normal((b, h, seq, args.head_dim), dtype=cupy.float32).astype(cupy.float16)
                for _ in range(3))
-    events = trace.run_traced(spec, format_inputs(fmt, q, k, v), blocks=args.blocks, events=args.events)
+    events = trace.run_traced(spec, format_inputs(fmt, q, k, v), blocks=args.blocks, events=args.events,
+                              clock=args.clock)
     if not events:
         ap.error(f"{spec.name}: no events recorded")
+    if args.clock == "global":
+        ends = trace.block_ends(events)
+        print(f"{spec.name}  B{b} H{h} L{seq}{' causal' if args.causal else ''}: {len(ends['by_items'])} item counts "
+              f"over the traced blocks; the last block ended {ends['span'] / 1e3:.1f} us after the first event")
+        print(f"the blocks' SM time idle at the tail: {ends['idle_share']:.1%}")
+        for n, e in ends["by_items"].items():
+            print(f"  {n:4d} items: {e['blocks']:4d} blocks, ended at {e['min'] / 1e3:.1f} / {e['median'] / 1e3:.1f} / "
+                  f"{e['max'] / 1e3:.1f} us (least / median / largest)")
+        if args.json:
+            args.json.write_text(json.dumps({"spec": spec.name, "clock": "global", **ends, "events": events}))
+        return 0
     cycles = trace.burst_cycles(args.head_dim, spec.tile.block_n, *operand_bits(fmt))
     result = trace.analyse(events, cycles)
     print(f"{spec.name}  B{b} H{h} L{seq}{' causal' if args.causal else ''}: {len(events)} events on "

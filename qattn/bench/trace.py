@@ -10,6 +10,10 @@ queue runs dry are the tensor pipe's idle time as the issues allow it, each put 
 SM was doing when the stretch began (the last point it had passed). Beside it, per consumer role, the median
 cycles of a work item's phases. A queue that finishes a burst's first product after its warpgroup saw that product
 land means the model's rate is too high (`late_bursts`).
+
+With clock="global" the points record the GPU's nanosecond timer (%globaltimer) instead, one clock for every SM:
+`block_ends` then reads when each block finished its last item, i.e. how ragged a persistent grid's tail is (the
+SM cycle counters of different SMs are not comparable, and the tensor pipe model needs cycles).
 """
 from __future__ import annotations
 
@@ -31,8 +35,16 @@ FLOPS_PER_CYCLE = {16: 4096, 8: 8192}
 ROLES_MAX = 4  # three consumer warpgroups and the producer's at most
 
 
-def prelude(blocks: int, events: int) -> str:
-    """CUDA text defining QATTN_TRACE to record into qattn_trace_events [blocks][ROLES_MAX][events][2]."""
+# What a trace point records as its clock: the SM's cycle counter, or the GPU's nanosecond timer.
+CLOCKS = {"sm": "e[0] = clock64();",
+          "global": 'unsigned long long ns; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns)); e[0] = ns;'}
+
+
+def prelude(blocks: int, events: int, clock: str = "sm") -> str:
+    """CUDA text defining QATTN_TRACE to record into qattn_trace_events [blocks][ROLES_MAX][events][2], each event's
+    clock from CLOCKS[clock]."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock: expected one of {', '.join(CLOCKS)}, got {clock!r}")
     enum = ", ".join(f"TRACE_{name} = {i}" for i, name in enumerate(POINTS))
     return f"""enum {{ {enum} }};
 __device__ unsigned long long qattn_trace_events[{blocks} * {ROLES_MAX} * {events} * 2];
@@ -51,7 +63,7 @@ static __device__ __forceinline__ void qattn_trace_event(int point, int arg) {{
     unsigned smid;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
     unsigned long long* e = qattn_trace_events + ((block * {ROLES_MAX} + role) * {events} + n) * 2;
-    e[0] = clock64();
+    {CLOCKS[clock]}
     e[1] = static_cast<unsigned long long>(point) | static_cast<unsigned long long>(arg & 0xffffff) << 8 |
            static_cast<unsigned long long>(smid) << 32;
 }}
@@ -59,22 +71,22 @@ static __device__ __forceinline__ void qattn_trace_event(int point, int arg) {{
 """
 
 
-def instrumented(source: str, blocks: int, events: int) -> str:
+def instrumented(source: str, blocks: int, events: int, clock: str = "sm") -> str:
     """A rendered source with its trace points recording (prelude first)."""
     if "QATTN_TRACE(" not in source:
         raise ValueError("this kernel has no trace points (the warp-specialized wgmma prefill kernels have them)")
-    return prelude(blocks, events) + source
+    return prelude(blocks, events, clock) + source
 
 
 @contextlib.contextmanager
-def traced_build(spec, blocks: int, events: int):
+def traced_build(spec, blocks: int, events: int, clock: str = "sm"):
     """Kernels of `spec` built with their trace points recording (into a cache of their own) while inside."""
     from ..engine import kernel as kernel_module
     from ..engine.cache import KernelCache
 
     plain = kernel_module.render
     kernel_module._MEMORY.pop(spec, None)
-    kernel_module.render = lambda s: instrumented(plain(s), blocks, events) if s == spec else plain(s)
+    kernel_module.render = lambda s: instrumented(plain(s), blocks, events, clock) if s == spec else plain(s)
     try:
         with tempfile.TemporaryDirectory() as root:
             yield kernel_module.build_kernel(spec, KernelCache(root))
@@ -204,11 +216,40 @@ def item_phases(events: list[dict], producer: int | None) -> dict:
     return {name: statistics.median(v) for name, v in spans.items() if v}
 
 
-def run_traced(spec, xs: tuple, *, blocks: int = 132, events: int = 4096, **call) -> list[dict]:
+def block_ends(events: list[dict]) -> dict:
+    """When each traced block finished, on a clock all SMs share (clock="global"): per block the last ITEM_END of its
+    consumer roles, from the first event of any block, and its items (the ITEM_ENDs of its first consumer role).
+    span: the last block's end; idle_share: 1 - the mean end over span (the share of the blocks' SM time left
+    idle at the grid's tail); by_items: per item count, the blocks and their least, median and largest end."""
+    producer = producer_role(events)
+    consumers = [e for e in events if e["role"] != producer]
+    if not consumers:
+        raise ValueError("events: no consumer role recorded")
+    start = min(e["clock"] for e in events)
+    first_role = {}
+    for e in consumers:
+        first_role[e["block"]] = min(first_role.get(e["block"], e["role"]), e["role"])
+    ends, items = defaultdict(int), defaultdict(int)
+    for e in consumers:
+        if e["point"] == "ITEM_END":
+            ends[e["block"]] = max(ends[e["block"]], e["clock"] - start)
+            items[e["block"]] += e["role"] == first_role[e["block"]]
+    if not ends:
+        raise ValueError("events: no block finished an item")
+    span = max(ends.values())
+    by_items = defaultdict(list)
+    for block, end in ends.items():
+        by_items[items[block]].append(end)
+    return {"span": span, "idle_share": 1 - statistics.mean(ends.values()) / span if span else 0.0,
+            "by_items": {n: {"blocks": len(v), "min": min(v), "median": statistics.median(v), "max": max(v)}
+                         for n, v in sorted(by_items.items())}}
+
+
+def run_traced(spec, xs: tuple, *, blocks: int = 132, events: int = 4096, clock: str = "sm", **call) -> list[dict]:
     """One call of `spec`'s kernel on xs (after a warm-up call) with its trace points recording; its events."""
     import cupy
 
-    with traced_build(spec, blocks, events) as kernel:
+    with traced_build(spec, blocks, events, clock) as kernel:
         out = cupy.empty_like(xs[0])
         kernel(*xs, out=out, **call)
         size = blocks * ROLES_MAX * events * 2
