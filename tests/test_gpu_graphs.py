@@ -13,9 +13,10 @@ from qattn.engine.arrays import numpy_dtype
 
 pytestmark = pytest.mark.gpu
 
-SHAPES = [  # (batch, query heads, kv heads, queries, keys, head_dim): a tail, GQA, split-K sizes
+SHAPES = [  # (batch, query heads, kv heads, queries, keys, head_dim): a tail, GQA, split-K sizes, persistent blocks
     (1, 4, 2, 77, 333, 64),
     (2, 8, 2, 200, 1100, 128),
+    (2, 8, 2, 1100, 1100, 128),
 ]
 PREFILL = ["f16", "bf16", "f32", "i8-f16", "i8-i8", "i8-f8"]
 KV8 = ["kv8-imma", "kv8-split", "kv8-f32"]
