@@ -14,15 +14,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from qattn.bench.sizes import sizes  # noqa: E402
 
-def shape(text: str) -> tuple:
-    try:
-        b, h, length = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected BxHxL such as 4x32x4096, got {text!r}") from None
-    if min(b, h, length) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive sizes, got {text!r}")
-    return b, h, length
+
+shape = sizes()
 
 
 def main() -> int:

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from qattn.engine.tile import Tile  # noqa: E402
 from qattn.bench.peers import PEERS  # noqa: E402
 from qattn.bench.prefill import SMOOTHINGS, bench_prefill, smoothing_label  # noqa: E402
+from qattn.bench.sizes import sizes  # noqa: E402
 
 
 def _positive(text: str) -> int:
@@ -61,7 +62,7 @@ def smoothing_costs(records: list) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", action="append", help="BATCHxHEADSxSEQ (repeatable)")
+    ap.add_argument("--shape", action="append", type=sizes(), help="BATCHxHEADSxSEQ (repeatable)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--format", action="append",
                     help="qattn formats (default f16); FORMAT@UNIT picks a matrix unit, e.g. i8-f8@mma.sync")
@@ -81,7 +82,7 @@ def main() -> int:
                          "after the peers follows them in every other round)")
     ap.add_argument("--json", help="write the records here")
     args = ap.parse_args()
-    shapes = [tuple(int(x) for x in s.split("x")) for s in (args.shape or ["4x32x4096"])]
+    shapes = args.shape or [(4, 32, 4096)]
     tiles = [Tile(*(int(x) for x in t.split("x"))) for t in args.tile] if args.tile else [None]
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     records = []

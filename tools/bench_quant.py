@@ -13,6 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from qattn.bench.sizes import sizes  # noqa: E402
+
 HBM_TBS = 4.2  # H200 HBM3e, TB/s
 
 
@@ -29,7 +31,7 @@ def step_bytes(fmt: str, b: int, h: int, length: int, d: int, rows: bool) -> int
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--format", action="append", help="i8-f16, i8-i8 or i8-f8 (repeatable; default i8-f8)")
-    ap.add_argument("--shape", action="append", help="BxHxL (repeatable)")
+    ap.add_argument("--shape", action="append", type=sizes(), help="BATCHxHEADSxSEQ (repeatable)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--label", default="", help="a name for this run's rows")
     args = ap.parse_args()
@@ -39,7 +41,7 @@ def main() -> int:
     from qattn.formats.int8qk import host as int8
     from qattn.bench.timing import time_cuda
 
-    shapes = [tuple(int(x) for x in s.split("x")) for s in (args.shape or ["4x32x4096", "16x32x1024", "1x32x32768"])]
+    shapes = args.shape or [(4, 32, 4096), (16, 32, 1024), (1, 32, 32768)]
     print(f"| run | format | shape | ms | GB/s | of {HBM_TBS} TB/s |")
     print("|---|---|---|---|---|---|")
     for fmt in args.format or ["i8-f8"]:

@@ -25,19 +25,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from qattn.bench import sass_profile  # noqa: E402
+from qattn.bench.sizes import sizes  # noqa: E402
 
 NCU = "/usr/local/cuda/bin/ncu"
 SECTIONS = ("SourceCounters", "WarpStateStats")
-
-
-def parse_shape(text: str) -> tuple[int, int, int]:
-    try:
-        b, h, length = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected BATCHxHEADSxSEQ, e.g. 16x32x1024, got {text!r}") from None
-    if min(b, h, length) < 1:
-        raise argparse.ArgumentTypeError(f"shape: every size must be positive, got {text!r}")
-    return b, h, length
 
 
 def run_one(args) -> None:
@@ -133,7 +124,7 @@ def show(summaries: list[dict]) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", type=parse_shape, default=(16, 32, 1024), help="BATCHxHEADSxSEQ (default 16x32x1024)")
+    p.add_argument("--shape", type=sizes(), default=(16, 32, 1024), help="BATCHxHEADSxSEQ (default 16x32x1024)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--format", default="f16", choices=("f16", "bf16"), help="qattn's format (default f16)")

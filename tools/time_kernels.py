@@ -15,22 +15,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from qattn.bench.prefill import format_inputs, kernel_entry  # noqa: E402
+from qattn.bench.sizes import BATCH_HEADS_SEQ, sizes  # noqa: E402
 from qattn.bench.timing import attention_flops, time_cuda  # noqa: E402
 
 DEFAULT_SHAPES = ((4, 32, 4096, 128), (16, 32, 1024, 128), (1, 32, 32768, 128), (4, 32, 8192, 64))
 
 
-def _shape(text: str) -> tuple:
-    parts = text.lower().split("x")
-    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"expected BATCHxHEADSxSEQxHEAD_DIM, e.g. 4x32x4096x128, got {text!r}")
-    return tuple(int(p) for p in parts)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("entries", help="comma-separated kernel entries")
-    ap.add_argument("--shape", type=_shape, action="append", help="BATCHxHEADSxSEQxHEAD_DIM (repeatable)")
+    ap.add_argument("--shape", type=sizes((*BATCH_HEADS_SEQ, "HEAD_DIM")), action="append", help="BATCHxHEADSxSEQxHEAD_DIM (repeatable)")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--peers", action="store_true", help="also time cuDNN through torch SDPA")
     args = ap.parse_args()

@@ -21,13 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from qattn.bench import trace  # noqa: E402
 from qattn.bench.prefill import format_inputs, kernel_entry  # noqa: E402
+from qattn.bench.sizes import sizes  # noqa: E402
 
 
-def _shape(text: str) -> tuple:
-    parts = text.split("/")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"expected BATCH/HEADS/SEQ, e.g. 16/32/1024, got {text!r}")
-    return tuple(int(p) for p in parts)
 
 
 def _positive(text: str) -> int:
@@ -44,7 +40,7 @@ def operand_bits(fmt: str) -> tuple:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("entry", help="the kernel entry, e.g. f16 or f16+persistent=off:m128n128w8s2")
-    ap.add_argument("--shape", type=_shape, default=(16, 32, 1024), help="BATCH/HEADS/SEQ [default: 16/32/1024]")
+    ap.add_argument("--shape", type=sizes(sep="/"), default=(16, 32, 1024), help="BATCH/HEADS/SEQ [default: 16/32/1024]")
     ap.add_argument("-d", "--head-dim", type=int, default=128, help="head dimension [default: 128]")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--blocks", type=_positive, default=132, help="blocks traced, from block 0 [default: 132]")
