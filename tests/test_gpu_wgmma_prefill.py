@@ -282,7 +282,7 @@ def test_warpgroups_in_turns_give_the_same_bits(fmt, head_dim, tile, causal):
 
 @pytest.mark.parametrize("fmt", ["f16", "bf16"])
 @pytest.mark.parametrize("options", [{}, {"pingpong": "on"}, {"kv_rows": "on"}, {"chain": "on"},
-                                     {"chain": "on", "pingpong": "off"}])
+                                     {"chain": "on", "pingpong": "off"}, {"chain": "on", "out_tma": "on"}])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim,tile", [(128, None), (64, Tile(192, 128, 12, 2)), (128, Tile(128, 176, 8, 2))])
 def test_persistent_blocks_give_the_same_bits(fmt, options, causal, head_dim, tile):
@@ -304,6 +304,29 @@ def test_persistent_blocks_give_the_same_bits(fmt, options, causal, head_dim, ti
         assert cupy.array_equal(a.view(cupy.uint16), ref.view(cupy.uint16)), (b, hq, lq, lk)
         assert cupy.array_equal(la, lref), (b, hq, lq, lk)
     _check(fmt, many, a, host, causal=causal, lse=la)
+
+
+@pytest.mark.parametrize("fmt,head_dim,causal", [("f16", 128, False), ("bf16", 128, True), ("f16", 64, True)])
+def test_tma_stores_write_the_output_rows_and_nothing_else(fmt, head_dim, causal):
+    """Chained items with their rows by TMA stores (out_tma "on") into an out seen through a wider [B, L, H, D + 64]
+    store: every row below Lq written, as the warps' own stores write it (the same bits), and none of the channels
+    beside the view touched."""
+    import cupy
+
+    options = {"persistent": "on", "chain": "on"}
+    tma = _kernel(fmt, head_dim, causal, options={**options, "out_tma": "on"})
+    own = _kernel(fmt, head_dim, causal, options=options)
+    rng = np.random.default_rng()
+    b, hq, hkv, lq, lk = 3, 8, 2, 1029, 1100
+    host, (q, k, v) = _host_inputs(rng, fmt, b, hq, hkv, lq, lk, head_dim)
+    store = _poisoned((b, lq, hq, head_dim + 64), q.dtype)
+    before = store.copy()
+    out = store[..., :head_dim].transpose(0, 2, 1, 3)
+    assert tma(q, k, v, out=out) is out
+    beside = (x[..., head_dim:].view(cupy.uint16) for x in (store, before))
+    assert cupy.array_equal(*beside), "a TMA store wrote past the view"
+    assert cupy.array_equal(out.view(cupy.uint16), own(q, k, v).view(cupy.uint16))
+    _check(fmt, tma, out, host, causal=causal)
 
 
 @pytest.mark.parametrize("fmt", ["f16", "bf16"])

@@ -166,18 +166,25 @@ def test_mma_sync_plan_has_no_maps():
     assert plan.maps is None and plan.launch._blobs == []
 
 
-def test_strides_the_tma_cannot_read_run_the_rows_kernel(monkeypatch):
-    """A K broadcast over the batch (stride 0) runs the same spec with kv_rows "on" (cp.async rows)."""
+@pytest.fixture
+def built(monkeypatch):
+    """The specs the launcher builds instead of the kernel it was given (stand-ins, nothing compiled)."""
     from qattn.engine import kernel as engine_kernel
-    from qattn.formats.dense import launch
 
-    built = []
+    specs = []
 
     def build(spec):
-        built.append(spec)
+        specs.append(spec)
         return _stand_in(spec)
 
     monkeypatch.setattr(engine_kernel, "build_kernel", build)
+    return specs
+
+
+def test_strides_the_tma_cannot_read_run_the_rows_kernel(built):
+    """A K broadcast over the batch (stride 0) runs the same spec with kv_rows "on" (cp.async rows)."""
+    from qattn.formats.dense import launch
+
     spec = KernelSpec(recipe="f16", head_dim=64, arch="sm_90a", mma="wgmma")
     q, v = _array((2, 4, 100, 64)), _array((2, 4, 100, 64))
     k = _array((2, 4, 100, 64), (0, 100 * 64 * 2, 64 * 2, 2))
@@ -185,6 +192,42 @@ def test_strides_the_tma_cannot_read_run_the_rows_kernel(monkeypatch):
     assert plan.maps is None and plan.launch._blobs == []
     assert built == [spec.with_(options={**dict(spec.options), "kv_rows": "on"})]
     assert built[0].name == "prefill_f16_d64_m128n128w8s2_wgmma_kvrows_sm90a"
+
+
+def test_chained_plan_with_tma_stores_passes_the_output_map(monkeypatch):
+    """out_tma "on" on chained items: a third map, of the output's 16-row boxes (a fresh output's strides, or the
+    given out's); without the option, or where items do not chain, two."""
+    from qattn.formats.dense import launch
+
+    monkeypatch.setattr(launch, "work_grid", lambda spec, items, device, per_sm: (132, 1, 1))
+    chained = {"persistent": "on", "chain": "on"}
+    spec = KernelSpec(recipe="bf16", head_dim=128, arch="sm_90a", mma="wgmma", options={**chained, "out_tma": "on"})
+    b, hq, hkv, lq, lk, d = 2, 8, 2, 1029, 1029, 128
+    q, k = _array((b, hq, lq, d), dtype="bfloat16"), _array((b, hkv, lk, d), dtype="bfloat16")
+    plan = launch._plan(_stand_in(spec), q, k, k, None, None, False)
+    assert plan.out_map.spec == swizzled_rows("out", q.shape, q.strides, "bfloat16", 16)
+    assert [name for _, name, _ in plan.launch._blobs] == ["k_map", "v_map", "o_map"]
+    out = _array((b, hq, lq, d), (lq * hq * d * 2, d * 2, hq * d * 2, 2), dtype="bfloat16")  # a BSHD view
+    plan = launch._plan(_stand_in(spec), q, k, k, out, None, False)
+    assert plan.out_map.spec.strides == (hq * d * 2, 128, d * 2, lq * hq * d * 2)
+    for options in (chained, {**chained, "out_tma": "on", "persistent": "off"}):
+        other = spec.with_(options=options)
+        plan = launch._plan(_stand_in(other), q, k, k, None, None, False)
+        assert plan.out_map is None and [name for _, name, _ in plan.launch._blobs] == ["k_map", "v_map"]
+
+
+def test_an_output_the_tma_cannot_write_runs_without_tma_stores(built, monkeypatch):
+    """An out whose strides the TMA cannot take runs the same spec with out_tma "off"."""
+    from qattn.formats.dense import launch
+
+    monkeypatch.setattr(launch, "work_grid", lambda spec, items, device, per_sm: (132, 1, 1))
+    spec = KernelSpec(recipe="f16", head_dim=64, causal=True, arch="sm_90a", mma="wgmma",
+                      options={"persistent": "on", "chain": "on", "out_tma": "on"})
+    q = _array((2, 4, 100, 64))
+    out = _array((2, 4, 100, 64), (-100 * 64 * 2 * 4, 100 * 64 * 2, 64 * 2, 2))  # batches backwards
+    plan = launch._plan(_stand_in(spec), q, q, q, out, None, False)
+    assert plan.out_map is None and [name for _, name, _ in plan.launch._blobs] == ["k_map", "v_map"]
+    assert built == [spec.with_(options={**dict(spec.options), "out_tma": "off"})]
 
 
 # ---- descriptors over the TMA tile (wgmma.cuh.j2 transcribed) ------------------------------------

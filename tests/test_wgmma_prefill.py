@@ -232,6 +232,42 @@ def test_chained_items_issue_a_third_step(spec):
             assert attn.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t}") == count, (s.name, n)
 
 
+@pytest.mark.parametrize("spec", CHAINED, ids=lambda s: s.name)
+def test_chained_rows_by_tma_stores(spec):
+    """out_tma "on": a chained kernel stages each warp's 16 output rows as the box of a TMA store of a third map (a
+    kernel parameter by value, prefetched), waits for the stores' reads before the next but one item's Q rows land
+    over them and for the stores themselves before the block ends, and writes no output row with its own stores;
+    its products are the chained kernel's, and ptxas spills nothing and serializes no wgmma."""
+    on = spec.with_(options={**dict(spec.options), "out_tma": "on"})
+    assert "outtma" in on.name and "outtma" not in spec.name
+    binary = _compiled(on)
+    entry = _attention_entry(on)
+    check_spills(entry, entry_resources(binary.log, entry), attention=True)
+    assert "C7514" not in binary.log and "serialized" not in binary.log, binary.log
+    attn, plain = entry_ptx(binary.ptx, entry), entry_ptx(_compiled(spec).ptx, _attention_entry(spec))
+    assert "cp.async.bulk.tensor.5d.global.shared::cta.bulk_group" in attn and "cp.async.bulk.commit_group" in attn
+    assert "cp.async.bulk.wait_group.read 0" in attn and "cp.async.bulk.wait_group 0" in attn
+    assert attn.count("prefetch.tensormap") == 3 and attn.count(".param .align 64 .b8") == 3
+    assert "st.global.v4" not in attn and "st.global.v4" in plain  # the rows: TMA stores instead of the warps' own
+    assert "cp.async.bulk.tensor.5d.global" not in plain
+    t = spec.recipe
+    for n in {spec.tile.block_n, spec.head_dim}:
+        op = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t}"
+        assert attn.count(op) == plain.count(op) > 0
+
+
+@pytest.mark.parametrize("tile,options", [((128, 128, 8, 2), {}), ((128, 128, 8, 2), {"persistent": "on"}),
+                                          ((128, 128, 8, 2), {"persistent": "on", "kv_rows": "on", "chain": "on"}),
+                                          ((128, 176, 8, 2), {"persistent": "on", "chain": "on"})])
+def test_out_tma_changes_nothing_where_no_items_chain(tile, options):
+    """out_tma "on" where items do not chain (a block an item, persistent without chain, the cp.async producer, a tile
+    that stages its output over Q): the same source as without it but for the kernel's name."""
+    on = KernelSpec(recipe="f16", head_dim=128, arch="sm_90a", mma="wgmma", tile=Tile(*tile),
+                    options={**options, "out_tma": "on"})
+    off = on.with_(options={**options, "out_tma": "off"})
+    assert render(on).replace(on.name, off.name) == render(off)
+
+
 @pytest.mark.parametrize("tile,options", [((128, 128, 8, 2), {}), ((128, 128, 8, 2), {"persistent": "on", "kv_rows": "on"}),
                                           ((192, 128, 12, 2), {"persistent": "on"}),
                                           ((128, 176, 8, 2), {"persistent": "on"}), ((64, 128, 4, 2), {"persistent": "on"})])

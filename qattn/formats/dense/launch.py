@@ -21,6 +21,7 @@ class _PrefillPlan:
     launch: PackedLaunch
     lse_shape: tuple
     maps: tuple | None = None  # the K and V tensor maps' encoders (TMA kernels), by data pointer
+    out_map: MapEncoder | None = None  # the output's (chained kernels' TMA stores), by data pointer
 
 
 def prefill(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, lse=None,
@@ -50,6 +51,8 @@ def prefill(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = F
                   "lse": lse_arr.data.ptr if lse_arr is not None else 0}
         if plan.maps is not None:
             params["k_map"], params["v_map"] = plan.maps[0](k.data.ptr), plan.maps[1](v.data.ptr)
+        if plan.out_map is not None:
+            params["o_map"] = plan.out_map(out_arr.data.ptr)
         plan.launch(params, memory.stream_ptr)
     return (out_result, lse_result) if return_lse else out_result
 
@@ -95,12 +98,15 @@ def _plan(kernel, q, k, v, out, scale, return_lse) -> _PrefillPlan:
     kernel, maps = _kv_maps(kernel, k, v)
     if maps is not None:
         args += (Blob("k_map", MAP_BYTES, MAP_ALIGN), Blob("v_map", MAP_BYTES, MAP_ALIGN))
+    kernel, out_map = _out_map(kernel, q, out_strides)
+    if out_map is not None:
+        args += (Blob("o_map", MAP_BYTES, MAP_ALIGN),)
     qblocks = math.ceil(lq / spec.tile.block_m)
     # one consumer warpgroup's block runs two to an SM (prefill_wgmma.cu.j2, BLOCKS_PER_SM)
     per_sm = 2 if spec.tile.warps == 4 else 1
     grid = work_grid(spec, qblocks * hq * b, q.device.id, per_sm) if wgmma else (qblocks, hq, b)
     launch = PackedLaunch(kernel.function(), grid, kernel.threads, kernel.shared_bytes, args, programmatic(spec))
-    return _PrefillPlan(launch, (b, hq, lq), maps)
+    return _PrefillPlan(launch, (b, hq, lq), maps, out_map)
 
 
 def _kv_maps(kernel, k, v):
@@ -120,3 +126,21 @@ def _kv_maps(kernel, k, v):
 
         return build_kernel(spec.with_(options={**dict(spec.options), "kv_rows": "on"})), None
     return kernel, maps
+
+
+def _out_map(kernel, q, out_strides):
+    """The kernel a call runs and its output's tensor map encoder (None for a kernel that writes its rows with
+    its own stores): a kernel that chains its items (the family's `chains`) with option out_tma "on" writes each
+    warp's 16 rows by a TMA store of a box of the output (engine/tensormap.py, swizzled_rows), which needs every
+    stride of `out` a positive multiple of 16 bytes; for other strides the same spec with out_tma "off" runs."""
+    spec = kernel.spec
+    options = dict(spec.options)
+    chains = spec.family.values.get("chains")
+    if options.get("out_tma") != "on" or not (chains and chains(spec.tile, spec.head_dim, options)):
+        return kernel, None
+    try:
+        return kernel, MapEncoder(swizzled_rows("out", q.shape, out_strides, q.dtype.name, 16))
+    except ValueError:
+        from ...engine.kernel import build_kernel
+
+        return build_kernel(spec.with_(options={**options, "out_tma": "off"})), None

@@ -136,8 +136,10 @@ CUDA_WGMMA = Family(
     # warpgroups issue their MMAs in turns (wgmma_attention.cuh.j2, consumer_turns_begin); persistent "on":
     # as many blocks as the SMs hold, each taking work items in turn (the launch's grid; one kernel); chain "on":
     # a persistent block runs its items back to back, an item's last P V beside the next one's first Q Kᵀ, where
-    # wgmma_chains says it can (elsewhere, as on a block an item, the kernel is the one without it)
-    options={"kv_rows": ("off", "on"), "pingpong": ("off", "on"), "persistent": ("off", "on"), "chain": ("off", "on")},
+    # wgmma_chains says it can (elsewhere, as on a block an item, the kernel is the one without it); out_tma "on":
+    # those chained blocks write each warp's output rows by a TMA store of a map of `out`
+    options={"kv_rows": ("off", "on"), "pingpong": ("off", "on"), "persistent": ("off", "on"), "chain": ("off", "on"),
+             "out_tma": ("off", "on")},
     # turns at d128: 1.00-1.03x without them non-causal, 1.00-1.03x causal at 4096+ rows (H200,
     # docs/notes/dense.md); at d64 they change nothing measurable, so d64 keeps the simpler schedule
     option_defaults={128: {"pingpong": "on"}},
