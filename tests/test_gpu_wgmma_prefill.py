@@ -282,9 +282,11 @@ def test_warpgroups_in_turns_give_the_same_bits(fmt, head_dim, tile, causal):
 
 @pytest.mark.parametrize("fmt", ["f16", "bf16"])
 @pytest.mark.parametrize("options", [{}, {"pingpong": "on"}, {"kv_rows": "on"}, {"chain": "on"},
-                                     {"chain": "on", "pingpong": "off"}, {"chain": "on", "out_tma": "on"}])
+                                     {"chain": "on", "pingpong": "off"}, {"chain": "on", "out_tma": "on"},
+                                     {"chain": "on", "q_tma": "on"}, {"chain": "on", "q_tma": "off"}])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim,tile", [(128, None), (64, Tile(192, 128, 12, 2)), (128, Tile(128, 176, 8, 2))])
+@pytest.mark.parametrize("head_dim,tile", [(128, None), (64, None), (64, Tile(192, 128, 12, 2)),
+                                           (128, Tile(128, 176, 8, 2))])
 def test_persistent_blocks_give_the_same_bits(fmt, options, causal, head_dim, tile):
     """persistent "on" (as many blocks as the SMs hold, each taking work items in turn; the ring's slots
     and phases, and the warpgroups' turns, running on across items) against a block per item: the same
@@ -304,6 +306,30 @@ def test_persistent_blocks_give_the_same_bits(fmt, options, causal, head_dim, ti
         assert cupy.array_equal(a.view(cupy.uint16), ref.view(cupy.uint16)), (b, hq, lq, lk)
         assert cupy.array_equal(la, lref), (b, hq, lq, lk)
     _check(fmt, many, a, host, causal=causal, lse=la)
+
+
+@pytest.mark.parametrize("fmt,head_dim,causal", [("f16", 128, True), ("bf16", 128, False), ("f16", 64, False)])
+def test_q_rows_by_tma_read_a_strided_q_view(fmt, head_dim, causal):
+    """Chained items with their Q rows by the producer's TMA (q_tma "on") from a Q seen through a wider
+    [B, L, H, D + 64] store whose other channels are NaN: the same bits as the consumers' own Q loads, with a tail of
+    rows past the last full block."""
+    import cupy
+
+    options = {"persistent": "on", "chain": "on"}
+    tma = _kernel(fmt, head_dim, causal, options={**options, "q_tma": "on"})
+    own = _kernel(fmt, head_dim, causal, options={**options, "q_tma": "off"})
+    assert dict(tma.spec.options)["q_tma"] == "on"
+    rng = np.random.default_rng()
+    b, hq, hkv, lq, lk = 3, 8, 2, 1093, 1100
+    host, (q, k, v) = _host_inputs(rng, fmt, b, hq, hkv, lq, lk, head_dim)
+    store = _poisoned((b, lq, hq, head_dim + 64), q.dtype)
+    store[..., :head_dim] = q.transpose(0, 2, 1, 3)
+    view = store[..., :head_dim].transpose(0, 2, 1, 3)
+    a, la = tma(view, k, v, return_lse=True)
+    ref, lref = own(view, k, v, return_lse=True)
+    assert cupy.array_equal(a.view(cupy.uint16), ref.view(cupy.uint16))
+    assert cupy.array_equal(la, lref)
+    _check(fmt, tma, a, host, causal=causal, lse=la)
 
 
 @pytest.mark.parametrize("fmt,head_dim,causal", [("f16", 128, False), ("bf16", 128, True), ("f16", 64, True)])

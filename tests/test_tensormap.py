@@ -210,10 +210,49 @@ def test_chained_plan_with_tma_stores_passes_the_output_map(monkeypatch):
     out = _array((b, hq, lq, d), (lq * hq * d * 2, d * 2, hq * d * 2, 2), dtype="bfloat16")  # a BSHD view
     plan = launch._plan(_stand_in(spec), q, k, k, out, None, False)
     assert plan.out_map.spec.strides == (hq * d * 2, 128, d * 2, lq * hq * d * 2)
-    for options in (chained, {**chained, "out_tma": "on", "persistent": "off"}):
-        other = spec.with_(options=options)
-        plan = launch._plan(_stand_in(other), q, k, k, None, None, False)
-        assert plan.out_map is None and [name for _, name, _ in plan.launch._blobs] == ["k_map", "v_map"]
+    plan = launch._plan(_stand_in(spec.with_(options=chained)), q, k, k, None, None, False)  # d128: Q by TMA
+    assert plan.out_map is None and [name for _, name, _ in plan.launch._blobs] == ["k_map", "v_map", "q_map"]
+    plan = launch._plan(_stand_in(spec.with_(options={**chained, "out_tma": "on", "persistent": "off"})),
+                        q, k, k, None, None, False)
+    assert plan.out_map is None and [name for _, name, _ in plan.launch._blobs] == ["k_map", "v_map"]
+
+
+def test_chained_q_rows_by_tma_pass_a_map_of_q(monkeypatch):
+    """q_tma "on" (d128's default) on chained items: a map of Q's boxes of BM rows, from Q's own strides (a BSHD
+    view as well); the spec settles it "off" where items do not chain and beside out_tma, and without a map."""
+    from qattn.formats.dense import launch
+
+    monkeypatch.setattr(launch, "work_grid", lambda spec, items, device, per_sm: (132, 1, 1))
+    spec = KernelSpec(recipe="f16", head_dim=128, causal=True, arch="sm_90a", mma="wgmma",
+                      options={"persistent": "on", "chain": "on"})
+    assert dict(spec.options)["q_tma"] == "on" and spec.name.endswith("_chain_qtma_sm90a")
+    b, hq, lq, d = 2, 8, 333, 128
+    q = _array((b, hq, lq, d), (lq * hq * d * 2, d * 2, hq * d * 2, 2))  # a BSHD view
+    k = _array((b, 2, lq, d))
+    plan = launch._plan(_stand_in(spec), q, k, k, None, None, False)
+    assert plan.q_map.spec == swizzled_rows("q", q.shape, q.strides, "float16", spec.tile.block_m)
+    assert [name for _, name, _ in plan.launch._blobs] == ["k_map", "v_map", "q_map"]
+    for options in ({"persistent": "on"}, {"persistent": "on", "chain": "on", "out_tma": "on"}):
+        other = spec.with_(options={**options, "q_tma": "on"})
+        assert dict(other.options)["q_tma"] == "off" and "qtma" not in other.name
+        assert launch._plan(_stand_in(other), q, k, k, None, None, False).q_map is None
+    d64 = KernelSpec(recipe="f16", head_dim=64, arch="sm_90a", mma="wgmma", options={"persistent": "on", "chain": "on"})
+    assert dict(d64.options)["q_tma"] == "off"  # d64 keeps the consumers' cp.async rows by default
+    d256 = KernelSpec(recipe="f16", head_dim=256, arch="sm_90a", mma="wgmma", options={"persistent": "on", "chain": "on"})
+    assert dict(d256.options)["q_tma"] == "off"  # its output rows are staged over Q's: nothing chains
+
+
+def test_a_q_the_tma_cannot_read_runs_with_the_consumers_q_loads(built, monkeypatch):
+    """A Q whose strides the TMA cannot take runs the same spec with q_tma "off"."""
+    from qattn.formats.dense import launch
+
+    monkeypatch.setattr(launch, "work_grid", lambda spec, items, device, per_sm: (132, 1, 1))
+    spec = KernelSpec(recipe="bf16", head_dim=128, arch="sm_90a", mma="wgmma", options={"persistent": "on", "chain": "on"})
+    q = _array((2, 4, 100, 128), (-100 * 128 * 2 * 4, 100 * 128 * 2, 128 * 2, 2), dtype="bfloat16")  # batches backwards
+    k = _array((2, 4, 100, 128), dtype="bfloat16")
+    plan = launch._plan(_stand_in(spec), q, k, k, None, None, False)
+    assert plan.q_map is None and [name for _, name, _ in plan.launch._blobs] == ["k_map", "v_map"]
+    assert built == [spec.with_(options={**dict(spec.options), "q_tma": "off"})]
 
 
 def test_an_output_the_tma_cannot_write_runs_without_tma_stores(built, monkeypatch):

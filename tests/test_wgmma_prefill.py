@@ -148,8 +148,10 @@ def test_i8_f16_scale_blocks_follow_the_kernel():
     sync = KernelSpec(recipe="i8-f16", head_dim=128, arch="sm_90a", mma="mma.sync")
     assert tile_keys(sync) == 0 and int8.emulator_options(sync)["block_m"] == sync.tile.block_m
 
-# persistent blocks that run their items back to back (chain on, two consumer warpgroups, TMA K/V)
-CHAINED = [KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wgmma", options={"persistent": "on", "chain": "on"})
+# persistent blocks that run their items back to back (chain on, two consumer warpgroups, TMA K/V), Q rows by the
+# consumers' cp.async (q_tma, d128's default, has its own test)
+CHAINED = [KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wgmma",
+                      options={"persistent": "on", "chain": "on", "q_tma": "off"})
            for f, d, c in (("f16", 128, False), ("bf16", 128, True), ("f16", 64, True))]
 
 
@@ -191,16 +193,21 @@ def test_compiles_on_warpgroup_mmas(spec):
         assert f"wgmma.mma_async.sync.aligned.m64n{d}k16.f32.{t}.{t}" in attn  # O += P V
         if bulk:  # K and V: one 5-d TMA box a tile by one thread, completing by bytes; maps prefetched
             assert "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in attn
-            assert "mbarrier.arrive.expect_tx" in attn and attn.count("prefetch.tensormap") == 2
+            # (a third: the chained items' output boxes, or their Q boxes)
+            tma_rows = any(dict(spec.options).get(o) == "on" for o in ("out_tma", "q_tma"))
+            assert "mbarrier.arrive.expect_tx" in attn and attn.count("prefetch.tensormap") == 2 + tma_rows
             assert ".param .align 64 .b8" in attn  # the maps, by value
         else:
             assert "cp.async.bulk" not in attn and "tensormap" not in attn
     assert "mma.sync" not in attn and "ldmatrix" not in attn and "e4m3" not in attn
     # P V with V N-major: the register-A form with imm-trans-b 1
     assert "p, 1, 1, 1;" in attn
-    # Q by the consumers (and K/V rows by the producer, but for bulk copies): cp.async, fenced for the
-    # async proxy before the barrier that publishes them; mbarrier waits; registers handed over
-    assert "cp.async.cg.shared.global" in attn and ("cp.async.wait_group 1" in attn) == (not bulk)
+    # Q by the consumers (but for chained items' Q boxes by TMA, q_tma) and K/V rows by the producer (but for bulk
+    # copies): cp.async, fenced for the async proxy before the barrier that publishes them; mbarrier waits;
+    # registers handed over
+    q_by_tma = dict(spec.options).get("q_tma") == "on"
+    assert ("cp.async.cg.shared.global" in attn) == (not (q_by_tma and bulk))
+    assert ("cp.async.wait_group 1" in attn) == (not bulk)
     assert "fence.proxy.async.shared::cta" in attn and "mbarrier.try_wait.parity" in attn
     assert "mbarrier.arrive.shared::cta.b64" in attn and "fence.mbarrier_init.release.cluster" in attn
     assert f"setmaxnreg.dec.sync.aligned.u32 {24 if bulk else 56}" in attn and "setmaxnreg.inc.sync.aligned.u32" in attn
@@ -256,16 +263,35 @@ def test_chained_rows_by_tma_stores(spec):
         assert attn.count(op) == plain.count(op) > 0
 
 
+@pytest.mark.parametrize("spec", CHAINED, ids=lambda s: s.name)
+def test_chained_q_rows_by_the_producers_tma(spec):
+    """q_tma "on": the producer loads each item's BM Q rows as one box of a third map into the item's region, and the
+    consumers issue no cp.async; the products are the chained kernel's, and ptxas spills nothing."""
+    on = spec.with_(options={**dict(spec.options), "q_tma": "on"})
+    assert (on == spec.with_(options={"persistent": "on", "chain": "on"})) == (spec.head_dim == 128)  # d128's default
+    binary = _compiled(on)
+    entry = _attention_entry(on)
+    check_spills(entry, entry_resources(binary.log, entry), attention=True)
+    assert "C7514" not in binary.log and "serialized" not in binary.log, binary.log
+    attn, plain = entry_ptx(binary.ptx, entry), entry_ptx(_compiled(spec).ptx, _attention_entry(spec))
+    assert "cp.async.cg.shared.global" not in attn and "cp.async.cg.shared.global" in plain
+    assert attn.count("prefetch.tensormap") == 3 and attn.count(".param .align 64 .b8") == 3
+    t = spec.recipe
+    for n in {spec.tile.block_n, spec.head_dim}:
+        op = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t}"
+        assert attn.count(op) == plain.count(op) > 0
+
+
 @pytest.mark.parametrize("tile,options", [((128, 128, 8, 2), {}), ((128, 128, 8, 2), {"persistent": "on"}),
                                           ((128, 128, 8, 2), {"persistent": "on", "kv_rows": "on", "chain": "on"}),
                                           ((128, 176, 8, 2), {"persistent": "on", "chain": "on"})])
-def test_out_tma_changes_nothing_where_no_items_chain(tile, options):
-    """out_tma "on" where items do not chain (a block an item, persistent without chain, the cp.async producer, a tile
-    that stages its output over Q): the same source as without it but for the kernel's name."""
+def test_tma_options_settle_off_where_no_items_chain(tile, options):
+    """out_tma and q_tma "on" where items do not chain (a block an item, persistent without chain, the cp.async
+    producer, a tile that stages its output over Q) take no effect: the spec is the one without them."""
     on = KernelSpec(recipe="f16", head_dim=128, arch="sm_90a", mma="wgmma", tile=Tile(*tile),
-                    options={**options, "out_tma": "on"})
-    off = on.with_(options={**options, "out_tma": "off"})
-    assert render(on).replace(on.name, off.name) == render(off)
+                    options={**options, "out_tma": "on", "q_tma": "on"})
+    off = on.with_(options={**options, "out_tma": "off", "q_tma": "off"})
+    assert on == off and "tma" not in on.name
 
 
 @pytest.mark.parametrize("tile,options", [((128, 128, 8, 2), {}), ((128, 128, 8, 2), {"persistent": "on", "kv_rows": "on"}),

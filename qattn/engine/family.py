@@ -67,6 +67,9 @@ class Family:
     # the default tile where it depends on a spec's options (e.g. a QK path that runs a whole warpgroup):
     # (head_dim, arch, options) -> Tile, or None for the tuned tile or the head dim's default
     option_tile: Callable[[int, str, dict], Tile | None] | None = None
+    # the options as the kernel builds them once its tile is known: (options, tile, head_dim) -> options, those that
+    # the tile or other options leave without effect set to their first value, so that one kernel has one spec
+    settled_options: Callable[[dict, Tile, int], dict] | None = None
 
     def option_default(self, name: str, head_dim: int):
         """The value a spec at head_dim takes for option `name` where it names none."""

@@ -95,6 +95,9 @@ class KernelSpec:
         if need > limit:
             raise ValueError(f"tile {self.tile.name} for {self.recipe} d{self.head_dim} needs {need} B of shared "
                              f"memory per block; {self.arch} allows {limit}: choose a smaller tile")
+        if fam.settled_options:
+            settled = fam.settled_options(dict(self.options), self.tile, self.head_dim)
+            object.__setattr__(self, "options", tuple(settled.items()))
 
     def _checked_options(self, fam) -> tuple:
         given = dict(self.options) if isinstance(self.options, (dict, tuple, list)) else None
@@ -159,7 +162,7 @@ def _option_tag(name: str, value) -> str:
         return f"p{value}"
     if name == "k_balance":
         return "kbal"
-    if name in ("kv_rows", "pingpong", "persistent", "chain", "out_tma"):
+    if name in ("kv_rows", "pingpong", "persistent", "chain", "out_tma", "q_tma"):
         return name.replace("_", "")
     if name in ("k_mean", "k_rope"):
         return f"{name.replace('_', '')}-{value}"

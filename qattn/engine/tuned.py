@@ -105,10 +105,15 @@ class TunedKernel:
 
     @classmethod
     def of(cls, spec) -> "TunedKernel":
-        """A KernelSpec's (whose mma is None on the arch's default unit)."""
-        fam = spec.family
-        options = tuple(sorted((n, v) for n, v in spec.options if v != fam.option_default(n, spec.head_dim)))
-        return cls(spec.tile, spec.mma, options)
+        """A KernelSpec's (whose mma is None on the arch's default unit), naming each option whose value is not the
+        one the spec would take without it (its default, as the family settles it on this tile)."""
+        fam, given = spec.family, dict(spec.options)
+
+        def implied(name):
+            options = {**given, name: fam.option_default(name, spec.head_dim)}
+            return (fam.settled_options(options, spec.tile, spec.head_dim) if fam.settled_options else options)[name]
+
+        return cls(spec.tile, spec.mma, tuple(sorted((n, v) for n, v in given.items() if v != implied(n))))
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,10 @@ from ..engine.tile import Tile
 
 BLOCK_M = (32, 64, 128, 192, 256)
 # Template options a sweep also tries on every tile, where the unit's kernel family has them: the
-# wgmma kernels' turns between consumer warpgroups, persistent blocks, chained items and their rows by TMA
-# stores (kv_rows, the TMA kernel's fallback for strides it cannot read, is never faster and stays out).
-SWEPT_OPTIONS = ("pingpong", "persistent", "chain", "out_tma")
+# wgmma kernels' turns between consumer warpgroups, persistent blocks, chained items, their rows by TMA stores and
+# their Q rows by TMA loads (kv_rows, the TMA kernel's fallback for strides it cannot read, is never faster and
+# stays out).
+SWEPT_OPTIONS = ("pingpong", "persistent", "chain", "out_tma", "q_tma")
 BLOCK_N = (32, 64, 128)
 # From one warp per SM scheduler up, as every built-in default has; --warps names fewer.
 WARPS = (4, 8, 12, 16)
@@ -46,9 +47,10 @@ def units(fmt: str, head_dim: int, arch: str) -> list[str]:
 
 
 def option_variants(spec: KernelSpec) -> list[KernelSpec]:
-    """spec under every combination of the SWEPT_OPTIONS its family has, spec's own first; turns are
-    left out for a single consumer warpgroup (nothing to take turns with), chained items and their TMA stores where
-    the family's `chains` says the variant has none to chain (its kernel is the one without)."""
+    """spec under every combination of the SWEPT_OPTIONS its family has, spec's own first, each kernel once (the
+    family settles options that take no effect); turns are left out for a single consumer warpgroup (nothing to
+    take turns with), chained items where the family's `chains` says the variant has none to chain (its kernel is
+    the one without)."""
     fam = spec.family
     names = [n for n in SWEPT_OPTIONS if n in fam.options and not (n == "pingpong" and spec.tile.warps <= 4)]
     chains = fam.values.get("chains")
@@ -56,7 +58,7 @@ def option_variants(spec: KernelSpec) -> list[KernelSpec]:
     for values in itertools.product(*(fam.options[n] for n in names)):
         options = {**dict(spec.options), **dict(zip(names, values))}
         chained = bool(chains and chains(spec.tile, spec.head_dim, options))
-        if (options.get("chain") == "on" or options.get("out_tma") == "on") and not chained:
+        if options.get("chain") == "on" and not chained:
             continue
         variant = spec.with_(options=options)
         if variant not in variants:

@@ -22,6 +22,7 @@ class _PrefillPlan:
     lse_shape: tuple
     maps: tuple | None = None  # the K and V tensor maps' encoders (TMA kernels), by data pointer
     out_map: MapEncoder | None = None  # the output's (chained kernels' TMA stores), by data pointer
+    q_map: MapEncoder | None = None  # Q's (chained kernels' Q boxes by TMA), by data pointer
 
 
 def prefill(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, lse=None,
@@ -53,6 +54,8 @@ def prefill(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = F
             params["k_map"], params["v_map"] = plan.maps[0](k.data.ptr), plan.maps[1](v.data.ptr)
         if plan.out_map is not None:
             params["o_map"] = plan.out_map(out_arr.data.ptr)
+        if plan.q_map is not None:
+            params["q_map"] = plan.q_map(q.data.ptr)
         plan.launch(params, memory.stream_ptr)
     return (out_result, lse_result) if return_lse else out_result
 
@@ -98,15 +101,18 @@ def _plan(kernel, q, k, v, out, scale, return_lse) -> _PrefillPlan:
     kernel, maps = _kv_maps(kernel, k, v)
     if maps is not None:
         args += (Blob("k_map", MAP_BYTES, MAP_ALIGN), Blob("v_map", MAP_BYTES, MAP_ALIGN))
-    kernel, out_map = _out_map(kernel, q, out_strides)
+    kernel, out_map = _rows_map(kernel, "out_tma", "out", q.shape, out_strides, q.dtype.name, 16)
     if out_map is not None:
         args += (Blob("o_map", MAP_BYTES, MAP_ALIGN),)
+    kernel, q_map = _rows_map(kernel, "q_tma", "q", q.shape, q.strides, q.dtype.name, kernel.spec.tile.block_m)
+    if q_map is not None:
+        args += (Blob("q_map", MAP_BYTES, MAP_ALIGN),)
     qblocks = math.ceil(lq / spec.tile.block_m)
     # one consumer warpgroup's block runs two to an SM (prefill_wgmma.cu.j2, BLOCKS_PER_SM)
     per_sm = 2 if spec.tile.warps == 4 else 1
     grid = work_grid(spec, qblocks * hq * b, q.device.id, per_sm) if wgmma else (qblocks, hq, b)
     launch = PackedLaunch(kernel.function(), grid, kernel.threads, kernel.shared_bytes, args, programmatic(spec))
-    return _PrefillPlan(launch, (b, hq, lq), maps, out_map)
+    return _PrefillPlan(launch, (b, hq, lq), maps, out_map, q_map)
 
 
 def _kv_maps(kernel, k, v):
@@ -128,19 +134,18 @@ def _kv_maps(kernel, k, v):
     return kernel, maps
 
 
-def _out_map(kernel, q, out_strides):
-    """The kernel a call runs and its output's tensor map encoder (None for a kernel that writes its rows with
-    its own stores): a kernel that chains its items (the family's `chains`) with option out_tma "on" writes each
-    warp's 16 rows by a TMA store of a box of the output (engine/tensormap.py, swizzled_rows), which needs every
-    stride of `out` a positive multiple of 16 bytes; for other strides the same spec with out_tma "off" runs."""
+def _rows_map(kernel, option, tensor, shape, strides, dtype, box_rows):
+    """The kernel a call runs and the encoder of a tensor map of `tensor` in boxes of box_rows rows, for a kernel
+    with the TMA option `option` "on" (the family settles it "on" only where items chain): out_tma, each warp's 16
+    output rows by a TMA store; q_tma, each item's Q rows by the producer's TMA load (engine/tensormap.py,
+    swizzled_rows). Where the TMA cannot address the tensor's strides, the same spec with the option "off" runs
+    (the threads' own stores and cp.async loads), and the encoder is None, as it is without the option."""
     spec = kernel.spec
-    options = dict(spec.options)
-    chains = spec.family.values.get("chains")
-    if options.get("out_tma") != "on" or not (chains and chains(spec.tile, spec.head_dim, options)):
+    if dict(spec.options).get(option) != "on":
         return kernel, None
     try:
-        return kernel, MapEncoder(swizzled_rows("out", q.shape, out_strides, q.dtype.name, 16))
+        return kernel, MapEncoder(swizzled_rows(tensor, shape, strides, dtype, box_rows))
     except ValueError:
         from ...engine.kernel import build_kernel
 
-        return build_kernel(spec.with_(options={**options, "out_tma": "off"})), None
+        return build_kernel(spec.with_(options={**dict(spec.options), option: "off"})), None

@@ -79,6 +79,16 @@ def wgmma_chains(tile: Tile, d: int, options: dict) -> bool:
             and tile.warps == 8 and not wgmma_stages_over_q(tile, d))
 
 
+def _wgmma_settled(options: dict, tile: Tile, d: int) -> dict:
+    """The TMA options take effect only on chained items (wgmma_chains); out_tma's staged rows take the second Q
+    region, so beside it Q comes by the consumers' cp.async (q_tma "off")."""
+    if not wgmma_chains(tile, d, options):
+        return {**options, "out_tma": "off", "q_tma": "off"}
+    if options["out_tma"] == "on":
+        return {**options, "q_tma": "off"}
+    return options
+
+
 def _wgmma_smem(tile: Tile, d: int) -> int:
     stage = 0 if wgmma_stages_over_q(tile, d) else tile.block_m * padded_row_bytes(d, 2)
     return _wgmma_loop_smem(tile, d) + stage + 4 * 8 * tile.stages
@@ -137,12 +147,17 @@ CUDA_WGMMA = Family(
     # as many blocks as the SMs hold, each taking work items in turn (the launch's grid; one kernel); chain "on":
     # a persistent block runs its items back to back, an item's last P V beside the next one's first Q Kᵀ, where
     # wgmma_chains says it can (elsewhere, as on a block an item, the kernel is the one without it); out_tma "on":
-    # those chained blocks write each warp's output rows by a TMA store of a map of `out`
+    # those chained blocks write each warp's output rows by a TMA store of a map of `out`; q_tma "on": their producer
+    # loads each item's Q rows as one TMA box (_wgmma_settled: where neither takes effect, the spec has it "off")
     options={"kv_rows": ("off", "on"), "pingpong": ("off", "on"), "persistent": ("off", "on"), "chain": ("off", "on"),
-             "out_tma": ("off", "on")},
+             "out_tma": ("off", "on"), "q_tma": ("off", "on")},
     # turns at d128: 1.00-1.03x without them non-causal, 1.00-1.03x causal at 4096+ rows (H200,
-    # docs/notes/dense.md); at d64 they change nothing measurable, so d64 keeps the simpler schedule
-    option_defaults={128: {"pingpong": "on"}},
+    # docs/notes/dense.md); at d64 they change nothing measurable, so d64 keeps the simpler schedule.
+    # Q by the producer's TMA on chained items, time against the consumers' cp.async in the same runs (H100,
+    # docs/notes/dense.md): d128 0.96-0.99 at B16 L1024, 0.92-0.98 causal at L1024-2048, 0.97-1.00 at L2048-4096;
+    # d64 causal 0.95-1.00 in three runs but 1.09 at B16 L1024 in a fourth, so d64 keeps the consumers' loads
+    option_defaults={128: {"pingpong": "on", "q_tma": "on"}},
+    settled_options=_wgmma_settled,
 )
 
 
