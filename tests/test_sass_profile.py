@@ -57,6 +57,17 @@ def test_parse_sums_every_kernel_of_the_export():
         assert list(shares.values()) == sorted(shares.values(), reverse=True)
 
 
+def test_a_kernel_the_export_repeats_is_read_once():
+    """ncu's source page lists every launch of a multi-launch report twice; two launches of one kernel (their
+    samples differ) stay two."""
+    rng = random.Random()
+    quant, attention = _random_kernel(rng, "quant_qkv", 23), _random_kernel(rng, "attention", 31)
+    again = _random_kernel(rng, "attention", 31)
+    parsed = sass_profile.parse(_export([quant, quant, attention, attention, again]))
+    assert [k.name for k in parsed] == ["quant_qkv", "attention", "attention"]
+    assert parsed[1] != parsed[2]
+
+
 def test_opcodes_drop_predicates_and_modifiers():
     text = _export([("k", [("@!P0  BRA 0x7f00", 1, {"long_sb": 3}), ("@UP0 UIADD3 UR4, UR4, 0x1, URZ", 1, {"wait": 1}),
                            ("HGMMA.64x128x16.F32 R24, gdesc[UR16], R24", 8, {"wait": 4}),

@@ -9,6 +9,7 @@ by execution count (the stages of its schedule) and its hottest instructions.
 
     tools/ncu_sass.py --shape 16x32x1024                        # f16, D128, non-causal, beside cuDNN
     tools/ncu_sass.py --shape 16x32x1024 --head-dim 64 --causal --format bf16 --json sass.json
+    tools/ncu_sass.py --shape 1x32x32768 --format i8-f8 --peer none   # the quantization's kernels and the attention
     tools/ncu_sass.py --csv out/sass.csv                        # read a saved export again (no GPU, no ncu)
 
 The report and the CSV are kept in --out. ncu runs this file with --run-one as its target.
@@ -127,7 +128,9 @@ def main(argv=None) -> int:
     p.add_argument("--shape", type=sizes(), default=(16, 32, 1024), help="BATCHxHEADSxSEQ (default 16x32x1024)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--format", default="f16", choices=("f16", "bf16"), help="qattn's format (default f16)")
+    p.add_argument("--format", default="f16", choices=("f16", "bf16", "i8-f16", "i8-f8"),
+                   help="qattn's format (default f16; the int8-QK formats' quantization kernels are summed too, "
+                        "each kernel on its own, on fp16 inputs)")
     p.add_argument("--peer", default="cudnn", choices=("cudnn", "none"), help="profile torch SDPA's cuDNN kernel too")
     p.add_argument("--top", type=int, default=20, help="hottest instructions listed per kernel (default 20)")
     p.add_argument("--csv", help="summarize a saved source-page export (.csv or .csv.gz) instead of profiling")

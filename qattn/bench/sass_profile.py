@@ -70,7 +70,9 @@ def parse(text: str) -> list[KernelSass]:
     name, header, rows = None, None, []
 
     def close():
-        if name is not None:
+        # ncu's export lists a report's kernels twice when it holds several launches: a copy of one read already,
+        # row for row, is the same launch
+        if name is not None and KernelSass(name, tuple(rows)) not in kernels:
             kernels.append(KernelSass(name, tuple(rows)))
 
     for row in csv.reader(io.StringIO(text)):
