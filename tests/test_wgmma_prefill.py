@@ -122,9 +122,8 @@ def test_default_tiles_and_tile_rules():
     fam = KernelSpec(recipe="i8-f16", head_dim=128, arch="sm_90a", mma="wgmma").family
     assert fam.default_tiles == {64: Tile(128, 128, 8, 2), 128: Tile(128, 128, 8, 2)}
     assert fam.values == {"pv_operand": "f16", "mma_unit": "wgmma", "q_scale_rows": 1, "k_scale_groups": 4,
-                          "pingpong": "on", "persistent": "off", "exp_fma": "off"}  # the d128 default takes turns (option_defaults), d64's does not
-    assert dict(KernelSpec(recipe="i8-f16", head_dim=64, arch="sm_90a").options) == {"pingpong": "off", "persistent": "off",
-                                                                                       "exp_fma": "off"}
+                          "pingpong": "on", "persistent": "off"}  # the d128 default takes turns (option_defaults), d64's does not
+    assert dict(KernelSpec(recipe="i8-f16", head_dim=64, arch="sm_90a").options) == {"pingpong": "off", "persistent": "off"}
     # i8-f16's Q8/K8 rows of D bytes, fp16 V rows of 2D
     assert fam.smem_bytes(Tile(128, 64, 8, 3), 128) == 128 * 128 + 3 * (64 * 128 + 64 * 256) + 128 * 136 * 2 + 96
     for fmt in FORMATS:
@@ -354,63 +353,3 @@ def test_tiles_that_stage_the_output_over_q(fmt, head_dim, causal, tile):
     assert mmas and entry_resources(binary.log, _attention_entry(spec))["spill_stores"] <= 128
     assert all(i < mmas[0] for i, line in enumerate(sass) if "STL" in line)
     assert all(i > mmas[-1] for i, line in enumerate(sass) if "LDL" in line)
-
-
-# ---- exponentials on the FMA pipe (exp_fma) --------------------------------------------------------
-
-def _exp2_on_fma_as_rendered(x):
-    """common.cuh.j2's exp2_on_fma in float32 arithmetic, its constants read from the rendered source (the cubic's
-    last step in float64, one rounding from fmaf's)."""
-    import re
-
-    import numpy as np
-
-    source = render(KernelSpec(recipe="f16", head_dim=64, arch="sm_90a", mma="wgmma"))
-    body = source[source.index("QATTN_DEVICE float exp2_on_fma"):]
-    body = body[:body.index("\n}\n")]
-    clamp = int(re.search(r"MINUS_125 = (0x[0-9a-f]+)u", body).group(1), 16)
-    magic = np.float32(re.search(r"BIASED_MAGIC = ([0-9.]+)f", body).group(1))
-    c3, c2, c1 = map(np.float64, re.search(r"fmaf\(fmaf\(fmaf\(([0-9.]+)f, r, ([0-9.]+)f\), r, ([0-9.]+)f\)",
-                                           body).groups())
-    x = np.minimum(np.asarray(x, np.float32).view(np.uint32), np.uint32(clamp)).view(np.float32)
-    rounded = x + magic
-    r = (x - (rounded - magic)).astype(np.float64)
-    p = (((c3 * r + c2) * r + c1) * r + 1.0).astype(np.float32)
-    return p * (rounded.view(np.uint32) << np.uint32(23)).view(np.float32)
-
-
-def test_exponentials_on_the_fma_pipe():
-    """exp2_on_fma: 2^x within a relative 1.1e-4 of FP64 over the softmax's range, 2^-125 (normal, not 0) for x below
-    -125 and for -inf, and NaN (arithmetic's 0x7fffffff) kept NaN."""
-    import numpy as np
-
-    x = np.concatenate([np.linspace(-125, 0, 2_000_003, dtype=np.float32), -np.logspace(-30, 0, 1001, dtype=np.float32),
-                        np.float32([0.0, -0.0, 1e-3, 0.49])])
-    got = _exp2_on_fma_as_rendered(x).astype(np.float64)
-    rel = np.abs(got / np.exp2(x.astype(np.float64)) - 1)
-    assert rel.max() <= 1.1e-4, x[rel.argmax()]
-    low = _exp2_on_fma_as_rendered(np.float32([-125.5, -300.0, -np.inf]))
-    assert (low == np.float32(2.0**-125)).all()
-    nan = np.uint32(0x7FFFFFFF).reshape(1).view(np.float32)
-    assert np.isnan(_exp2_on_fma_as_rendered(nan)).all()
-
-
-@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False)])
-def test_exp_fma_moves_exponentials_off_the_sfu(head_dim, causal):
-    """exp_fma "2" (not swept by tune, off by default): 2 of every 8 key column groups of an unmasked tile take their
-    exponentials on the FMA pipe: ex2 fall by 16 per unmasked softmax copy of the chained kernel (64 scores a thread,
-    a quarter of them), the products are unchanged, and ptxas spills nothing."""
-    base = KernelSpec(recipe="f16", head_dim=head_dim, causal=causal, arch="sm_90a", mma="wgmma",
-                      options={"persistent": "on", "chain": "on"})
-    assert dict(base.options)["exp_fma"] == "off"
-    fma = base.with_(options={**dict(base.options), "exp_fma": "2"})
-    assert fma.name.endswith("_expfma2_sm90a")
-    binary = _compiled(fma)
-    entry = _attention_entry(fma)
-    check_spills(entry, entry_resources(binary.log, entry), attention=True)
-    attn, plain = entry_ptx(binary.ptx, entry), entry_ptx(_compiled(base).ptx, _attention_entry(base))
-    fewer = plain.count("ex2.approx") - attn.count("ex2.approx")
-    assert fewer > 0 and fewer % 16 == 0, fewer
-    for n in {fma.tile.block_n, head_dim}:
-        op = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16"
-        assert attn.count(op) == plain.count(op) > 0

@@ -148,11 +148,9 @@ CUDA_WGMMA = Family(
     # a persistent block runs its items back to back, an item's last P V beside the next one's first Q Kᵀ, where
     # wgmma_chains says it can (elsewhere, as on a block an item, the kernel is the one without it); out_tma "on":
     # those chained blocks write each warp's output rows by a TMA store of a map of `out`; q_tma "on": their producer
-    # loads each item's Q rows as one TMA box (_wgmma_settled: where neither takes effect, the spec has it "off");
-    # exp_fma "1" to "3": that many of every 8 key column groups of an unmasked tile take their exponentials on the
-    # FMA pipe (common.cuh.j2, exp2_on_fma), the rest on the SFU
+    # loads each item's Q rows as one TMA box (_wgmma_settled: where neither takes effect, the spec has it "off")
     options={"kv_rows": ("off", "on"), "pingpong": ("off", "on"), "persistent": ("off", "on"), "chain": ("off", "on"),
-             "out_tma": ("off", "on"), "q_tma": ("off", "on"), "exp_fma": ("off", "1", "2", "3")},
+             "out_tma": ("off", "on"), "q_tma": ("off", "on")},
     # turns at d128: 1.00-1.03x without them non-causal, 1.00-1.03x causal at 4096+ rows (H200,
     # docs/notes/dense.md); at d64 they change nothing measurable, so d64 keeps the simpler schedule.
     # Q by the producer's TMA on chained items, time against the consumers' cp.async in the same runs (H100,

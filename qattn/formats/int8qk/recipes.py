@@ -169,10 +169,8 @@ def _cuda_i8_wgmma(pv: str, default_tiles: dict, measured_spills: frozenset = fr
         # fp16 PV issues S ahead of PV, so two or three consumer warpgroups can take turns issuing their
         # MMAs (wgmma_attention.cuh.j2, consumer_turns_begin); the e4m3 kernel adds PV partials with weights
         # persistent "on": as many blocks as the SMs hold, each taking work items in turn (causal: in pairs of a
-        # heavy and a light query block; wgmma_attention.cuh.j2, work_item); exp_fma (fp16 PV) "1" to "3": that many
-        # of every 8 key column groups of an unmasked tile take their exponentials on the FMA pipe (exp2_on_fma)
-        options={**({"pingpong": ("off", "on")} if pv == "f16" else {}), "persistent": ("off", "on"),
-                 **({"exp_fma": ("off", "1", "2", "3")} if pv == "f16" else {})},
+        # heavy and a light query block; wgmma_attention.cuh.j2, work_item)
+        options={**({"pingpong": ("off", "on")} if pv == "f16" else {}), "persistent": ("off", "on")},
         option_defaults=option_defaults or {},
     )
 
