@@ -273,7 +273,7 @@ def test_quantization_steps_match_quant(fmt, dtype):
     if pv == "f16":
         assert qkv.v.dtype == np.float16 and qkv.v_scale is None
         np.testing.assert_array_equal(qkv.v_rows().get(), v32.astype(np.float16))
-        if qkv.tile_keys:  # the wgmma kernel's tiles: the keys past Lk are zeros
+        if qkv.v_tiles:  # the wgmma kernel's tiles (v_tiles "on"): the keys past Lk are zeros
             assert not untile_v16(qkv.v, qkv.v.shape[2], qkv.tile_keys)[:, :, lk:].any()
     else:
         vq = i8quant.quantize_v_int8(v32) if pv == "i8" else i8quant.quantize_v_e4m3(v32)

@@ -159,3 +159,43 @@ def test_rising_row_max_rebases_the_accumulator(head_dim, causal):
     # FP64 here, the format's, not the kernel's)
     emu_lse = emulate.emulate("i8-f8", *host, causal=causal, return_lse=True, **_options(kernel))[1]
     np.testing.assert_allclose(_f32(lse), emu_lse, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype,layout", [("float16", "bhsd"), ("float16", "bshd"), ("float16", "broadcast"),
+                                          ("bfloat16", "bhsd")])
+@pytest.mark.parametrize("causal", [False, True])
+def test_v_by_tma_matches_the_quantizers_tiles(dtype, layout, causal):
+    """i8-f16's V read by the TMA (v_tiles "off", the default): from the caller's fp16 rows (contiguous, or a BSHD
+    view), or from fp16 rows the quantizer writes (bf16 V, V broadcast over the batch with stride 0), against the
+    quantizer's swizzled tiles (v_tiles "on"): the same output and LSE bits, with tails and GQA, in whole calls and
+    through quantize() and attention_quantized(); and within the emulator's and FP64's tolerance."""
+    import cupy
+
+    from qattn.engine.spec import device_arch
+    from qattn.formats.int8qk import host as int8
+
+    if device_arch() != "sm_90a":
+        pytest.skip("wgmma needs sm_90a")
+    spec = dict(format="i8-f16", head_dim=128, causal=causal, mma="wgmma", options={"persistent": "on"})
+    tma = qattn.build("prefill", **spec)
+    tiles = qattn.build("prefill", **{**spec, "options": {"persistent": "on", "v_tiles": "on"}})
+    assert dict(tma.spec.options)["v_tiles"] == "off" and "vtiles" in tiles.spec.name
+    rng = np.random.default_rng()
+    b, hq, hkv, lq, lk = 2, 8, 2, 700, 1029
+    host, (q, k, v) = _inputs(rng, dtype, b, hq, hkv, lq, lk, 128)
+    if layout == "bshd":
+        v = cupy.ascontiguousarray(v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    elif layout == "broadcast":
+        v = cupy.broadcast_to(v[:1], v.shape)
+        host[2] = np.broadcast_to(host[2][:1], host[2].shape)
+    a, la = tma(q, k, v, out=_poisoned(q), return_lse=True)
+    ref, lref = tiles(q, k, v, out=_poisoned(q), return_lse=True)
+    assert cupy.array_equal(a.view(cupy.uint16), ref.view(cupy.uint16))
+    assert cupy.array_equal(la, lref)
+    qkv = int8.quantize(q, k, v, kernel=tma, with_shift=True)
+    assert not qkv.v_tiles and (qkv.v.data.ptr == v.data.ptr) == (dtype == "float16" and layout != "broadcast")
+    split, lsplit = int8.attention_quantized(tma, qkv, return_lse=True, out=_poisoned(q))
+    assert cupy.array_equal(split.view(cupy.uint16), a.view(cupy.uint16)) and cupy.array_equal(lsplit, la)
+    with pytest.raises(ValueError, match="another layout"):
+        int8.attention_quantized(tiles, qkv)
+    _check("i8-f16", a, host, causal=causal, lse=la, options=int8.emulator_options(tma.spec))

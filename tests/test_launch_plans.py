@@ -39,8 +39,8 @@ def test_a_failed_build_caches_nothing():
     assert not kernel.plans
 
 
-def _stand_in(recipe, head_dim, mma=None):
-    spec = KernelSpec(kind="prefill", recipe=recipe, head_dim=head_dim, arch="sm_90a", mma=mma)
+def _stand_in(recipe, head_dim, mma=None, options=None):
+    spec = KernelSpec(kind="prefill", recipe=recipe, head_dim=head_dim, arch="sm_90a", mma=mma, options=options or {})
     return SimpleNamespace(spec=spec, function=lambda suffix: SimpleNamespace(ptr=1), threads=256, shared_bytes=0)
 
 
@@ -52,15 +52,18 @@ def _contiguous(shape, itemsize=2):
                                                     ("i8-f16", "float16", "mean"), ("i8-f16", "float16", None),
                                                     ("i8-i8", "bfloat16", "mean"), ("i8-f8", "bfloat16", "mean+balance"),
                                                     ("i8-f16", "float16", "mean+balance"),
+                                                    ("i8-f16", "bfloat16", "mean"), ("i8-f16+v_tiles=on", "float16", "mean"),
+                                                    ("i8-f16+broadcast", "float16", "mean"),
                                                     ("i8-f16@mma.sync", "float16", "mean")])
 def test_quant_plan_places_every_operand_apart(recipe, dtype, smoothing):
     b, hq, hkv, lq, lk, d = 2, 8, 2, 300, 1029, 128
+    recipe, _, variant = recipe.partition("+")
     recipe, _, mma = recipe.partition("@")
-    kernel = _stand_in(recipe, d, mma or None)
+    kernel = _stand_in(recipe, d, mma or None, {"v_tiles": "on"} if variant == "v_tiles=on" else None)
     q_shape, kv_shape = (b, hq, lq, d), (b, hkv, lk, d)
+    v_strides = (0,) + _contiguous(kv_shape)[1:] if variant == "broadcast" else _contiguous(kv_shape)
     plan = int8_launch.QuantPlan(kernel, (b, hq, hkv, lq, lk, d), dtype,
-                                 (_contiguous(q_shape), _contiguous(kv_shape), _contiguous(kv_shape)),
-                                 0.125, True, smoothing)
+                                 (_contiguous(q_shape), _contiguous(kv_shape), v_strides), 0.125, True, smoothing)
     spans = sorted((buf.offset, buf.offset + int(np.prod(buf.shape)) * np.dtype(buf.dtype).itemsize, name)
                    for name, buf in plan.buffers.items())
     for (start, end, name), (next_start, _, next_name) in zip(spans, spans[1:]):
@@ -72,12 +75,21 @@ def test_quant_plan_places_every_operand_apart(recipe, dtype, smoothing):
     assert plan.buffers["k8"].shape == (b, hkv, lk_pad if tiled else lk, d)
     assert plan.buffers["q8"].shape == q_shape and plan.buffers["shift"].shape == (b, hq, lq)
     operands = plan.operands()
-    # fp16 V for the mma.sync fp16 PV: read as given (the wgmma kernel reads swizzled V tiles)
-    passes_v = recipe == "i8-f16" and dtype == "float16" and not tiled
+    # fp16 V for the fp16 PV: read as given, by the wgmma kernel's TMA where it can address V's strides (with v_tiles
+    # "on" the quantizer copies V into swizzled tiles); bf16 V, or V broadcast over the batch, as fp16 rows
+    v_tiles = tiled and variant == "v_tiles=on"
+    passes_v = recipe == "i8-f16" and dtype == "float16" and not v_tiles and variant != "broadcast"
     assert ("v_op" in plan.buffers) != passes_v
-    if recipe == "i8-f16" and tiled:  # fp16 V tiles of block_n keys, the tail padded
-        assert plan.buffers["v_op"].shape == (b, hkv, lk_pad, d)
+    if recipe == "i8-f16" and not passes_v:  # fp16 V tiles of block_n keys (the tail padded), or rows
+        assert plan.buffers["v_op"].shape == (b, hkv, lk_pad if v_tiles else lk, d)
     assert operands["v"] == (Pointer("v") if passes_v else Pointer("ws", plan.buffers["v_op"].offset))
+    # the wgmma i8-f16 kernel's V map: over the caller's V, or over the quantizer's rows
+    assert (plan.v_map is not None) == (recipe == "i8-f16" and tiled and not v_tiles)
+    if plan.v_map is not None:  # both contiguous here: rows of 2d bytes, 64-channel lines of 128
+        row = 2 * d
+        assert plan.v_map.spec.dims == (64, lk, d // 64, hkv, b)
+        assert plan.v_map.spec.strides == (row, 128, lk * row, hkv * lk * row)
+        assert plan.v_map.spec.box == (64, bn, d // 64, 1, 1)
     assert (operands["v_out_scale"] == NULL) == (recipe == "i8-f16")
     # K̄ is zero-filled only where no statistics compute it
     assert (plan.zero_fill is not None) == (smoothing is None and recipe == "i8-f16")

@@ -377,7 +377,7 @@ def test_int8_calls_on_short_sequences_take_their_listed_kernels(monkeypatch):
                                        (8191, "off", 128), (8192, "off", 192), (32768, "off", 192)):
             chosen = api._call_kernel("i8-f16", *(SimpleNamespace(shape=(2, 8, rows, 128), data=SimpleNamespace(
                 device_id=0), device=contextlib.nullcontext()),) * 2, causal, None).spec
-            assert dict(chosen.options) == {"pingpong": "on", "persistent": persistent}, (causal, rows)
+            assert dict(chosen.options) == {"pingpong": "on", "v_tiles": "off", "persistent": persistent}, (causal, rows)
             assert chosen.tile == Tile(128, keys, 8, 2) and emulator_options(chosen)["block_n"] == keys
     # i8-f16 at d64: three consumer warpgroups for non-causal calls from 2048 rows; causal ones keep the default
     assert registry.launch_choice("i8-f16", 64, "sm_90a", 2047) is None

@@ -122,8 +122,9 @@ def test_default_tiles_and_tile_rules():
     fam = KernelSpec(recipe="i8-f16", head_dim=128, arch="sm_90a", mma="wgmma").family
     assert fam.default_tiles == {64: Tile(128, 128, 8, 2), 128: Tile(128, 128, 8, 2)}
     assert fam.values == {"pv_operand": "f16", "mma_unit": "wgmma", "q_scale_rows": 1, "k_scale_groups": 4,
-                          "pingpong": "on", "persistent": "off"}  # the d128 default takes turns (option_defaults), d64's does not
-    assert dict(KernelSpec(recipe="i8-f16", head_dim=64, arch="sm_90a").options) == {"pingpong": "off", "persistent": "off"}
+                          "pingpong": "on", "v_tiles": "off", "persistent": "off"}  # d128 takes turns (option_defaults)
+    assert dict(KernelSpec(recipe="i8-f16", head_dim=64, arch="sm_90a").options) == {"pingpong": "off", "v_tiles": "off",
+                                                                                      "persistent": "off"}
     # i8-f16's Q8/K8 rows of D bytes, fp16 V rows of 2D
     assert fam.smem_bytes(Tile(128, 64, 8, 3), 128) == 128 * 128 + 3 * (64 * 128 + 64 * 256) + 128 * 136 * 2 + 96
     for fmt in FORMATS:

@@ -155,14 +155,14 @@ class KernelSpec:
 
 def _option_tag(name: str, value) -> str:
     """An option in a spec name: page_size 32 -> p32, k_mean page -> kmean-page, k_rope post -> krope-post,
-    k_balance on -> kbal, kv_rows on -> kvrows, pingpong on -> pingpong, persistent on -> persistent, chain on -> chain, out_tma on -> outtma,
+    k_balance on -> kbal, kv_rows on -> kvrows, pingpong on -> pingpong, persistent on -> persistent, chain on -> chain, out_tma on -> outtma, v_tiles on -> vtiles,
     other values as they are (an option left "off" is left out, so that adding one renames no existing
     kernel)."""
     if name == "page_size":
         return f"p{value}"
     if name == "k_balance":
         return "kbal"
-    if name in ("kv_rows", "pingpong", "persistent", "chain", "out_tma", "q_tma"):
+    if name in ("kv_rows", "pingpong", "persistent", "chain", "out_tma", "q_tma", "v_tiles"):
         return name.replace("_", "")
     if name in ("k_mean", "k_rope"):
         return f"{name.replace('_', '')}-{value}"

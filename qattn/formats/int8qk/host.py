@@ -24,8 +24,9 @@ of four K scales each (quant's "thread" groups):
   group); the shift stays q̃·K̄.
 - q̃ = Q·(τ·log2 e) in fp32; s_Q = max|q̃| / 127 per block of block_m rows; Q8 = rint(q̃ / s_Q);
   optionally shift = q̃·K̄ per row (log2 domain), which the LSE needs.
-- V: fp16 rows (i8-f16; bf16 V is rounded to fp16 first; the wgmma kernel's as block tiles in
-  128-byte swizzled lines, ``QuantizedQKV.v_rows`` reads them back), or per-channel codes
+- V: fp16 rows (i8-f16; bf16 V is rounded to fp16 first; fp16 V passes through, and the wgmma kernel reads it by
+  the TMA; with its option v_tiles "on" the quantizer copies it into block tiles of 128-byte swizzled lines,
+  which ``QuantizedQKV.v_rows`` reads back), or per-channel codes
   (s_V = max over keys |V_c| / 127 or / 448) stored transposed with the keys of every 16-key group
   permuted into the order the PV MMA's A fragment packs P (see the template). Where i8-f8 runs its
   PV on fp16 MMAs (Hopper: recipes.E4M3_IN_F16_ARCHS), V's e4m3 codes are stored as fp16 rows of
@@ -44,7 +45,7 @@ from ...engine.arrays import as_device_array, check_view, like_input, on_device
 from ...engine.memory import CallMemory, cupy_stream, lse_output
 from .launch import (COLSTATS_CHUNK, QUANT_THREADS, QuantPlan, attention_launch, contiguous_strides,
                           describe_scales, emulator_options, k_scale_groups, q_quant_rows, scale_blocks,
-                          scale_options)
+                          scale_options, v_by_tma, v_map_encoder)
 from .launch import SUFFIX as _SUFFIX
 from ...engine.packed import cached_plan
 from .launch import tile_keys as _tile_keys
@@ -84,7 +85,8 @@ class QuantizedQKV:
     q8 int8 [B, Hq, Lq, D] and q_scale float32 [B, Hq, ceil(Lq/block_m)] (q̃ = Q·τ·log2 e);
     k8 int8 [B, Hkv, Lk, D] and k_scale float32 [B, Hkv, ceil(Lk/block_n)·k_groups] (of K − K̄); for the
     wgmma kernel k8 is [B, Hkv, Lk_pad, D] holding tiles of the tile's block_n keys in wgmma's
-    core-matrix order, and v its V^T tiles likewise (see templates/cuda/wgmma.cuh.j2);
+    core-matrix order, and v its V^T tiles likewise (see templates/cuda/wgmma.cuh.j2), or its fp16 V as
+    swizzled tiles where v_tiles;
     k_mean float32 [B, Hkv, D] (zeros when smoothing is None); shift float32 [B, Hq, Lq] (q̃·K̄, for
     the LSE) or None; alpha float32 [B, Hkv, D], the balancing factors (smoothing "mean+balance";
     else None): q8 holds codes of q̃·α, k8 of K̃ / α;
@@ -113,6 +115,7 @@ class QuantizedQKV:
     alpha: object = None
     tile_keys: int = 0  # keys per K8 / V^T tile where they are stored as wgmma tiles; 0: plain layouts
     k_groups: int = 1  # K scales per key block (4: quant's "thread" groups)
+    v_tiles: bool = False  # fp16 V stored as the wgmma kernel's swizzled tiles of tile_keys keys
 
     def emulator_options(self) -> dict:
         """The emulate() options that compute what these operands' kernel computes."""
@@ -124,7 +127,7 @@ class QuantizedQKV:
 
     def v_rows(self):
         """The fp16 V operand as rows [B, Hkv, Lk, D] (fp16 PV), whatever its stored layout."""
-        return untile_v16(self.v, self.dims[4], self.tile_keys) if self.tile_keys else self.v
+        return untile_v16(self.v, self.dims[4], self.tile_keys) if self.v_tiles else self.v
 
     def vt_rows(self):
         """The V^T codes as [B, Hkv, D, Lk_pad] rows (8-bit PV), whatever their stored layout."""
@@ -211,11 +214,13 @@ def _check_kernel(kernel, qkv: QuantizedQKV) -> None:
 
 
 def _v_layout(spec) -> str:
-    return "rows" if recipe(spec.recipe).ctype["pv"] == "f16" or spec.family.values["pv_operand"] == "f16" else "vt"
+    if recipe(spec.recipe).ctype["pv"] != "f16" and spec.family.values["pv_operand"] != "f16":
+        return "vt"
+    return "tiles" if _tile_keys(spec) and not v_by_tma(spec) else "rows"
 
 
 def _v_layout_of(qkv: QuantizedQKV) -> str:
-    return "rows" if np.dtype(qkv.v.dtype) == np.float16 else "vt"
+    return "vt" if np.dtype(qkv.v.dtype) != np.float16 else "tiles" if qkv.v_tiles else "rows"
 
 
 def _checked(x, name: str, dtype: str | None, allowed=("float16", "bfloat16"), fmt: str = "int8-QK"):
@@ -435,7 +440,7 @@ def quantize(q, k, v, *, format: str | None = None, scale: float | None = None, 
     return QuantizedQKV(format=spec.recipe, dtype=q.dtype.name, dims=dims, block_m=q_rows, block_n=k_keys,
                         scale=scale, q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale, k_mean=k_mean, shift=shift,
                         v=v_op, v_scale=v_scale, v_out_scale=v_out_scale, smoothing=smoothing, alpha=alpha,
-                        tile_keys=_tile_keys(spec), k_groups=k_scale_groups(spec))
+                        tile_keys=_tile_keys(spec), k_groups=k_scale_groups(spec), v_tiles=_v_layout(spec) == "tiles")
 
 
 # ---- attention on quantized operands ---------------------------------------------------------
@@ -481,13 +486,27 @@ def attention_quantized(kernel, qkv: QuantizedQKV, *, causal: bool | None = None
                                             None if out is None else _checked_out(out, dims, _out_dtype(qkv.dtype)))
         lse_arr, lse_result = memory.output(lse, lse_shape, "float32", "lse") if return_lse else (None, None)
         key = ("attention", dims, qkv.dtype, qkv.v.strides, out_arr.strides, return_lse)
-        launch = cached_plan(kernel, key, lambda: attention_launch(
-            kernel, dims, qkv.dtype, _OPERANDS, qkv.v.strides, _strides(out_arr), return_lse, qkv.q8.device.id))
+        launch, v_map = cached_plan(kernel, key, lambda: (attention_launch(
+            kernel, dims, qkv.dtype, _OPERANDS, qkv.v.strides, _strides(out_arr), return_lse, qkv.q8.device.id),
+            _v_map(kernel, qkv.v)))
         pointers = {name: (getattr(qkv, name).data.ptr if getattr(qkv, name) is not None else 0)
                     for name in _OPERANDS}
+        if v_map is not None:
+            pointers["v_map"] = v_map(qkv.v.data.ptr)
         pointers.update(out=out_arr.data.ptr, lse=lse_arr.data.ptr if return_lse else 0)
         launch(pointers, memory.stream_ptr)
     return (out_result, lse_result) if return_lse else out_result
+
+
+def _v_map(kernel, v):
+    """The TMA map encoder of the operands' V for a kernel that reads V by the TMA (else None)."""
+    if not v_by_tma(kernel.spec):
+        return None
+    encoder = v_map_encoder(kernel.spec, v.shape, v.strides)
+    if encoder is None:
+        raise ValueError(f"v: {kernel.spec.name} reads V by the TMA, which cannot address strides {v.strides} "
+                         "(bytes): quantize the operands with this kernel")
+    return encoder
 
 
 def _out_dtype(name: str):
@@ -571,6 +590,8 @@ def _whole_call(kernel, q, k, v, scale, return_lse, out, lse, stream, smoothing,
         operands = memory.scratch(plan.quant.nbytes)
         pointers["ws"] = operands.ptr
         plan.quant.launch(pointers, memory.stream_ptr)  # first: the GPU starts while the outputs are allocated
+        if plan.quant.v_map is not None:
+            pointers["v_map"] = plan.quant.v_map_bytes(pointers)
         out_arr, out_result = memory.output(out, plan.out_shape, plan.out_dtype, "out", out_given)
         lse_arr, lse_result = memory.output(lse, plan.lse_shape, "float32", "lse") if return_lse else (None, None)
         pointers.update(out=out_arr.data.ptr, lse=lse_arr.data.ptr if return_lse else 0)

@@ -17,7 +17,8 @@ import numpy as np
 from ...engine.registry import recipe
 from ...check import quant
 from ...engine.grid import work_grid
-from ...engine.packed import NULL, PackedLaunch, Pointer, element_strides, programmatic
+from ...engine.packed import NULL, Blob, PackedLaunch, Pointer, element_strides, programmatic
+from ...engine.tensormap import MAP_ALIGN, MAP_BYTES, MapEncoder, swizzled_rows
 from .recipes import wgmma_blocks_per_sm
 
 # Keys per partial column sum of the K-mean / V-absmax kernels (one fp64 partial per chunk;
@@ -90,6 +91,20 @@ def tile_keys(spec) -> int:
     return spec.tile.block_n if spec.family.values["mma_unit"] == "wgmma" else 0
 
 
+def v_by_tma(spec) -> bool:
+    """Whether the kernel reads its fp16 V by the TMA from rows (the wgmma kernel with v_tiles "off")."""
+    return spec.family.values.get("v_tiles") == "off"
+
+
+def v_map_encoder(spec, shape, strides) -> MapEncoder | None:
+    """The encoder of the TMA map over fp16 V rows of shape [B, Hkv, Lk, D] with byte strides, in boxes of the
+    kernel's key tile; None where the TMA cannot address those strides."""
+    try:
+        return MapEncoder(swizzled_rows("v", shape, strides, "float16", spec.tile.block_n))
+    except ValueError:
+        return None
+
+
 class QuantPlan:
     """The quantization launches for one signature: q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D] with
     the given strides (bytes) and input dtype, under smoothing (quant.SMOOTHINGS: "mean", "mean+balance"
@@ -105,8 +120,13 @@ class QuantPlan:
         sfx = SUFFIX[dtype]
         v_stats = recipe(spec.recipe).ctype["pv"] != "f16"  # 8-bit PV: per-channel s_V
         k_tiles = tile_keys(spec) > 0  # K8 (and V) as block tiles of wgmma's layouts
-        # fp16 V for the mma.sync fp16 PV passes through; the wgmma kernel reads V as swizzled tiles
-        v_job = v_stats or dtype != "float16" or k_tiles
+        v_tma = v_by_tma(spec)
+        v_shape = (b, hkv, lk, d)
+        # the TMA's map of the caller's fp16 V, where it can address its strides
+        self.v_map = v_map_encoder(spec, v_shape, strides[2]) if v_tma and dtype == "float16" else None
+        # fp16 V passes through to the mma.sync fp16 PV and to the TMA's reads; the quantizer writes fp16 rows for
+        # bf16 V (or strides the TMA cannot address), or swizzled tiles (v_tiles "on")
+        v_job = v_stats or (self.v_map is None if v_tma else dtype != "float16" or k_tiles)
         smooth_k, balance = smoothing is not None, smoothing == "mean+balance"
         nchunks, q_chunks = -(-lk // COLSTATS_CHUNK), -(-lq // COLSTATS_CHUNK)
         nbk = -(-lk // bn)
@@ -129,7 +149,7 @@ class QuantPlan:
         place("k_scale", (b, hkv, -(-lk // k_keys) * k_scale_groups(spec)), "float32")
         if v_job:
             if spec.family.values["pv_operand"] == "f16":  # fp16 rows or tiles (of V, or of its e4m3 codes' values)
-                place("v_op", (b, hkv, lk_pad if k_tiles else lk, d), "float16")
+                place("v_op", (b, hkv, lk_pad if k_tiles and not v_tma else lk, d), "float16")
             else:
                 place("v_op", (b, hkv, d, lk_pad), "uint8")
         if smooth_k:
@@ -141,6 +161,9 @@ class QuantPlan:
             place("part_range", (2, b, hkv, nchunks, d), "float32")  # K's column max and min per chunk
             place("part_qmax", (b, hq, q_chunks, d), "float32")
         self.v_stats, self.v_job, self.with_shift = v_stats, v_job, with_shift
+        if v_tma and v_job:  # the TMA reads the quantizer's rows
+            self.v_map = MapEncoder(swizzled_rows("v", v_shape, contiguous_strides(self.buffers["v_op"]), "float16",
+                                                  bn))
 
         self._plane = plane = b * hkv * d * 4  # bytes of one of K̄, s_V, s_V / P_SCALE
         ws = self._pointer
@@ -186,6 +209,11 @@ class QuantPlan:
         for launch in self.launches:
             launch(pointers, stream_ptr)
 
+    def v_map_bytes(self, pointers: dict) -> bytes:
+        """The V map of a kernel that reads V by the TMA, over the caller's V or the quantizer's rows."""
+        address = pointers["ws"] + self.buffers["v_op"].offset if self.v_job else pointers["v"]
+        return self.v_map(address)
+
     def _pointer(self, name: str, skip: int = 0) -> Pointer:
         """Buffer name's place in the workspace (null where the plan has no such buffer)."""
         return Pointer("ws", self.buffers[name].offset + skip) if name in self.buffers else NULL
@@ -209,7 +237,8 @@ class QuantPlan:
 def attention_launch(kernel, dims, dtype: str, operands: dict, v_strides, out_strides, with_lse: bool,
                      device_id: int):
     """The attention kernel's launch (output dtype = input dtype) on operands (name -> Pointer: q8,
-    k8, v, q_scale, k_scale, v_out_scale, shift) writing Pointer("out") and, with_lse, Pointer("lse").
+    k8, v, q_scale, k_scale, v_out_scale, shift) writing Pointer("out") and, with_lse, Pointer("lse"); a
+    kernel that reads V by the TMA (v_by_tma) takes its map as the bytes of pointers["v_map"].
     v_strides: bytes of the V operand's first three axes; out_strides: the output's, in elements. The
     wgmma kernel's grid is flat over its work items (engine.grid), the mma.sync kernel's (query blocks,
     heads, batch); device_id: the GPU whose SMs a persistent grid fills."""
@@ -219,7 +248,7 @@ def attention_launch(kernel, dims, dtype: str, operands: dict, v_strides, out_st
             operands["v_out_scale"], Pointer("out"), Pointer("lse") if with_lse else NULL,
             operands["shift"] if with_lse else NULL, *(np.int64(s) for s in v_strides[:3]),
             *(np.int64(s) for s in out_strides[:3]), np.int32(b), np.int32(hq), np.int32(hq // hkv), np.int32(lq),
-            np.int32(lk))
+            np.int32(lk)) + ((Blob("v_map", MAP_BYTES, MAP_ALIGN),) if v_by_tma(spec) else ())
     qblocks = -(-lq // spec.tile.block_m)
     if spec.family.values.get("mma_unit") == "wgmma":
         grid = work_grid(spec, qblocks * hq * b, device_id, wgmma_blocks_per_sm(spec.tile, d))

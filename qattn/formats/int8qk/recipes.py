@@ -170,7 +170,10 @@ def _cuda_i8_wgmma(pv: str, default_tiles: dict, measured_spills: frozenset = fr
         # MMAs (wgmma_attention.cuh.j2, consumer_turns_begin); the e4m3 kernel adds PV partials with weights
         # persistent "on": as many blocks as the SMs hold, each taking work items in turn (causal: in pairs of a
         # heavy and a light query block; wgmma_attention.cuh.j2, work_item)
-        options={**({"pingpong": ("off", "on")} if pv == "f16" else {}), "persistent": ("off", "on")},
+        # v_tiles (fp16 PV): "off" reads V by the TMA from the caller's rows (or, for bf16 V or strides the TMA cannot
+        # address, from fp16 rows the quantizer writes); "on" has the quantizer copy V into the kernel's swizzled tiles
+        options={**({"pingpong": ("off", "on"), "v_tiles": ("off", "on")} if pv == "f16" else {}),
+                 "persistent": ("off", "on")},
         option_defaults=option_defaults or {},
     )
 
