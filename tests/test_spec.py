@@ -371,13 +371,15 @@ def test_int8_calls_on_short_sequences_take_their_listed_kernels(monkeypatch):
 
     assert registry.launch_choice("i8-f8", 128, "sm_90", 1024) is None  # measured on sm_90a only
     # i8-f16 at d128: persistent blocks below 4096 rows, causal or not (in pairs when causal), then a block an item,
-    # from 8192 rows on 192-key tiles
+    # from 8192 rows on 192-key tiles; V by the TMA but in non-causal calls from 32768 rows
     for causal in (False, True):
         for rows, persistent, keys in ((1, "on", 128), (1024, "on", 128), (4095, "on", 128), (4096, "off", 128),
-                                       (8191, "off", 128), (8192, "off", 192), (32768, "off", 192)):
+                                       (8191, "off", 128), (8192, "off", 192), (32767, "off", 192), (32768, "off", 192)):
             chosen = api._call_kernel("i8-f16", *(SimpleNamespace(shape=(2, 8, rows, 128), data=SimpleNamespace(
                 device_id=0), device=contextlib.nullcontext()),) * 2, causal, None).spec
-            assert dict(chosen.options) == {"pingpong": "on", "v_tiles": "off", "persistent": persistent}, (causal, rows)
+            v_tiles = "on" if rows >= 32768 and not causal else "off"
+            want = {"pingpong": "on", "v_tiles": v_tiles, "persistent": persistent}
+            assert dict(chosen.options) == want, (causal, rows)
             assert chosen.tile == Tile(128, keys, 8, 2) and emulator_options(chosen)["block_n"] == keys
     # i8-f16 at d64: three consumer warpgroups for non-causal calls from 2048 rows; causal ones keep the default
     assert registry.launch_choice("i8-f16", 64, "sm_90a", 2047) is None

@@ -155,7 +155,7 @@ class KernelSpec:
 
 def _option_tag(name: str, value) -> str:
     """An option in a spec name: page_size 32 -> p32, k_mean page -> kmean-page, k_rope post -> krope-post,
-    k_balance on -> kbal, kv_rows on -> kvrows, pingpong on -> pingpong, persistent on -> persistent, chain on -> chain, out_tma on -> outtma, v_tiles on -> vtiles,
+    k_balance on -> kbal, an on/off option's "on" as its name without underscores (kv_rows -> kvrows, out_tma -> outtma),
     other values as they are (an option left "off" is left out, so that adding one renames no existing
     kernel)."""
     if name == "page_size":

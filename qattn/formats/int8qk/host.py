@@ -440,7 +440,8 @@ def quantize(q, k, v, *, format: str | None = None, scale: float | None = None, 
     return QuantizedQKV(format=spec.recipe, dtype=q.dtype.name, dims=dims, block_m=q_rows, block_n=k_keys,
                         scale=scale, q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale, k_mean=k_mean, shift=shift,
                         v=v_op, v_scale=v_scale, v_out_scale=v_out_scale, smoothing=smoothing, alpha=alpha,
-                        tile_keys=_tile_keys(spec), k_groups=k_scale_groups(spec), v_tiles=_v_layout(spec) == "tiles")
+                        tile_keys=_tile_keys(spec), k_groups=k_scale_groups(spec),
+                        v_tiles=_v_layout(spec) == "tiles")
 
 
 # ---- attention on quantized operands ---------------------------------------------------------

@@ -208,6 +208,11 @@ I8_F16_PERSISTENT_BELOW = 4096
 # same run, x cuDNN, default m128n128w8s2 / m128n192w8s2: B2 L8192 1.05 / 1.18 non-causal, 0.98 / 1.01 causal;
 # B1 L16384 1.21 / 1.31 and 1.17 / 1.20 (docs/notes/int8qk.md). The K scale block follows the tile (192 keys).
 I8_F16_WIDE = LaunchChoice(8192, Tile(128, 192, 8, 2))
+# V by the TMA (v_tiles "off", the default) saves the quantizer's copy of V: 0.89 of the time at B16 L1024, 0.93 at B8
+# L2048, 0.97 at B2 L8192, 0.91 at B2 L16384 (H100, same runs, causal alike). Non-causal from 32768 rows it measured
+# 1.025 of the quantizer's tiles in two runs (B1 L32768), where the copy is 0.4% of the call: those calls keep the
+# tiles.
+I8_F16_LONG_V_TILES = LaunchChoice(32768, Tile(128, 192, 8, 2), options=(("v_tiles", "on"),), causal=False)
 # Non-causal i8-f16 at d64 from 2048 rows runs three consumer warpgroups (m192n128w12s2, a block an item): × cuDNN
 # 1.14 against 0.92 for the two-warpgroup default at B4 L8192 and 0.84 against 0.72 at B8 L2048 (persistent blocks
 # 1.04 and 0.80). Causal, it measured 0.89 against 0.82 at B4 L8192 but spills (above) and is not routed.
@@ -224,7 +229,7 @@ def _i8_f8_bands(d: int) -> tuple:
 def _i8_f16_bands(d: int) -> tuple:
     default = CUDA_I8_F16_WGMMA.default_tiles[d]
     return (LaunchChoice(1, default, options=(("persistent", "on"),)),
-            LaunchChoice(I8_F16_PERSISTENT_BELOW, default), I8_F16_WIDE)
+            LaunchChoice(I8_F16_PERSISTENT_BELOW, default), I8_F16_WIDE, I8_F16_LONG_V_TILES)
 
 
 LAUNCH_TILES = {**{("i8-f8", d, "sm_90a"): _i8_f8_bands(d) for d in CUDA_I8_F8_WGMMA.head_dims},
