@@ -199,35 +199,3 @@ def test_v_by_tma_matches_the_quantizers_tiles(dtype, layout, causal):
     with pytest.raises(ValueError, match="another layout"):
         int8.attention_quantized(tiles, qkv)
     _check("i8-f16", a, host, causal=causal, lse=la, options=int8.emulator_options(tma.spec))
-
-
-@pytest.mark.parametrize("fmt,tile", [("i8-f8", (64, 128, 4, 2)), ("i8-f8", None), ("i8-f16", None)])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("causal", [False, True])
-def test_fused_statistics_give_the_same_bits(fmt, tile, dtype, causal):
-    """fused_stats "on" (K̄ and s_V combined across a cluster of blocks, in the launch that quantizes K and V) against
-    the three launches: the same K̄, s_V, codes, output and LSE bits, with one to two key tiles a block, clusters of one
-    to eight blocks (blocks with no tile among them), tails and GQA; within the emulator's and FP64's tolerance."""
-    import cupy
-
-    from qattn.engine.spec import device_arch
-    from qattn.engine.tile import Tile
-    from qattn.formats.int8qk import host as int8
-
-    if device_arch() != "sm_90a":
-        pytest.skip("wgmma needs sm_90a")
-    spec = dict(format=fmt, head_dim=128, causal=causal, mma="wgmma", **({"tile": Tile(*tile)} if tile else {}))
-    fused = qattn.build("prefill", **spec, options={"fused_stats": "on"})
-    three = qattn.build("prefill", **spec)
-    rng = np.random.default_rng()
-    for b, hq, hkv, lq, lk in ((2, 8, 2, 700, 1029), (1, 4, 4, 1, 65), (3, 4, 1, 333, 2048)):
-        host, (q, k, v) = _inputs(rng, dtype, b, hq, hkv, lq, lk, 128)
-        a, la = fused(q, k, v, out=_poisoned(q), return_lse=True)
-        ref, lref = three(q, k, v, out=_poisoned(q), return_lse=True)
-        assert cupy.array_equal(a.view(cupy.uint16), ref.view(cupy.uint16)), (b, hq, lq, lk)
-        assert cupy.array_equal(la, lref), (b, hq, lq, lk)
-        ops, want = (int8.quantize(q, k, v, kernel=x, with_shift=True) for x in (fused, three))
-        for name in ("k_mean", "k8", "k_scale", "q8", "q_scale", "shift", "v", "v_scale", "v_out_scale"):
-            x, y = getattr(ops, name), getattr(want, name)
-            assert (x is None) == (y is None) and (x is None or cupy.array_equal(x, y)), (name, b, hq, lq, lk)
-    _check(fmt, a, host, causal=causal, lse=la, options=int8.emulator_options(fused.spec))

@@ -120,39 +120,6 @@ def test_quant_plan_launches_balancing_only_when_asked(smoothing, entries):
     assert named == entries
 
 
-@pytest.mark.parametrize("recipe,dtype,smoothing,lk,fused", [
-    ("i8-f8", "float16", "mean", 1029, True), ("i8-f8", "bfloat16", None, 2048, True),
-    ("i8-f16", "float16", "mean", 700, True), ("i8-f16", "bfloat16", "mean", 129, True),
-    ("i8-f8", "float16", "mean", 2049, False),  # 17 key tiles: three a block
-    ("i8-f8", "float16", "mean+balance", 1029, False), ("i8-f16", "float16", None, 1029, False)])
-def test_fused_statistics_plan(monkeypatch, recipe, dtype, smoothing, lk, fused):
-    """fused_stats "on": one launch of clusters (a (batch, kv head) each, of min(8, key tiles) blocks) computes K̄ and
-    s_V and quantizes K and V, then _quant_qkv_ with no keys quantizes Q; it needs no partials. Where a block would
-    take more than two key tiles, with balancing, or where nothing needs statistics (i8-f16 without smoothing), the
-    three launches run as without the option."""
-    monkeypatch.setattr(packed, "_launch_kernel_ex", lambda: lambda *args: 0)
-    b, hq, hkv, lq, d = 2, 8, 2, 300, 128
-    named = []
-    kernel = _stand_in(recipe, d, None, {"fused_stats": "on"})
-    kernel.function = lambda suffix: named.append(suffix) or SimpleNamespace(ptr=1)
-    q_shape, kv_shape = (b, hq, lq, d), (b, hkv, lk, d)
-    plan = int8_launch.QuantPlan(kernel, (b, hq, hkv, lq, lk, d), dtype,
-                                 (_contiguous(q_shape), _contiguous(kv_shape), _contiguous(kv_shape)), 0.125, True,
-                                 smoothing)
-    sfx = "f16" if dtype == "float16" else "bf16"
-    assert plan.fused == fused
-    if not fused:
-        assert "_kv_fused_" + sfx not in named and named[-1].startswith("_quant_qkv_")
-        return
-    assert named == ["_kv_fused_" + sfx, "_quant_qkv_" + sfx]
-    assert "part_sum" not in plan.buffers and "part_max" not in plan.buffers and plan.zero_fill is None
-    nbk = -(-lk // kernel.spec.tile.block_n)
-    stats, codes = plan.launches
-    assert stats.cluster == min(8, nbk) and stats._dims[:4] == (b * hkv * min(8, nbk), 1, 1, 256)
-    q_blocks = -(-lq // int8_launch.q_quant_rows(kernel.spec)) * hq * b
-    assert codes.cluster == 1 and codes._dims[:3] == (q_blocks, 1, 1)
-
-
 @pytest.mark.parametrize("recipe,arch,expected", [("i8-f8", "sm_90a", True), ("i8-f8", "sm_120", True),
                                                   ("i8-f8", "sm_89", False), ("i8-f16", "sm_80", False)])
 def test_launches_are_programmatic_from_sm90(monkeypatch, recipe, arch, expected):

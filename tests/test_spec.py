@@ -378,7 +378,7 @@ def test_int8_calls_on_short_sequences_take_their_listed_kernels(monkeypatch):
             chosen = api._call_kernel("i8-f16", *(SimpleNamespace(shape=(2, 8, rows, 128), data=SimpleNamespace(
                 device_id=0), device=contextlib.nullcontext()),) * 2, causal, None).spec
             v_tiles = "on" if rows >= 32768 and not causal else "off"
-            want = {"pingpong": "on", "v_tiles": v_tiles, "persistent": persistent, "fused_stats": "off"}
+            want = {"pingpong": "on", "v_tiles": v_tiles, "persistent": persistent}
             assert dict(chosen.options) == want, (causal, rows)
             assert chosen.tile == Tile(128, keys, 8, 2) and emulator_options(chosen)["block_n"] == keys
     # i8-f16 at d64: three consumer warpgroups for non-causal calls from 2048 rows; causal ones keep the default

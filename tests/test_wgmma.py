@@ -160,7 +160,7 @@ def test_mma_unit_choice():
 
     spec = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a", mma="wgmma")
     assert spec.family.values == {"pv_operand": "f8", "mma_unit": "wgmma", "q_scale_rows": 1, "k_scale_groups": 4,
-                                  "persistent": "off", "fused_stats": "off"}
+                                  "persistent": "off"}
     assert spec.tile.block_m == 16 * spec.tile.warps
     assert spec.family.threads(spec.tile) == 32 * spec.tile.warps + 128  # and the producer warpgroup
     default = KernelSpec(recipe="i8-f8", head_dim=128, arch="sm_90a")

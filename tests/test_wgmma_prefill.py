@@ -122,10 +122,9 @@ def test_default_tiles_and_tile_rules():
     fam = KernelSpec(recipe="i8-f16", head_dim=128, arch="sm_90a", mma="wgmma").family
     assert fam.default_tiles == {64: Tile(128, 128, 8, 2), 128: Tile(128, 128, 8, 2)}
     assert fam.values == {"pv_operand": "f16", "mma_unit": "wgmma", "q_scale_rows": 1, "k_scale_groups": 4,
-                          "pingpong": "on", "v_tiles": "off", "persistent": "off",
-                          "fused_stats": "off"}  # d128 takes turns (option_defaults)
-    assert dict(KernelSpec(recipe="i8-f16", head_dim=64, arch="sm_90a").options) == {
-        "pingpong": "off", "v_tiles": "off", "persistent": "off", "fused_stats": "off"}
+                          "pingpong": "on", "v_tiles": "off", "persistent": "off"}  # d128 takes turns (option_defaults)
+    assert dict(KernelSpec(recipe="i8-f16", head_dim=64, arch="sm_90a").options) == {"pingpong": "off", "v_tiles": "off",
+                                                                                      "persistent": "off"}
     # i8-f16's Q8/K8 rows of D bytes, fp16 V rows of 2D
     assert fam.smem_bytes(Tile(128, 64, 8, 3), 128) == 128 * 128 + 3 * (64 * 128 + 64 * 256) + 128 * 136 * 2 + 96
     for fmt in FORMATS:
@@ -355,23 +354,3 @@ def test_tiles_that_stage_the_output_over_q(fmt, head_dim, causal, tile):
     assert mmas and entry_resources(binary.log, _attention_entry(spec))["spill_stores"] <= 128
     assert all(i < mmas[0] for i, line in enumerate(sass) if "STL" in line)
     assert all(i > mmas[-1] for i, line in enumerate(sass) if "LDL" in line)
-
-
-@pytest.mark.parametrize("spec", [KernelSpec(recipe="i8-f8", head_dim=d, arch="sm_90a", mma="wgmma", tile=Tile(64, 128, 4, 2),
-                                             options={"fused_stats": "on"}) for d in (64, 128)]
-                         + [KernelSpec(recipe="i8-f16", head_dim=128, arch="sm_90a", mma="wgmma",
-                                       options={"fused_stats": "on"})], ids=lambda s: s.name)
-def test_fused_statistics_compile(spec):
-    """fused_stats "on": the module adds _kv_fused_f16/_bf16 (nothing else changes): no spills; the blocks of a cluster
-    meet at two cluster barriers and read each other's partials from their shared memory (mapa, ld.shared::cluster),
-    and the codes' loop reuses the quantization bodies."""
-    assert "fusedstats" in spec.name
-    binary = _compiled(spec)
-    for sfx in ("f16", "bf16"):
-        entry = entry_name(spec) + "_kv_fused_" + sfx
-        check_spills(entry, entry_resources(binary.log, entry), attention=False)
-        ptx = entry_ptx(binary.ptx, entry)
-        assert ptx.count("barrier.cluster.arrive.release.aligned") == 2
-        assert "mapa.shared::cluster" in ptx and "ld.shared::cluster.v4.f32" in ptx
-    off = spec.with_(options={**dict(spec.options), "fused_stats": "off"})
-    assert "_kv_fused_f16" not in render(off)

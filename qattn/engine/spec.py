@@ -162,7 +162,7 @@ def _option_tag(name: str, value) -> str:
         return f"p{value}"
     if name == "k_balance":
         return "kbal"
-    if name in ("kv_rows", "pingpong", "persistent", "chain", "out_tma", "q_tma", "v_tiles", "fused_stats"):
+    if name in ("kv_rows", "pingpong", "persistent", "chain", "out_tma", "q_tma", "v_tiles"):
         return name.replace("_", "")
     if name in ("k_mean", "k_rope"):
         return f"{name.replace('_', '')}-{value}"

@@ -2,8 +2,7 @@
 
 A QuantPlan holds the three quantization launches (column statistics of K and V per chunk of keys,
 their finish into K̄ and s_V, one grid of Q, K and V codes; with smoothing="mean+balance" also Q's
-column absmax and the balancing factors α; with the kernel's option fused_stats "on", two: K̄, s_V and
-the K and V codes in thread-block clusters, then Q's codes) and where each operand lives in one
+column absmax and the balancing factors α) and where each operand lives in one
 workspace allocation; attention_launch is the attention kernel's launch on operands named by
 Pointers (workspace offsets in a whole call, the arrays of a QuantizedQKV otherwise). Plans are
 cached on the kernel by the shapes, strides and options they were built for, so a repeated call
@@ -29,10 +28,6 @@ COLSTATS_CHUNK = 256
 QUANT_THREADS = 256
 # Channels per block of the kernel that finishes the column statistics.
 FINISH_CHANNELS = 32
-# fused_stats: blocks of a cluster (a (batch, kv head) each; 8, the portable most), and key tiles a block takes at most
-# (it reads them twice, the second time from L2; past that the three launches run instead).
-FUSED_CLUSTER = 8
-FUSED_STATS_TILES = 2
 SUFFIX = {"float16": "f16", "bfloat16": "bf16"}
 
 
@@ -136,10 +131,6 @@ class QuantPlan:
         nchunks, q_chunks = -(-lk // COLSTATS_CHUNK), -(-lq // COLSTATS_CHUNK)
         nbk = -(-lk // bn)
         lk_pad = nbk * bn
-        cluster = min(FUSED_CLUSTER, nbk)
-        # K̄ and s_V in the launch that quantizes K and V (fused_stats "on", where its blocks take few enough tiles)
-        self.fused = (spec.family.values.get("fused_stats") == "on" and not balance and (smooth_k or v_stats)
-                      and -(-nbk // cluster) <= FUSED_STATS_TILES)
         self.buffers: dict[str, Buffer] = {}
         self.nbytes = 0
 
@@ -161,9 +152,9 @@ class QuantPlan:
                 place("v_op", (b, hkv, lk_pad if k_tiles and not v_tma else lk, d), "float16")
             else:
                 place("v_op", (b, hkv, d, lk_pad), "uint8")
-        if smooth_k and not self.fused:
+        if smooth_k:
             place("part_sum", (b, hkv, nchunks, d), "float64")
-        if v_stats and not self.fused:
+        if v_stats:
             place("part_max", (b, hkv, nchunks, d), "float32")
         if balance:
             place("alpha", (b, hkv, d), "float32")
@@ -181,13 +172,7 @@ class QuantPlan:
         self.launches = []
         pdl = programmatic(spec)
         mul = np.float32(scale * quant.LOG2E)  # as quant.fold_softmax_scale
-        if self.fused:
-            self.launches.append(PackedLaunch(
-                kernel.function("_kv_fused_" + sfx), (b * hkv * cluster, 1, 1), QUANT_THREADS, 0,
-                (Pointer("k"), *k_st, Pointer("v"), *v_st, np.int32(lk), np.int32(hkv), np.int32(lk_pad),
-                 np.int32(smooth_k), k_mean, v_scale, ws("small", 2 * plane) if v_stats else NULL, ws("k8"),
-                 ws("k_scale"), ws("v_op") if v_job else NULL), pdl, cluster))
-        elif smooth_k or v_stats:
+        if smooth_k or v_stats:
             stats = (Pointer("k") if smooth_k else NULL, *k_st, Pointer("v") if v_stats else NULL, *v_st, np.int32(lk),
                      ws("part_sum"), ws("part_max"))
             self.launches.append(PackedLaunch(
@@ -206,14 +191,12 @@ class QuantPlan:
                 kernel.function("_balance"), (hkv, b, 1), QUANT_THREADS, 0,
                 (ws("part_range"), k_mean, ws("part_qmax"), np.int32(nchunks), np.int32(q_chunks),
                  np.int32(hq // hkv), mul, ws("alpha")), pdl))
-        # Q's blocks, and the key blocks unless fused_stats quantized them (a grid of no keys is Q's alone)
-        keys = 0 if self.fused else lk
-        blocks = -(-lq // q_quant_rows(spec)) * hq * b + (0 if self.fused else nbk * hkv * b * (2 if v_job else 1))
+        blocks = -(-lq // q_quant_rows(spec)) * hq * b + nbk * hkv * b * (2 if v_job else 1)
         self.launches.append(PackedLaunch(
             kernel.function(("_quant_qkv_balance_" if balance else "_quant_qkv_") + sfx), (blocks, 1, 1),
             QUANT_THREADS, 0,
             (Pointer("q"), *q_st, np.int32(lq), np.int32(hq), np.int32(hq // hkv), mul, ws("q8"), ws("q_scale"),
-             ws("shift"), Pointer("k"), *k_st, Pointer("v"), *v_st, np.int32(keys), np.int32(hkv), np.int32(lk_pad),
+             ws("shift"), Pointer("k"), *k_st, Pointer("v"), *v_st, np.int32(lk), np.int32(hkv), np.int32(lk_pad),
              np.int32(b), k_mean, v_scale, ws("k8"), ws("k_scale"), ws("v_op")) + ((ws("alpha"),) if balance else ()),
             pdl))
 

@@ -172,10 +172,8 @@ def _cuda_i8_wgmma(pv: str, default_tiles: dict, measured_spills: frozenset = fr
         # heavy and a light query block; wgmma_attention.cuh.j2, work_item)
         # v_tiles (fp16 PV): "off" reads V by the TMA from the caller's rows (or, for bf16 V or strides the TMA cannot
         # address, from fp16 rows the quantizer writes); "on" has the quantizer copy V into the kernel's swizzled tiles
-        # fused_stats "on": K̄, s_V and the K and V codes in one launch of thread-block clusters, one (batch, kv head)
-        # each, where a cluster's blocks take at most FUSED_STATS_TILES key tiles each (launch.QuantPlan)
         options={**({"pingpong": ("off", "on"), "v_tiles": ("off", "on")} if pv == "f16" else {}),
-                 "persistent": ("off", "on"), "fused_stats": ("off", "on")},
+                 "persistent": ("off", "on")},
         option_defaults=option_defaults or {},
     )
 
