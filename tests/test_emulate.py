@@ -189,8 +189,29 @@ def test_kv8_accepts_caches_pairs_and_floats(rng):
     (lambda q, k, v: emulate.emulate("f16", q, k[..., :8], v[..., :8]), "k"),
     (lambda q, k, v: emulate.emulate("f16", q[0], k, v), "q"),
     (lambda q, k, v: emulate.emulate("i8-i8", q, k, v, q_granularity="lane"), "granularity"),
+    (lambda q, k, v: emulate.emulate("i8-f8", q, k, v, exp2_ulps=3), "exp2_ulps"),
+    (lambda q, k, v: emulate.emulate("f32", q, k, v, exp2_ulps=0.5), "exp2_ulps"),
+    (lambda q, k, v: emulate.emulate("f32", q, k, v, exp2_ulps=True), "exp2_ulps"),
 ])
 def test_bad_input_names_the_argument(rng, call, field):
     q, k, v = _inputs(rng, 1, 2, 1, 5, 9, 16)
     with pytest.raises(ValueError, match=f"^{field}:"):
         call(q, k, v)
+
+
+@pytest.mark.parametrize("ulps", [-2, -1, 1, 2])
+def test_moved_exponents_stay_a_rounding_apart(rng, ulps):
+    """exp2_ulps moves the softmax's exponents by float32 steps of the scores' magnitude: the f32 output
+    moves (some bits differ) but stays within 1e-5 of the unmoved one; rows that see no key stay zeros,
+    with an LSE of -inf; and i8-f8, whose P rounds to e4m3, moves by whole grid steps of P at a few keys."""
+    q, k, v = _inputs(rng, 1, 4, 2, 40, 30, 64)  # causal, Lq > Lk: the first 10 rows see no key
+    (q8, k8, v8) = _inputs(rng, 1, 4, 1, 16, 2100, 64)
+    base, lse = emulate.emulate("f32", q, k, v, causal=True, return_lse=True)
+    moved, moved_lse = emulate.emulate("f32", q, k, v, causal=True, return_lse=True, exp2_ulps=ulps)
+    assert not np.array_equal(moved, base)
+    assert metrics.compare(moved, base).rel_l2 < 1e-5
+    assert (moved[:, :, :10] == 0).all() and np.isneginf(moved_lse[:, :, :10]).all()
+    assert np.isfinite(moved_lse[:, :, 10:]).all()
+    e8 = emulate.emulate("i8-f8", q8, k8 * 4, v8, block_n=128)
+    moved8 = emulate.emulate("i8-f8", q8, k8 * 4, v8, block_n=128, exp2_ulps=ulps)
+    assert 0 < metrics.compare(moved8, e8).rel_l2 < 2e-3

@@ -67,8 +67,24 @@ class Tiles:
     add_pv: Callable[[np.ndarray, np.ndarray, int, int], np.ndarray] | None = None
 
 
-def flash_loop(tiles: Tiles, lead: tuple, lq: int, lk: int, d: int, causal: bool, block_n: int):
-    """The online softmax over key tiles; returns (O [lead, Lq, D] float32, LSE₂ [lead, Lq])."""
+def exp2_moved(s: np.ndarray, base: np.ndarray, ulps: int) -> np.ndarray:
+    """exp2(s - base) of float32 scores s and row maxima base, the exponent moved by ulps float32 steps of
+    the larger of |s| and |base| (toward +inf when positive). A kernel forms each exponent with one FMA
+    from its unrounded score, where the emulator rounds the score and then subtracts: the two may differ
+    by a step of the score's magnitude, and a key whose P lies near a rounding tie of an 8-bit P then
+    rounds the other way. Emulating with ulps in -2..2 brackets it."""
+    x = s - base
+    if ulps:
+        live = np.isfinite(x)  # masked keys (-inf) stay masked
+        step = np.spacing(np.where(live, np.maximum(np.abs(s), np.abs(base)), F32(1)).astype(F32))
+        x = np.where(live, x + F32(ulps) * step, x)
+    return np.exp2(x)
+
+
+def flash_loop(tiles: Tiles, lead: tuple, lq: int, lk: int, d: int, causal: bool, block_n: int,
+               exp2_ulps: int = 0):
+    """The online softmax over key tiles; returns (O [lead, Lq, D] float32, LSE₂ [lead, Lq]).
+    exp2_ulps moves every exponent by that many float32 steps (exp2_moved)."""
     seen = visible_keys(lq, lk, causal)
     m = np.full(lead + (lq,), -np.inf, F32)
     l = np.zeros(lead + (lq,), F32)
@@ -80,8 +96,8 @@ def flash_loop(tiles: Tiles, lead: tuple, lq: int, lk: int, d: int, causal: bool
             s = np.where(np.arange(j0, j1)[None, :] >= seen[:, None], F32(-np.inf), s)
         m_new = np.maximum(m, s.max(axis=-1))
         base = np.where(np.isfinite(m_new), m_new, F32(0))  # a row with no key yet keeps p = 0
-        alpha = np.exp2(m - base)
-        p = np.exp2(s - base[..., None])
+        alpha = exp2_moved(m, base, exp2_ulps)
+        p = exp2_moved(s, base[..., None], exp2_ulps)
         l = l * alpha + p.sum(axis=-1, dtype=F32)
         acc = acc * alpha[..., None]
         acc = tiles.add_pv(acc, p, j0, j1) if tiles.add_pv is not None else acc + tiles.pv(p, j0, j1)
@@ -166,14 +182,17 @@ def _prepare(fmt, q, k, v, scale, block_n, opts):
 
 
 def emulate(fmt: str, q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
-            block_n: int = 64, **opts):
+            block_n: int = 64, exp2_ulps: int = 0, **opts):
     """Run the emulator of recipe fmt: out [B, Hq, Lq, D] (and LSE [B, Hq, Lq], natural log, when
     return_lse); same semantics as reference.attention, except that O is float32 (float16 / bfloat16
     for f16 / bf16) and LSE float32. Options are the recipe's (its family's emulate.py): the int8-QK
     recipes take block_m, q_granularity / k_granularity, warps, smoothing and alpha_rule (smooth_k, deprecated);
-    kv8-split fp16_shift."""
+    kv8-split fp16_shift. exp2_ulps (-2..2) moves every exponent of the softmax by that many float32
+    steps, to bracket a kernel's own rounding of it (exp2_moved)."""
+    if not isinstance(exp2_ulps, (int, np.integer)) or isinstance(exp2_ulps, bool) or abs(exp2_ulps) > 2:
+        raise ValueError(f"exp2_ulps: expected an integer from -2 to 2, got {exp2_ulps!r}")
     tiles, (b, hq, hkv, lq, lk, d) = _prepare(fmt, q, k, v, scale, block_n, opts)
-    out, lse2 = flash_loop(tiles, (b, hkv, hq // hkv), lq, lk, d, causal, block_n)
+    out, lse2 = flash_loop(tiles, (b, hkv, hq // hkv), lq, lk, d, causal, block_n, int(exp2_ulps))
     out = out.reshape(b, hq, lq, d).astype(tiles.out_dtype)
     if not return_lse:
         return out
