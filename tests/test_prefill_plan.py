@@ -58,12 +58,17 @@ def test_errors_on_captured_tensors(tmp_path):
 
 def test_table_takes_the_nearest_measured_length():
     names = [c.name for c in plan.candidates("float16")]
+    table = plan.H200_VS_CUDNN
     at_3000 = plan.table_times(names, head_dim=128, causal=False, seq=3000)  # nearer 4096 than 2048 in log2
-    assert at_3000["i8-f8"] == pytest.approx(1 / 1.08) and at_3000["f16"] == pytest.approx(1 / 0.99)
+    assert at_3000["i8-f8"] == pytest.approx(1 / table[128, False][4096]["i8-f8"])
+    assert at_3000["f16"] == pytest.approx(1 / table[128, False][4096]["f16"])
     assert at_3000["i8-f8 +balance"] == at_3000["i8-f8"] and at_3000["i8-i8"] == pytest.approx(1 / 0.50)
     assert "i8-i8" not in plan.table_times(names, head_dim=128, causal=False, seq=1024)
-    assert plan.table_times(names, head_dim=128, causal=True, seq=100_000)["i8-f8"] == pytest.approx(1 / 1.42)
-    assert plan.table_times(names, head_dim=128, causal=False, seq=1)["f16"] == pytest.approx(1 / 0.97)
+    assert plan.table_times(names, head_dim=128, causal=True, seq=100_000)["i8-f8"] == \
+        pytest.approx(1 / table[128, True][32768]["i8-f8"])
+    assert plan.table_times(names, head_dim=128, causal=False, seq=1)["f16"] == \
+        pytest.approx(1 / table[128, False][1024]["f16"])
+    assert table[128, False][2048] != table[128, False][4096]  # the lookups above tell the rows apart
     assert plan.table_times(names, head_dim=96, causal=False, seq=4096) == {}
     assert "bf16" in plan.table_times(["bf16"], head_dim=64, causal=True, seq=8192)
 

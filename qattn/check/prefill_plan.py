@@ -25,19 +25,20 @@ ERROR_HEADS = 8  # its query heads at most (whole GQA groups)
 
 # Whole calls on the H200 against torch SDPA's cuDNN backend in the same run, as cuDNN's time over the
 # format's (> 1: faster than cuDNN), by (head dim, causal) and then query rows per sequence. BENCHMARKS.md:
-# D128 and the int8-QK formats at D64 from "every format beside SageAttention 1.0.6 and SageAttention2
-# (2026-12-04, later)"; f16, bf16 and i8-f16 at D64 from "D64 on three consumer warpgroups (2026-12-04, night)",
-# the kernels those calls run since. i8-i8 from "i8-f16 and i8-i8 beside i8-f8" (2026-12-02: the code of that day,
-# older than the other rows'; no later run timed it).
+# D128 from "every format at the contract shapes on the H200" (2026-12-06, night: single calls from an idle GPU);
+# the int8-QK formats at D64 from "every format beside SageAttention 1.0.6 and SageAttention2 (2026-12-04, later)";
+# f16, bf16 and i8-f16 at D64 from "D64 on three consumer warpgroups (2026-12-04, night)", the kernels those calls
+# run since. i8-i8 from "i8-f16 and i8-i8 beside i8-f8" (2026-12-02: the code of that day, older than the other
+# rows'; no later run timed it).
 H200_VS_CUDNN = {
-    (128, False): {1024: {"f16": 0.97, "bf16": 0.90, "i8-f16": 0.65, "i8-f8": 0.70},
-                   2048: {"f16": 0.97, "bf16": 1.01, "i8-f16": 0.78, "i8-f8": 0.84},
-                   4096: {"f16": 0.99, "bf16": 1.06, "i8-f16": 0.98, "i8-f8": 1.08, "i8-i8": 0.50},
-                   32768: {"f16": 1.06, "bf16": 1.10, "i8-f16": 1.17, "i8-f8": 1.47, "i8-i8": 0.59}},
-    (128, True): {1024: {"f16": 0.85, "bf16": 0.94, "i8-f16": 0.58, "i8-f8": 0.55},
-                  2048: {"f16": 0.97, "bf16": 0.97, "i8-f16": 0.70, "i8-f8": 0.70},
-                  4096: {"f16": 1.01, "bf16": 1.04, "i8-f16": 0.87, "i8-f8": 0.87, "i8-i8": 0.49},
-                  32768: {"f16": 1.06, "bf16": 1.09, "i8-f16": 1.21, "i8-f8": 1.42, "i8-i8": 0.61}},
+    (128, False): {1024: {"f16": 0.98, "bf16": 0.99, "i8-f16": 0.76, "i8-f8": 0.66},
+                   2048: {"f16": 0.99, "bf16": 1.01, "i8-f16": 0.92, "i8-f8": 0.87},
+                   4096: {"f16": 0.97, "bf16": 1.00, "i8-f16": 1.01, "i8-f8": 1.10, "i8-i8": 0.50},
+                   32768: {"f16": 1.07, "bf16": 1.11, "i8-f16": 1.22, "i8-f8": 1.45, "i8-i8": 0.59}},
+    (128, True): {1024: {"f16": 0.94, "bf16": 0.95, "i8-f16": 0.63, "i8-f8": 0.52},
+                  2048: {"f16": 1.04, "bf16": 1.02, "i8-f16": 0.80, "i8-f8": 0.71},
+                  4096: {"f16": 1.05, "bf16": 1.06, "i8-f16": 0.96, "i8-f8": 0.96, "i8-i8": 0.49},
+                  32768: {"f16": 1.07, "bf16": 1.11, "i8-f16": 1.23, "i8-f8": 1.45, "i8-i8": 0.61}},
     (64, False): {1024: {"f16": 0.89, "bf16": 0.91, "i8-f8": 0.64},
                   2048: {"f16": 1.02, "bf16": 1.00, "i8-f16": 0.84, "i8-f8": 0.79},
                   4096: {"f16": 1.04, "bf16": 1.08},
