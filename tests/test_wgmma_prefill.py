@@ -32,12 +32,10 @@ OTHER_TILES = [KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wg
                                   ("bf16", 128, True, (192, 64, 12, 3)), ("f16", 128, False, (64, 128, 4, 2)),
                                   ("i8-f16", 128, True, (128, 160, 8, 2)), ("i8-f16", 128, False, (128, 192, 8, 2)))]
 # the kernels calls are routed to by their query rows (recipes.LAUNCH_TILES: persistent blocks, three consumer
-# warpgroups at d64), each (tile, options) once, with the spill each was measured faster with (LaunchChoice.spills)
-ROUTED_SPILLS = {
-    KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wgmma", tile=choice.tile, options=dict(choice.options)):
-    choice.spills for f in FORMATS for d in (64, 128) for c in (False, True)
-    for choice in registry.launch_choices(f, d, "sm_90a", c)}
-ROUTED = list(ROUTED_SPILLS)
+# warpgroups at d64), each (tile, options) once
+ROUTED = list(dict.fromkeys(
+    KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wgmma", tile=choice.tile, options=dict(choice.options))
+    for f in FORMATS for d in (64, 128) for c in (False, True) for choice in registry.launch_choices(f, d, "sm_90a", c)))
 # the f16 / bf16 kernels with K and V rows gathered by cp.async (the TMA launch's fallback)
 KV_ROWS = [KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wgmma", options={"kv_rows": "on"})
            for f, d, c in (("f16", 128, False), ("bf16", 64, True))]
@@ -170,7 +168,7 @@ def test_compiles_on_warpgroup_mmas(spec):
     rows = spec.family.values.get("kv_rows") == "on"
     measured = ((spec.head_dim, spec.causal, spec.arch) in spec.family.measured_spills
                 and spec.tile == spec.family.default_tile(spec.head_dim, spec.causal, spec.arch))
-    allowed = max(8 if rows else 64 if measured else 0, ROUTED_SPILLS.get(spec, 0))
+    allowed = 8 if rows else 64 if measured else 0
     check_spills(entry, entry_resources(binary.log, entry), attention=True, allowed=allowed)
     if spec.recipe == "i8-f16":  # the quantization kernels too
         for suffix in int8.module_entries(spec.recipe, spec.backend):

@@ -100,7 +100,6 @@ class LaunchChoice(NamedTuple):
     mma: str | None = None
     options: tuple = ()
     causal: bool | None = None
-    spills: int = 0  # bytes ptxas spills each way in this kernel, which measured faster anyway (the family's notes)
 
 
 @dataclass(frozen=True)
