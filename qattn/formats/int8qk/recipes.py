@@ -213,13 +213,11 @@ I8_F16_WIDE = LaunchChoice(8192, Tile(128, 192, 8, 2))
 # 1.025 of the quantizer's tiles in two runs (B1 L32768), where the copy is 0.4% of the call: those calls keep the
 # tiles.
 I8_F16_LONG_V_TILES = LaunchChoice(32768, Tile(128, 192, 8, 2), options=(("v_tiles", "on"),), causal=False)
-# Non-causal i8-f16 at d64 from 2048 rows runs three consumer warpgroups (m192n128w12s2, a block an item): × cuDNN
-# 1.14 against 0.92 for the two-warpgroup default at B4 L8192 and 0.84 against 0.72 at B8 L2048 (persistent blocks
-# 1.04 and 0.80). Causal from 8192 rows it runs the same tile: H100, same run, 0.925 of the default's time at B4
-# L8192 and 0.90 at B2 L16384 (0.83 -> 0.89 and 0.90 -> 1.00 x cuDNN), 1.02 at B8 L2048, where causal calls keep the
-# default (measured while ptxas still spilled 120 B / 188 B there; the causal mask's bound no longer does).
-I8_F16_D64_THREE_WARPGROUPS = LaunchChoice(2048, Tile(192, 128, 12, 2), causal=False)
-I8_F16_D64_CAUSAL_THREE_WARPGROUPS = LaunchChoice(8192, Tile(192, 128, 12, 2), causal=True)
+# i8-f16 at d64 from 2048 rows runs three consumer warpgroups (m192n128w12s2, a block an item). Non-causal, × cuDNN
+# (H200): 1.14 against 0.92 for the two-warpgroup default at B4 L8192 and 0.84 against 0.72 at B8 L2048 (persistent
+# blocks 1.04 and 0.80). Causal, time against the default (H100, same run): 0.94 at B8 L2048, 0.95 at B4 L2048,
+# 0.91 at B4 L4096, 0.85 at B4 L8192 and 0.82 at B2 L16384; 1.04 at B16 L1024, which keeps the default.
+I8_F16_D64_THREE_WARPGROUPS = LaunchChoice(2048, Tile(192, 128, 12, 2))
 
 
 def _i8_f8_bands(d: int) -> tuple:
@@ -236,8 +234,7 @@ def _i8_f16_bands(d: int) -> tuple:
 
 
 LAUNCH_TILES = {**{("i8-f8", d, "sm_90a"): _i8_f8_bands(d) for d in CUDA_I8_F8_WGMMA.head_dims},
-                ("i8-f16", 128, "sm_90a"): _i8_f16_bands(128), ("i8-f16", 64, "sm_90a"): (I8_F16_D64_THREE_WARPGROUPS,
-                                                                                I8_F16_D64_CAUSAL_THREE_WARPGROUPS)}
+                ("i8-f16", 128, "sm_90a"): _i8_f16_bands(128), ("i8-f16", 64, "sm_90a"): I8_F16_D64_THREE_WARPGROUPS}
 
 
 # ---- HIP int8 QK prefill (i8-f16, i8-i8, i8-f8): int8 MFMA / iu8 WMMA QK, PV in fp16, int8 or e4m3 --
