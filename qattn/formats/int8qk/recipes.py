@@ -134,9 +134,9 @@ def _wgmma_problem(pv: str) -> Callable[[Tile, int], str | None]:
 
         def registers():
             # fp16 PV: O, S and P (d / 2 + block_n / 2 + block_n / 4 a thread) and ~32 for addresses,
-            # scales and statistics: m192n128w12 at d64 fits 160 without spills (causal: 120 B stored,
-            # 188 loaded). The e4m3 kernel holds O and S (d / 2 + block_n / 2) and ~24 more: S is issued
-            # beside PV only where registers allow (S_BESIDE_PV), and the softmax packs P over S.
+            # scales and statistics: m192n128w12 at d64 fits 160 without spills, causal or not. The e4m3
+            # kernel holds O and S (d / 2 + block_n / 2) and ~24 more: S is issued beside PV only where
+            # registers allow (S_BESIDE_PV), and the softmax packs P over S.
             need = d // 2 + 3 * tile.block_n // 4 + 32 if pv == "f16" else d // 2 + tile.block_n // 2 + 24
             return consumer_registers_problem(need, wgmma_consumer_registers(tile, wgmma_blocks_per_sm(tile, d),
                                                                              _PRODUCER_REGS))
