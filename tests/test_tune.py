@@ -18,7 +18,7 @@ from qattn.engine import spec as spec_module
 from qattn.engine import tuned
 from qattn.engine.family import Tolerance
 from qattn.engine.shape_class import ShapeClass, length_bucket
-from qattn.engine.spec import KernelSpec, call_spec, default_spec
+from qattn.engine.spec import KernelSpec, builtin_spec, call_spec, default_spec
 from qattn.engine.tile import Tile
 from qattn.tune.build import prebuild
 from qattn.tune.candidates import candidate_specs, tunable_formats, units
@@ -366,6 +366,30 @@ def compiled(specs, jobs, done):
     return {}
 
 
+# what f16 d128 calls of 512 to 4095 query rows run on sm_90a without a tuned table (recipes' launch_tiles)
+BUILTIN_2048 = "m128n128w8s2@wgmma+chain+persistent"
+
+
+def test_each_sweep_starts_with_the_kernel_its_shape_runs_untuned():
+    """Whatever the grid holds: i8-f16 d128 calls from 8192 rows run 192-key tiles (from 32768 rows non-causal,
+    with V in the quantizer's tiles), which the default grid's block_n never reaches."""
+    def only(fmt, d, causal, rows, **grid):
+        (job,) = plan([fmt], [d], [causal], [Shape(1, 32, 32, rows, rows)], "sm_90a", **grid)
+        return job
+
+    for rows, name in ((8192, "m128n192w8s2"), (32768, "m128n192w8s2+v_tiles"), (4096, "m128n128w8s2")):
+        job = only("i8-f16", 128, False, rows, block_shapes=[(128, 64)], warps=[8], stages=[2])
+        assert job.specs[0] == builtin_spec("i8-f16", 128, False, rows, "sm_90a")
+        assert job.default_tile == tuned.TunedKernel.of(job.specs[0]).name == name
+    names = [tuned.TunedKernel.of(s).name for s in only("i8-f16", 128, False, 8192).specs]
+    assert names[0] == "m128n192w8s2" and len(names) == len(set(names)) and "m128n64w8s2" in names
+    # a grid that holds it has it once, first
+    job = only("i8-f16", 64, True, 8192, block_shapes=[(128, 128), (192, 128)], warps=[8, 12], stages=[2])
+    names = [tuned.TunedKernel.of(s).name for s in job.specs]
+    assert names[0] == job.default_tile == "m192n128w12s2" and names.count("m192n128w12s2") == 1
+    assert "m128n128w8s2" in names
+
+
 def small_jobs(shapes=(Shape(2, 8, 8, 2048, 2048),)):
     return plan(["f16"], [128], [False], list(shapes), "sm_90a", block_shapes=[(64, 64), (128, 64)], warps=[4],
                 stages=[2, 3], mma=["mma.sync"])
@@ -374,18 +398,20 @@ def small_jobs(shapes=(Shape(2, 8, 8, 2048, 2048),)):
 def test_run_stores_each_winner_under_its_key(on_h200, monkeypatch):
     monkeypatch.setattr(qattn.tune.run, "prebuild", compiled)
     jobs = small_jobs([Shape(2, 8, 8, 2048, 2048), Shape(1, 8, 2, 512, 32768)])
-    ms = {"m64n64w4s2": 0.9, "m64n64w4s3": 0.8, "m128n64w4s2": 0.85, "m128n64w4s3": 1.0}
+    ms = {"m64n64w4s2": 0.9, "m64n64w4s3": 0.8, "m128n64w4s2": 0.85, "m128n64w4s3": 1.0, BUILTIN_2048: 0.95}
     lines = []
     entries = run(jobs, rounds=2, case=fake_case(ms, wrong={"m64n64w4s3"}), timer=fake_timer, progress=lines.append)
-    assert len(lines) == steps(jobs, 2) == 4 + 2 * (4 + 2)
+    # four grid tiles and the kernel both shapes' calls run untuned compiled once; each sweep checks five
+    assert len(lines) == steps(jobs, 2) == 5 + 2 * (5 + 2)
     assert [e.shape_class for e in entries] == [MHA_4K, ShapeClass("<=1K", ">16K", True)]
     assert tuned.load() == entries
     stored = entries[0]
     assert (stored.device, stored.arch, stored.format, stored.head_dim, stored.causal) == (H200, "sm_90a", "f16", 128,
                                                                                           False)
-    assert stored.kernel == tuned.TunedKernel(Tile(128, 64, 4, 2)) and stored.ms == 0.85 and stored.default_tile == "m128n64w4s2"
+    assert stored.kernel == tuned.TunedKernel(Tile(128, 64, 4, 2)) and stored.ms == 0.85
+    assert stored.default_tile == BUILTIN_2048 and stored.candidates[BUILTIN_2048] == 0.95
     assert set(stored.rejected) == {"m64n64w4s3"} and set(stored.candidates) == {"m64n64w4s2", "m128n64w4s2",
-                                                                                  "m128n64w4s3"}
+                                                                                  "m128n64w4s3", BUILTIN_2048}
     assert default_spec("f16", 128).tile == Tile(128, 64, 4, 2)
 
 
@@ -393,15 +419,16 @@ def test_run_rejects_what_did_not_compile(on_h200, monkeypatch):
     jobs = small_jobs()
     broken = jobs[0].specs[0]
     monkeypatch.setattr(qattn.tune.run, "prebuild", lambda specs, jobs, done: {broken: "compile: error: too big"})
-    entries = run(jobs, case=fake_case(dict.fromkeys((s.tile.name for s in jobs[0].specs), 1.0)), timer=fake_timer)
-    assert entries[0].rejected == {broken.tile.name: "compile: error: too big"}
+    names = [tuned.TunedKernel.of(s).name for s in jobs[0].specs]
+    entries = run(jobs, case=fake_case(dict.fromkeys(names, 1.0)), timer=fake_timer)
+    assert entries[0].rejected == {BUILTIN_2048: "compile: error: too big"} and BUILTIN_2048 == names[0]
 
 
 def test_run_with_every_candidate_rejected_names_the_sweep(on_h200, monkeypatch):
     monkeypatch.setattr(qattn.tune.run, "prebuild", compiled)
     jobs = small_jobs()
     with pytest.raises(ValueError, match=r"^tile: every candidate of f16 d128 non-causal 2x2048 H8/8 was rejected"):
-        run(jobs, case=fake_case({}, wrong={s.tile.name for s in jobs[0].specs}), timer=fake_timer)
+        run(jobs, case=fake_case({}, wrong={tuned.TunedKernel.of(s).name for s in jobs[0].specs}), timer=fake_timer)
     assert tuned.load() == []
 
 
@@ -500,7 +527,7 @@ def test_bad_options_are_usage_errors_naming_the_option(on_h200, args, option):
 def test_tune_on_a_fake_gpu_prints_and_stores_the_winners(on_h200, monkeypatch, tmp_path):
     ms = {"m64n64w4s2": 0.9, "m64n64w4s3": 0.8, "m128n64w4s2": 0.85, "m128n64w4s3": 1.0,
           "m64n64w4s2@wgmma": 0.7, "m64n64w4s3@wgmma": 0.75, "m64n64w4s2@wgmma+persistent": 0.72,
-          "m64n64w4s3@wgmma+persistent": 0.65}
+          "m64n64w4s3@wgmma+persistent": 0.65, BUILTIN_2048: 0.85}
     monkeypatch.setattr(qattn.tune.run, "prebuild", compiled)
     monkeypatch.setattr(qattn.tune.run, "GpuCase", fake_case(ms))
     monkeypatch.setattr(qattn.tune.sweep, "round_timer", fake_timer)
@@ -508,7 +535,7 @@ def test_tune_on_a_fake_gpu_prints_and_stores_the_winners(on_h200, monkeypatch, 
             "--warps", "4", "--stages", "2", "--stages", "3")
     result = cli(*args, "--mma", "mma.sync", "--json", str(tmp_path / "run.json"))
     assert result.exit_code == 0, result.output
-    assert "m64n64w4s3" in result.output and "1.06x" in result.output  # 0.85 / 0.8
+    assert "m64n64w4s3" in result.output and "1.06x" in result.output  # 0.85 (the calls' kernel untuned) / 0.8
     assert f"stored in {tuned.table_path()}" in result.output
     assert [e.kernel.name for e in tuned.load()] == ["m64n64w4s3"]
     record = json.loads((tmp_path / "run.json").read_text())[0]
@@ -519,7 +546,7 @@ def test_tune_on_a_fake_gpu_prints_and_stores_the_winners(on_h200, monkeypatch, 
     assert result.exit_code == 0, result.output
     assert "m64n64w4s2@wgmma" in result.output and "1.21x" in result.output  # 0.85 / 0.7
     (stored,) = tuned.load()
-    assert stored.kernel == tuned.TunedKernel(Tile(64, 64, 4, 2), "wgmma") and len(stored.candidates) == 6
+    assert stored.kernel == tuned.TunedKernel(Tile(64, 64, 4, 2), "wgmma") and len(stored.candidates) == 7
     chosen = default_spec("f16", 128, shape=MHA_4K)
     assert chosen.family.values["mma_unit"] == "wgmma" and chosen.tile == Tile(64, 64, 4, 2)
     assert call_spec("f16", 128, False, 2048, "sm_90a", shape=MHA_4K) == chosen
@@ -529,7 +556,7 @@ def test_tune_on_a_fake_gpu_prints_and_stores_the_winners(on_h200, monkeypatch, 
     assert "m64n64w4s3@wgmma+persistent" in result.output and "1.31x" in result.output  # 0.85 / 0.65
     (stored,) = tuned.load()
     assert stored.kernel == tuned.TunedKernel(Tile(64, 64, 4, 3), "wgmma", (("persistent", "on"),))
-    assert len(stored.candidates) == 8
+    assert len(stored.candidates) == 9
     chosen = call_spec("f16", 128, False, 2048, "sm_90a", shape=MHA_4K)
     assert dict(chosen.options)["persistent"] == "on" and chosen.tile == Tile(64, 64, 4, 3)
     assert tuned.TunedKernel.of(chosen) == stored.kernel

@@ -191,12 +191,16 @@ def call_spec(format: str, head_dim: int, causal: bool, queries: int, arch: str,
                       **({"tile": tile} if tile is not None else {}))
     if tile is not None or mma is not None:
         return spec
-    stored = _tuned_spec(spec, shape)
-    if stored is not None:
-        return stored
+    return _tuned_spec(spec, shape) or builtin_spec(format, head_dim, causal, queries, arch)
+
+
+def builtin_spec(format: str, head_dim: int, causal: bool, queries: int, arch: str) -> KernelSpec:
+    """The kernel a call of `queries` query rows runs where `qattn tune` stored nothing: the one its
+    family lists for the query count (registry.launch_choice), else the family's default."""
+    _check_cuda_kernel(format)
     choice = launch_choice(format, head_dim, arch, queries, causal)
     if choice is None:
-        return spec
+        return KernelSpec(kind="prefill", recipe=format, head_dim=head_dim, causal=causal, arch=arch)
     return KernelSpec(kind="prefill", recipe=format, head_dim=head_dim, causal=causal, arch=arch, mma=choice.mma,
                       tile=choice.tile, options=dict(choice.options))
 

@@ -84,11 +84,13 @@ def _parse_block_shapes(ctx, param, values):
 def tune(ctx, formats, head_dims, causal, shapes, queries, heads, kv_heads, tiles, warps, stages, mma, sweep_options,
          rounds, jobs, seed, show, json_path):
     """Sweep the tiles of each format's prefill kernel on this GPU (on each matrix unit its arch
-    has, with each combination of the unit's template options), check each candidate's output against FP64 once (a wrong one is rejected), time the rest
-    in interleaved rounds, and store the fastest per format, head dim, causal flag and shape class in
-    the cache directory, keyed by the GPU's name, its driver and the qattn version. qattn.attention
-    runs the stored kernel from then on (QATTN_TUNED=0 ignores the table; the built-in tables apply
-    where it has no entry)."""
+    has, with each combination of the unit's template options), check each candidate's output
+    against FP64 once (a wrong one is rejected), time the rest in interleaved rounds, and store the
+    fastest per format, head dim, causal flag and shape class in the cache directory, keyed by the
+    GPU's name, its driver and the qattn version. Each sweep also times the kernel its shape's calls
+    run untuned (the built-in tables'), so the stored winner is never one it timed slower.
+    qattn.attention runs the stored kernel from then on (QATTN_TUNED=0 ignores the table; the
+    built-in tables apply where it has no entry)."""
     if show:
         given = [option for name, option in SWEEP_OPTIONS.items()
                  if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT]
@@ -110,8 +112,8 @@ def tune(ctx, formats, head_dims, causal, shapes, queries, heads, kv_heads, tile
     with _Progress("tune", tuning.steps(jobs_planned, rounds)) as progress:
         entries = tuning.run(jobs_planned, rounds=rounds, seed=seed, build_jobs=jobs, progress=progress.done)
     table = _table(f"tuned on {entries[0].device.gpu} ({arch}, driver {entries[0].device.driver})", "format", "D",
-                   "causal", "shape class", "timed at", "winner", "ms", "default", "default ms", "vs default",
-                   "rejected", right=("D", "ms", "default ms", "vs default", "rejected"))
+                   "causal", "shape class", "timed at", "winner", "ms", "built-in", "built-in ms", "vs built-in",
+                   "rejected", right=("D", "ms", "built-in ms", "vs built-in", "rejected"))
     for e in entries:
         table.add_row(e.format, str(e.head_dim), "yes" if e.causal else "no", e.shape_class.name,
                       Shape(**e.shape).label, e.kernel.name, _fmt(e.ms, ".4f"), e.default_tile,
@@ -136,7 +138,7 @@ def _show(formats, head_dims, json_path) -> None:
         return
     device = tuned.current_device()
     table = _table(f"tuned kernels in {path}", "GPU", "driver", "qattn", "arch", "format", "D", "causal",
-                   "shape class", "kernel", "ms", "vs default", "used here", right=("D", "ms", "vs default"))
+                   "shape class", "kernel", "ms", "vs built-in", "used here", right=("D", "ms", "vs built-in"))
     for e in sorted(entries, key=_order):
         table.add_row(e.device.gpu, e.device.driver, e.device.qattn, e.arch, e.format, str(e.head_dim),
                       "yes" if e.causal else "no", e.shape_class.name, e.kernel.name, _fmt(e.ms, ".4f"), _vs_default(e),
@@ -156,7 +158,8 @@ def _show(formats, head_dims, json_path) -> None:
 
 
 def _vs_default(e: tuned.TunedEntry) -> str:
-    """How much faster the winner ran than the built-in default in the same sweep ("-": not swept)."""
+    """How much faster the winner ran than the kernel the shape's calls run untuned, in the same sweep ("-": that
+    kernel was not timed)."""
     default_ms = e.candidates.get(e.default_tile)
     return "-" if default_ms is None else f"{default_ms / e.ms:.2f}x"
 

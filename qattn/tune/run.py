@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..engine import tuned
-from ..engine.spec import KernelSpec
+from ..engine.spec import KernelSpec, builtin_spec
 from .build import prebuild
 from .candidates import candidate_specs
 from .case import GpuCase, Shape
@@ -26,7 +26,7 @@ class Job:
     causal: bool
     shape: Shape
     specs: tuple[KernelSpec, ...]
-    default_tile: str  # the built-in default's kernel name
+    default_tile: str  # the name of the kernel the shape's calls run without a tuned table (the first of specs)
 
     @property
     def label(self) -> str:
@@ -35,14 +35,18 @@ class Job:
 
 def plan(formats, head_dims, causals, shapes, arch: str, *, block_shapes=None, warps=None, stages=None,
          mma=None, options: bool = True) -> list[Job]:
-    """The sweeps of a tune, every spec validated before any GPU work (errors name the argument)."""
+    """The sweeps of a tune, every spec validated before any GPU work (errors name the argument). Each
+    sweep's first candidate is the kernel its shape's calls run without a tuned table (builtin_spec: the
+    family's kernel for that many query rows, whatever the grid holds), so that no winner is stored that
+    the sweep timed slower than what calls ran before."""
     jobs = []
     for fmt, d, causal in itertools.product(formats, head_dims, causals):
-        specs = tuple(candidate_specs(fmt, d, causal, arch, block_shapes=block_shapes, warps=warps, stages=stages,
-                                      mma=mma, options=options))
-        default = KernelSpec(kind="prefill", recipe=fmt, head_dim=d, causal=causal, arch=arch)
-        default = tuned.TunedKernel.of(default).name
-        jobs += [Job(fmt, d, causal, shape, specs, default) for shape in shapes]
+        grid = candidate_specs(fmt, d, causal, arch, block_shapes=block_shapes, warps=warps, stages=stages,
+                               mma=mma, options=options)
+        for shape in shapes:
+            builtin = builtin_spec(fmt, d, causal, shape.queries, arch)
+            specs = (builtin, *(spec for spec in grid if spec != builtin))
+            jobs.append(Job(fmt, d, causal, shape, specs, tuned.TunedKernel.of(builtin).name))
     return jobs
 
 
