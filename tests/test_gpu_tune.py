@@ -11,7 +11,7 @@ from qattn.check import metrics, reference
 from qattn.cli import main
 from qattn.engine import tuned
 from qattn.engine.shape_class import ShapeClass
-from qattn.engine.spec import device_arch
+from qattn.engine.spec import builtin_spec, device_arch
 from qattn.tune import run as tuning
 from qattn.tune.case import Shape
 
@@ -27,8 +27,8 @@ def cache_dir(tmp_path, monkeypatch):
 def test_tune_then_attention_runs_the_winner(monkeypatch):
     import cupy
 
-    builtin = qattn.KernelSpec(recipe="f16", head_dim=64, arch=device_arch()).tile
-    # two candidates, neither the built-in default: whichever wins, calls must move to it
+    builtin = tuned.TunedKernel.of(builtin_spec("f16", 64, False, 512, device_arch())).name
+    # two tiles beside the kernel such calls run untuned (always a candidate): whichever wins, calls run it
     result = CliRunner().invoke(main, ["tune", "-f", "f16", "-d", "64", "--no-causal", "--shape", "1x512",
                                        "--heads", "4", "--tile", "64x64", "--warps", "4", "--stages", "2",
                                        "--stages", "3", "--jobs", "2"])
@@ -36,9 +36,10 @@ def test_tune_then_attention_runs_the_winner(monkeypatch):
     (entry,) = tuned.load()
     # on sm_90a the same tiles on the wgmma kernel too, with persistent blocks and without
     wgmma = {f"m64n64w4s{s}@wgmma{p}" for s in (2, 3) for p in ("", "+persistent")}
-    names = {"m64n64w4s2", "m64n64w4s3"} | (wgmma if device_arch() == "sm_90a" else set())
+    names = {builtin, "m64n64w4s2", "m64n64w4s3"} | (wgmma if device_arch() == "sm_90a" else set())
     assert set(entry.candidates) == names and not entry.rejected, entry
-    assert entry.kernel.tile != builtin and entry.device == tuned.current_device()
+    assert entry.default_tile == builtin and entry.device == tuned.current_device()
+    assert entry.ms == min(entry.candidates.values())
     assert "yes" in CliRunner().invoke(main, ["tune", "--show"]).output
 
     assert tuned.TunedKernel.of(qattn.default_spec("f16", 64)) == entry.kernel
@@ -51,7 +52,7 @@ def test_tune_then_attention_runs_the_winner(monkeypatch):
     assert err.nonfinite == 0 and err.rel_l2 <= 2e-3, err
 
     monkeypatch.setenv("QATTN_TUNED", "0")
-    assert qattn.default_spec("f16", 64).tile == builtin
+    assert qattn.default_spec("f16", 64).tile == qattn.KernelSpec(recipe="f16", head_dim=64, arch=device_arch()).tile
 
 
 @pytest.mark.parametrize("fmt", ["f16", "bf16", "i8-f16", "i8-f8"])
