@@ -381,13 +381,15 @@ def test_int8_calls_on_short_sequences_take_their_listed_kernels(monkeypatch):
             want = {"pingpong": "on", "v_tiles": v_tiles, "persistent": persistent}
             assert dict(chosen.options) == want, (causal, rows)
             assert chosen.tile == Tile(128, keys, 8, 2) and emulator_options(chosen)["block_n"] == keys
-    # i8-f16 at d64: three consumer warpgroups for calls from 2048 rows, causal or not; shorter calls keep the default
+    # i8-f16 at d64: three consumer warpgroups for calls from 2048 rows, causal or not (causal ones from 8192 rows on
+    # three K/V slots); shorter calls keep the default
     for causal in (False, True):
         assert registry.launch_choice("i8-f16", 64, "sm_90a", 2047, causal=causal) is None
-        for rows in (2048, 32768):
+        for rows in (2048, 8191, 8192, 32768):
             chosen = api._call_kernel("i8-f16", *(SimpleNamespace(shape=(2, 8, rows, 64), data=SimpleNamespace(
                 device_id=0), device=contextlib.nullcontext()),) * 2, causal, None).spec
-            assert chosen.tile == Tile(192, 128, 12, 2) and dict(chosen.options)["persistent"] == "off", rows
+            stages = 3 if causal and rows >= 8192 else 2
+            assert chosen.tile == Tile(192, 128, 12, stages) and dict(chosen.options)["persistent"] == "off", rows
 
 
 def test_a_head_dims_option_default_applies_unless_named():
