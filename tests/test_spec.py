@@ -357,8 +357,8 @@ def test_int8_calls_on_short_sequences_take_their_listed_kernels(monkeypatch):
         q = SimpleNamespace(shape=(2, 8, rows, d), data=SimpleNamespace(device_id=0), device=contextlib.nullcontext())
         return api._call_kernel("i8-f8", q, q, causal, None).spec
 
-    long_tile = Tile(192, 128, 12, 2)
     for d in (64, 128):
+        long_tile = Tile(192, 128, 12, 3 if d == 64 else 2)  # a third K/V slot at d64
         for causal, least in ((False, 2048), (True, 4096)):
             for rows, tile in ((1, I8_F8_SHORT_TILE), (1024, I8_F8_SHORT_TILE), (least - 1, I8_F8_SHORT_TILE),
                                (least, long_tile), (32768, long_tile)):

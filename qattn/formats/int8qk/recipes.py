@@ -181,9 +181,11 @@ def _cuda_i8_wgmma(pv: str, default_tiles: dict, measured_spills: frozenset = fr
 # Measured on the H200 (docs/notes/int8qk.md): 128-key blocks beat 64-key ones by 16-20% at d128 and
 # 5-9% at d64; three consumer warpgroups of one 192-row block (three warps per scheduler where two
 # 64-row blocks per SM give two) beat two 64-row blocks by 15% at d64 (causal 11%) and 13% at d128
-# (S issued after the PV partial there), though ptxas spills a few bytes at their 160 registers.
+# (S issued after the PV partial there), though ptxas spills a few bytes at their 160 registers. At d64 a third
+# K/V slot spills less (16-28 B stored against 28-40) and took 0.96-0.985 of two slots' time from 2048 rows, causal
+# and not (H100, two runs); at d128 it took 1.006-1.029.
 CUDA_I8_F8_WGMMA = _cuda_i8_wgmma(
-    "f8", {64: Tile(192, 128, 12, 2), 128: Tile(192, 128, 12, 2)},
+    "f8", {64: Tile(192, 128, 12, 3), 128: Tile(192, 128, 12, 2)},
     frozenset((d, causal, "sm_90a") for d in (64, 128) for causal in (False, True)))
 # fp16 PV: O, S and P at once (S runs ahead of PV) on two consumer warpgroups' 240 registers. At d128
 # 128-key blocks spill 32-36 B (the int32 S beside its floats) and, with the warpgroups in turns,
