@@ -27,7 +27,7 @@ def _plan_options(fn):
             click.option("--preset", type=click.Choice(sorted(PRESETS)), default="normal", show_default=True,
                          help="qattn.data preset for the errors when no --npz is given"),
             click.option("--measure/--no-measure", default=None,
-                         help="time the formats on the local GPU [default: when one is present; else the H200 table]"),
+                         help="time the formats on the local GPU [default: when one is present; else a table measured on an H200 (prefill: --gpu)]"),
             click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, path_type=Path),
                          callback=_json_path, help="also write the candidates and the choice as JSON to FILE"))):
         fn = option(fn)
@@ -108,18 +108,25 @@ def plan_decode(batch, ctx, max_rel_l2, page_size, scale, heads, kv_heads, head_
               help="the inputs' type: f16 or bf16 is the 16-bit format weighed")
 @click.option("--max-rel-l2", type=click.FloatRange(min=0, min_open=True), default=5e-2, show_default=True,
               help="the quality gate: rel_l2 against FP64 (SageAttention2's on N(0,1) is 3.4e-2 to 3.9e-2)")
+@click.option("--gpu", type=click.Choice(["H200", "H100"], case_sensitive=False),
+              help="time the formats by the table measured on this GPU instead of on the local one (implies "
+                   "--no-measure) [default without --measure: the local GPU's table where it has one, else the H200's]")
 @_plan_options
 @user_errors
-def plan_prefill(batch, seq, causal, dtype, max_rel_l2, heads, kv_heads, head_dim, npz, preset, measure, json_path):
+def plan_prefill(batch, seq, causal, dtype, max_rel_l2, gpu, heads, kv_heads, head_dim, npz, preset, measure,
+                 json_path):
     """For an operating point, each prefill format of the inputs' type (the 16-bit one, i8-f16, i8-i8 and
     i8-f8, the int8-QK ones with K smoothing and with Q/K channel balancing too) with its error against
     FP64 (its CPU emulator on --npz tensors or a preset: the last 256 query rows of up to 4096 keys, up to 8
     query heads) and its time (a quick run of whole calls on the local GPU, else relative to cuDNN's as
-    measured on the H200), and the one to use: the fastest within --max-rel-l2, the 16-bit format when no
-    timed one is within."""
+    measured on an H200 or an H100, --gpu), and the one to use: the fastest within --max-rel-l2, the 16-bit
+    format when no timed one is within."""
     from .check import prefill_plan as planner
+    from .engine.tuned import current_device
 
-    measure = _plan_measuring("prefill", heads, kv_heads, measure)
+    if gpu is not None and measure:
+        raise click.UsageError("--gpu picks a measured table, --measure times on the local GPU: give one of them")
+    measure = _plan_measuring("prefill", heads, kv_heads, False if gpu is not None else measure)
     errors = planner.format_errors(dtype=dtype, npz=npz, preset=preset, seq=seq, heads=heads, kv_heads=kv_heads,
                                    head_dim=int(head_dim), causal=causal)
     if measure:
@@ -127,8 +134,10 @@ def plan_prefill(batch, seq, causal, dtype, max_rel_l2, heads, kv_heads, head_di
                                        causal=causal)
         unit, source = "ms", "measured on this GPU"
     else:
-        times = planner.table_times(errors, head_dim=int(head_dim), causal=causal, seq=seq)
-        unit, source = "x cuDNN's", "relative to cuDNN's as measured on the H200 (BENCHMARKS.md)"
+        local = current_device()
+        table = gpu.upper() if gpu else planner.table_gpu(local.gpu if local else None)
+        times = planner.table_times(errors, head_dim=int(head_dim), causal=causal, seq=seq, gpu=table)
+        unit, source = "x cuDNN's", f"relative to cuDNN's as measured on the {table} (BENCHMARKS.md)"
     chosen, why = planner.choose(errors, times, max_rel_l2, dtype)
     data = str(npz) if npz else f"preset {preset}"
     call = f"qattn.attention(q, k, v, {planner.call_of(chosen)}{', causal=True' if causal else ''})"

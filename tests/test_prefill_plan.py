@@ -1,5 +1,5 @@
 """`qattn plan prefill` (qattn.check.prefill_plan): the candidates of each input type, the error estimate's
-heads and rows, the H200 table's lookup, the choice, and the command. CPU only (the emulators)."""
+heads and rows, the measured tables' lookup (by GPU), the choice, and the command. CPU only (the emulators)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,6 +8,12 @@ from click.testing import CliRunner
 
 from qattn.check import prefill_plan as plan
 from qattn.cli import main
+
+
+@pytest.fixture(autouse=True)
+def no_local_gpu(monkeypatch):
+    """The commands' table is the H200's unless a test names a GPU, whatever this machine has."""
+    monkeypatch.setattr("qattn.engine.tuned.current_device", lambda: None)
 
 
 def test_candidates_by_input_type():
@@ -58,7 +64,7 @@ def test_errors_on_captured_tensors(tmp_path):
 
 def test_table_takes_the_nearest_measured_length():
     names = [c.name for c in plan.candidates("float16")]
-    table = plan.H200_VS_CUDNN
+    table = plan.VS_CUDNN["H200"]
     at_3000 = plan.table_times(names, head_dim=128, causal=False, seq=3000)  # nearer 4096 than 2048 in log2
     assert at_3000["i8-f8"] == pytest.approx(1 / table[128, False][4096]["i8-f8"])
     assert at_3000["f16"] == pytest.approx(1 / table[128, False][4096]["f16"])
@@ -71,6 +77,27 @@ def test_table_takes_the_nearest_measured_length():
     assert table[128, False][2048] != table[128, False][4096]  # the lookups above tell the rows apart
     assert plan.table_times(names, head_dim=96, causal=False, seq=4096) == {}
     assert "bf16" in plan.table_times(["bf16"], head_dim=64, causal=True, seq=8192)
+    h100 = plan.table_times(names, head_dim=128, causal=True, seq=8192, gpu="H100")
+    assert h100["i8-f8"] == pytest.approx(1 / plan.VS_CUDNN["H100"][128, True][8192]["i8-f8"])
+    assert h100["i8-f8"] != plan.table_times(names, head_dim=128, causal=True, seq=8192)["i8-f8"]
+    with pytest.raises(ValueError, match="^gpu: expected one of H200, H100, got 'A100'"):
+        plan.table_times(names, head_dim=128, causal=False, seq=4096, gpu="A100")
+
+
+@pytest.mark.parametrize("name,want", [("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H200", "H200"),
+                                       ("NVIDIA H100 NVL", "H100"), ("NVIDIA A100-SXM4-80GB", "H200"), (None, "H200")])
+def test_table_of_a_gpu_by_its_name(name, want):
+    assert plan.table_gpu(name) == want
+
+
+def test_every_table_times_each_16_bit_format_where_it_times_any():
+    """A length a table lists must time both 16-bit formats, or the planner would weigh the int8-QK
+    formats against no 16-bit time for one input type."""
+    for gpu, table in plan.VS_CUDNN.items():
+        for key, by_seq in table.items():
+            for seq, ratios in by_seq.items():
+                assert {"f16", "bf16"} <= set(ratios), (gpu, key, seq)
+                assert all(0.3 < r < 2.0 for r in ratios.values()), (gpu, key, seq)
 
 
 def test_choice():
@@ -97,6 +124,22 @@ def test_plan_prefill_command():
         'qattn.attention(q, k, v, format="f16")' in tight.output
     refused = CliRunner().invoke(main, ["plan", "prefill", "--heads", "6", "--kv-heads", "4", "--no-measure"])
     assert refused.exit_code == 2 and "--heads" in refused.output
+
+
+def test_plan_prefill_table_of_the_local_or_named_gpu(monkeypatch):
+    from qattn.engine.tuned import Device
+
+    args = ["plan", "prefill", "--seq", "8192", "--heads", "8", "--kv-heads", "2", "--causal", "--no-measure"]
+    monkeypatch.setattr("qattn.engine.tuned.current_device", lambda: Device("NVIDIA H100 80GB HBM3", "580"))
+    local = CliRunner().invoke(main, args)
+    assert local.exit_code == 0 and "measured on the H100" in local.output, local.output
+    named = CliRunner().invoke(main, args + ["--gpu", "h200"])
+    assert named.exit_code == 0 and "measured on the H200" in named.output, named.output
+    monkeypatch.setattr("qattn.engine.tuned.current_device", lambda: None)
+    implied = CliRunner().invoke(main, args[:-1] + ["--gpu", "H100"])  # --gpu without --no-measure
+    assert implied.exit_code == 0 and "measured on the H100" in implied.output, implied.output
+    both = CliRunner().invoke(main, args[:-1] + ["--gpu", "H100", "--measure"])
+    assert both.exit_code == 2 and "--gpu picks a measured table" in both.output
 
 
 def test_plan_prefill_measure_needs_a_gpu(monkeypatch):

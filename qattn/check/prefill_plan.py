@@ -3,8 +3,8 @@ layout, causal flag and the Q/K/V a model produces (an .npz of captured tensors 
 each prefill format of the inputs' type (the 16-bit one, i8-f16, i8-i8, i8-f8; the int8-QK ones with K
 smoothing alone and with Q/K channel balancing too) with its error against FP64 (its CPU emulator on the
 last query rows of up to ERROR_KEYS keys and ERROR_HEADS query heads) and its speed (a quick run on the
-local GPU, else the times measured on the H200 and recorded in BENCHMARKS.md, relative to cuDNN's), and
-the choice: the fastest candidate within the error gate, the 16-bit format when none is timed or within.
+local GPU, else the times measured on an H200 or an H100 and recorded in BENCHMARKS.md, relative to cuDNN's),
+and the choice: the fastest candidate within the error gate, the 16-bit format when none is timed or within.
 """
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ ERROR_HEADS = 8  # its query heads at most (whole GQA groups)
 # D128 from "every format at the contract shapes on the H200" (2026-12-06, night: single calls from an idle GPU);
 # the int8-QK formats at D64 from "every format beside SageAttention 1.0.6 and SageAttention2 (2026-12-04, later)";
 # f16, bf16 and i8-f16 at D64 from "D64 on three consumer warpgroups (2026-12-04, night)", the kernels those calls
-# run since (causal D64 i8-f16 at 8192 rows ran that tile while it still spilled: 0.89x there on the H100 too, 0.98x
-# since 2026-12-07, which no H200 run has measured yet; f16 stays ahead of it either way). i8-i8 from "i8-f16 and i8-i8 beside i8-f8" (2026-12-02: the code of that day, older than the other
-# rows'; no later run timed it).
-H200_VS_CUDNN = {
+# run since, but for two routes no H200 run has timed yet: causal D64 i8-f16 from 8192 rows and D64 i8-f8 from
+# 2048 on three K/V slots (0.89x -> 0.98-1.00x and 0.99x -> 0.97-1.03x on the H100; the H100 table has them).
+# i8-i8 from "i8-f16 and i8-i8 beside i8-f8" (2026-12-02: the code of that day; no later run timed it).
+_H200 = {
     (128, False): {1024: {"f16": 0.98, "bf16": 0.99, "i8-f16": 0.76, "i8-f8": 0.66},
                    2048: {"f16": 0.99, "bf16": 1.01, "i8-f16": 0.92, "i8-f8": 0.87},
                    4096: {"f16": 0.97, "bf16": 1.00, "i8-f16": 1.01, "i8-f8": 1.10, "i8-i8": 0.50},
@@ -49,6 +49,36 @@ H200_VS_CUDNN = {
                  4096: {"f16": 0.97, "bf16": 0.98},
                  8192: {"f16": 1.04, "bf16": 1.04, "i8-f16": 0.89, "i8-f8": 0.90, "i8-i8": 0.53}},
 }
+
+
+# The same on an H100 80GB HBM3, every format in one run (BENCHMARKS.md, "every format beside every peer", 2026-12-07:
+# single calls after a 0.5 s idle, the kernels of that day at each point; i8-i8 was not timed).
+_H100 = {
+    (128, False): {1024: {"f16": 0.96, "bf16": 0.97, "i8-f16": 0.70, "i8-f8": 0.59},
+                   2048: {"f16": 0.97, "bf16": 0.95, "i8-f16": 0.85, "i8-f8": 0.81},
+                   4096: {"f16": 1.03, "bf16": 1.05, "i8-f16": 0.99, "i8-f8": 1.07},
+                   8192: {"f16": 1.03, "bf16": 1.00, "i8-f16": 1.06, "i8-f8": 1.14},
+                   32768: {"f16": 1.06, "bf16": 1.12, "i8-f16": 1.25, "i8-f8": 1.45}},
+    (128, True): {1024: {"f16": 0.87, "bf16": 0.91, "i8-f16": 0.61, "i8-f8": 0.51},
+                  2048: {"f16": 1.02, "bf16": 1.05, "i8-f16": 0.77, "i8-f8": 0.66},
+                  4096: {"f16": 1.02, "bf16": 1.05, "i8-f16": 0.90, "i8-f8": 0.86},
+                  8192: {"f16": 1.09, "bf16": 1.08, "i8-f16": 1.05, "i8-f8": 1.06},
+                  32768: {"f16": 1.07, "bf16": 1.12, "i8-f16": 1.23, "i8-f8": 1.47}},
+    (64, False): {2048: {"f16": 1.07, "bf16": 1.05, "i8-f16": 0.89, "i8-f8": 0.80},
+                  8192: {"f16": 1.11, "bf16": 1.10, "i8-f16": 1.08, "i8-f8": 0.99}},
+    (64, True): {2048: {"f16": 0.97, "bf16": 0.97, "i8-f16": 0.77, "i8-f8": 0.68},
+                 8192: {"f16": 1.02, "bf16": 1.03, "i8-f16": 1.00, "i8-f8": 0.91}},
+}
+# By the GPU a table was measured on (its name as the driver gives it contains the key); DEFAULT_GPU's table
+# serves where the local GPU is none of them.
+VS_CUDNN = {"H200": _H200, "H100": _H100}
+DEFAULT_GPU = "H200"
+
+
+def table_gpu(device_name: str | None) -> str:
+    """The VS_CUDNN key for a GPU by its name (e.g. "NVIDIA H100 80GB HBM3" -> "H100"), DEFAULT_GPU where no
+    table is of that GPU or there is none."""
+    return next((gpu for gpu in VS_CUDNN if device_name and gpu in device_name.upper()), DEFAULT_GPU)
 
 
 @dataclass(frozen=True)
@@ -126,11 +156,13 @@ def format_errors(*, dtype: str = "float16", npz=None, preset: str = "normal", s
             for c in candidates(dtype)}
 
 
-def table_times(names, *, head_dim: int, causal: bool, seq: int) -> dict:
-    """Each named candidate's H200 time relative to cuDNN's at the measured sequence length nearest to seq
-    (in log2), for those the table has at (head_dim, causal); a balanced variant as its plain format (its
-    Q/K factors cost 0-3% of the call at 32K keys, 3-9% at 4K)."""
-    by_seq = H200_VS_CUDNN.get((head_dim, causal))
+def table_times(names, *, head_dim: int, causal: bool, seq: int, gpu: str = DEFAULT_GPU) -> dict:
+    """Each named candidate's time on gpu (a VS_CUDNN key) relative to cuDNN's at the measured sequence length
+    nearest to seq (in log2), for those the table has at (head_dim, causal); a balanced variant as its plain
+    format (its Q/K factors cost 0-3% of the call at 32K keys, 3-9% at 4K)."""
+    if gpu not in VS_CUDNN:
+        raise ValueError(f"gpu: expected one of {', '.join(VS_CUDNN)}, got {gpu!r}")
+    by_seq = VS_CUDNN[gpu].get((head_dim, causal))
     if not by_seq:
         return {}
     nearest = min(by_seq, key=lambda length: (abs(math.log2(length / seq)), -length))
