@@ -27,7 +27,8 @@ def _plan_options(fn):
             click.option("--preset", type=click.Choice(sorted(PRESETS)), default="normal", show_default=True,
                          help="qattn.data preset for the errors when no --npz is given"),
             click.option("--measure/--no-measure", default=None,
-                         help="time the formats on the local GPU [default: when one is present; else a table measured on an H200 (prefill: --gpu)]"),
+                         help="time the formats on the local GPU [default: when one is present; else a table "
+                              "measured on an H200 (prefill: --gpu)]"),
             click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, path_type=Path),
                          callback=_json_path, help="also write the candidates and the choice as JSON to FILE"))):
         fn = option(fn)
