@@ -16,6 +16,9 @@ def plan():
     """Pick a format for an operating point."""
 
 
+TABLE_GPUS = ("H200", "H100")  # the GPUs both plans have a measured table of, the default first
+
+
 def _plan_options(fn):
     """The options both plans take: the head layout, the data the errors are measured on, the timing and --json."""
     for option in reversed((
@@ -28,21 +31,39 @@ def _plan_options(fn):
                          help="qattn.data preset for the errors when no --npz is given"),
             click.option("--measure/--no-measure", default=None,
                          help="time the formats on the local GPU [default: when one is present; else a table "
-                              "measured on an H200 (prefill: --gpu)]"),
+                              "measured on a GPU, --gpu]"),
+            click.option("--gpu", type=click.Choice(list(TABLE_GPUS), case_sensitive=False),
+                         help="time the formats by the table measured on this GPU (implies --no-measure) [default "
+                              "without --measure: the local GPU's table where there is one, else the H200's]"),
             click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, path_type=Path),
                          callback=_json_path, help="also write the candidates and the choice as JSON to FILE"))):
         fn = option(fn)
     return fn
 
 
-def _plan_measuring(kind: str, heads: int, kv_heads: int, measure) -> bool:
-    """Whether a plan times on the local GPU (--measure's default: when there is one); the head layout checked."""
+def table_gpu(device_name: str | None) -> str:
+    """The measured table for a GPU by its name as the driver gives it ("NVIDIA H100 80GB HBM3" -> "H100"): the
+    first of TABLE_GPUS where no table is of that GPU or there is none."""
+    return next((gpu for gpu in TABLE_GPUS if device_name and gpu in device_name.upper()), TABLE_GPUS[0])
+
+
+def _plan_timing(kind: str, heads: int, kv_heads: int, measure, gpu) -> str | None:
+    """How a plan times its candidates: None to time them on the local GPU (--measure's default: when there is
+    one), else the TABLE_GPUS key of the measured table to look them up in (--gpu, else the local GPU's); the
+    head layout checked."""
+    from .engine.tuned import current_device
+
     if heads % kv_heads:
         raise click.BadParameter(f"{heads} is not a multiple of --kv-heads {kv_heads}", param_hint="'--heads'")
-    measure = device_arch() is not None if measure is None else measure
+    if gpu is not None and measure:
+        raise click.UsageError("--gpu picks a measured table, --measure times on the local GPU: give one of them")
+    measure = (device_arch() is not None if measure is None else measure) and gpu is None
     if measure and device_arch() is None:
         raise click.ClickException(f"plan {kind} --measure: no CUDA GPU found")
-    return measure
+    if measure:
+        return None
+    local = current_device()
+    return gpu.upper() if gpu else table_gpu(local.gpu if local else None)
 
 
 def _plan_report(title: str, name_header: str, errors: dict, times: dict, unit: str, chosen: str, why: str,
@@ -74,25 +95,26 @@ def _plan_report(title: str, name_header: str, errors: dict, times: dict, unit: 
 @click.option("--scale", type=click.Choice(("token", "head")), default="token", show_default=True)
 @_plan_options
 @user_errors
-def plan_decode(batch, ctx, max_rel_l2, page_size, scale, heads, kv_heads, head_dim, npz, preset, measure, json_path):
+def plan_decode(batch, ctx, max_rel_l2, page_size, scale, heads, kv_heads, head_dim, npz, preset, measure, gpu,
+                json_path):
     """For an operating point, each cache format on each QK path (an i8 K also with Q/K channel
     balancing; with the pre-bias residual K where the data has a K bias: an npz's k_bias, the bias
     preset's) with its error against FP64 on
     the original K/V (its CPU emulator, on --npz tensors or a preset, at up to 4096 keys) and its
-    decode time (a quick run on the local GPU, else relative to f16-f16 as measured on the H200), and
-    the one to use: the fastest within --max-rel-l2, K16/V8 when no 8-bit K passes."""
+    decode time (a quick run on the local GPU, else relative to f16-f16 as measured on an H200 or an H100,
+    --gpu), and the one to use: the fastest within --max-rel-l2, K16/V8 when no 8-bit K passes."""
     from .formats.decode import plan as planner
 
-    measure = _plan_measuring("decode", heads, kv_heads, measure)
+    table = _plan_timing("decode", heads, kv_heads, measure, gpu)
     errors = planner.format_errors(npz=npz, preset=preset, ctx=ctx, heads=heads, kv_heads=kv_heads,
                                    head_dim=int(head_dim), page_size=int(page_size), scale=scale)
-    if measure:
+    if table is None:
         times = planner.measured_times(list(errors), batch=batch, ctx=ctx, heads=heads, kv_heads=kv_heads,
                                        head_dim=int(head_dim), page_size=int(page_size), scale=scale)
         unit, source = "ms", "measured on this GPU"
     else:
-        times = planner.table_times(errors)
-        unit, source = "x f16-f16", "relative times measured on the H200 (BENCHMARKS.md)"
+        times = planner.table_times(errors, gpu=table)
+        unit, source = "x f16-f16", f"relative times measured on the {table} (BENCHMARKS.md)"
     chosen, why = planner.choose(errors, times, max_rel_l2)
     data = str(npz) if npz else f"preset {preset}"
     _plan_report(f"decode at batch {batch}, ctx {ctx}, heads {heads}/{kv_heads}, D {head_dim}: errors on {data}; "
@@ -109,12 +131,9 @@ def plan_decode(batch, ctx, max_rel_l2, page_size, scale, heads, kv_heads, head_
               help="the inputs' type: f16 or bf16 is the 16-bit format weighed")
 @click.option("--max-rel-l2", type=click.FloatRange(min=0, min_open=True), default=5e-2, show_default=True,
               help="the quality gate: rel_l2 against FP64 (SageAttention2's on N(0,1) is 3.4e-2 to 3.9e-2)")
-@click.option("--gpu", type=click.Choice(["H200", "H100"], case_sensitive=False),
-              help="time the formats by the table measured on this GPU instead of on the local one (implies "
-                   "--no-measure) [default without --measure: the local GPU's table where it has one, else the H200's]")
 @_plan_options
 @user_errors
-def plan_prefill(batch, seq, causal, dtype, max_rel_l2, gpu, heads, kv_heads, head_dim, npz, preset, measure,
+def plan_prefill(batch, seq, causal, dtype, max_rel_l2, heads, kv_heads, head_dim, npz, preset, measure, gpu,
                  json_path):
     """For an operating point, each prefill format of the inputs' type (the 16-bit one, i8-f16, i8-i8 and
     i8-f8, the int8-QK ones with K smoothing and with Q/K channel balancing too) with its error against
@@ -123,20 +142,15 @@ def plan_prefill(batch, seq, causal, dtype, max_rel_l2, gpu, heads, kv_heads, he
     measured on an H200 or an H100, --gpu), and the one to use: the fastest within --max-rel-l2, the 16-bit
     format when no timed one is within."""
     from .check import prefill_plan as planner
-    from .engine.tuned import current_device
 
-    if gpu is not None and measure:
-        raise click.UsageError("--gpu picks a measured table, --measure times on the local GPU: give one of them")
-    measure = _plan_measuring("prefill", heads, kv_heads, False if gpu is not None else measure)
+    table = _plan_timing("prefill", heads, kv_heads, measure, gpu)
     errors = planner.format_errors(dtype=dtype, npz=npz, preset=preset, seq=seq, heads=heads, kv_heads=kv_heads,
                                    head_dim=int(head_dim), causal=causal)
-    if measure:
+    if table is None:
         times = planner.measured_times(list(errors), batch=batch, seq=seq, heads=heads, head_dim=int(head_dim),
                                        causal=causal)
         unit, source = "ms", "measured on this GPU"
     else:
-        local = current_device()
-        table = gpu.upper() if gpu else planner.table_gpu(local.gpu if local else None)
         times = planner.table_times(errors, head_dim=int(head_dim), causal=causal, seq=seq, gpu=table)
         unit, source = "x cuDNN's", f"relative to cuDNN's as measured on the {table} (BENCHMARKS.md)"
     chosen, why = planner.choose(errors, times, max_rel_l2, dtype)

@@ -422,7 +422,7 @@ def test_cli_plan_decode_on_the_h200_table(tmp_path):
     from qattn import data
     from qattn.cli import main
 
-    args = ["plan", "decode", "--ctx", "2048", "--heads", "8", "--kv-heads", "2", "--head-dim", "64", "--no-measure",
+    args = ["plan", "decode", "--ctx", "2048", "--heads", "8", "--kv-heads", "2", "--head-dim", "64", "--gpu", "H200",
             "--max-rel-l2", "0.05"]
     # the bias preset carries its K bias: the residual-K variants are weighed, and one passes the gate
     result = CliRunner().invoke(main, args + ["--preset", "bias"])
@@ -437,6 +437,19 @@ def test_cli_plan_decode_on_the_h200_table(tmp_path):
     assert "chosen: f16-e4m3" in result.output and "+k_bias" not in result.output
     refused = CliRunner().invoke(main, ["plan", "decode", "--heads", "6", "--kv-heads", "4", "--no-measure"])
     assert refused.exit_code == 2 and "--heads" in refused.output
+
+
+def test_cli_plan_decode_table_of_the_named_gpu():
+    from qattn.cli import main
+    from qattn.formats.decode import plan
+
+    args = ["plan", "decode", "--ctx", "1024", "--heads", "8", "--kv-heads", "2", "--head-dim", "64"]
+    h100 = CliRunner().invoke(main, args + ["--gpu", "h100"])
+    assert h100.exit_code == 0 and "relative times measured on the H100" in " ".join(h100.output.split()), h100.output
+    rows = {line.split()[1]: line for line in h100.output.splitlines() if line.startswith("│ i8-f16 ")}
+    assert f"{plan.RELATIVE_TIME['H100']['i8-f16']:.3f}" in rows["i8-f16"]
+    both = CliRunner().invoke(main, args + ["--gpu", "H100", "--measure"])
+    assert both.exit_code == 2 and "--gpu picks a measured table" in both.output
 
 
 # ---- page means of an 8-bit K (k_mean "page") ------------------------------------------------------

@@ -87,7 +87,16 @@ def test_table_takes_the_nearest_measured_length():
 @pytest.mark.parametrize("name,want", [("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H200", "H200"),
                                        ("NVIDIA H100 NVL", "H100"), ("NVIDIA A100-SXM4-80GB", "H200"), (None, "H200")])
 def test_table_of_a_gpu_by_its_name(name, want):
-    assert plan.table_gpu(name) == want
+    from qattn.cli_plan import table_gpu
+
+    assert table_gpu(name) == want
+
+
+def test_both_plans_have_a_table_of_each_gpu_the_option_names():
+    from qattn.cli_plan import TABLE_GPUS
+    from qattn.formats.decode import plan as decode_plan
+
+    assert set(plan.VS_CUDNN) == set(decode_plan.RELATIVE_TIME) == set(TABLE_GPUS)
 
 
 def test_every_table_times_each_16_bit_format_where_it_times_any():
@@ -132,12 +141,12 @@ def test_plan_prefill_table_of_the_local_or_named_gpu(monkeypatch):
     args = ["plan", "prefill", "--seq", "8192", "--heads", "8", "--kv-heads", "2", "--causal", "--no-measure"]
     monkeypatch.setattr("qattn.engine.tuned.current_device", lambda: Device("NVIDIA H100 80GB HBM3", "580"))
     local = CliRunner().invoke(main, args)
-    assert local.exit_code == 0 and "measured on the H100" in local.output, local.output
+    assert local.exit_code == 0 and "as measured on the H100" in " ".join(local.output.split()), local.output
     named = CliRunner().invoke(main, args + ["--gpu", "h200"])
-    assert named.exit_code == 0 and "measured on the H200" in named.output, named.output
+    assert named.exit_code == 0 and "as measured on the H200" in " ".join(named.output.split()), named.output
     monkeypatch.setattr("qattn.engine.tuned.current_device", lambda: None)
     implied = CliRunner().invoke(main, args[:-1] + ["--gpu", "H100"])  # --gpu without --no-measure
-    assert implied.exit_code == 0 and "measured on the H100" in implied.output, implied.output
+    assert implied.exit_code == 0 and "as measured on the H100" in " ".join(implied.output.split()), implied.output
     both = CliRunner().invoke(main, args[:-1] + ["--gpu", "H100", "--measure"])
     assert both.exit_code == 2 and "--gpu picks a measured table" in both.output
 

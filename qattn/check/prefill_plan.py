@@ -69,16 +69,8 @@ _H100 = {
     (64, True): {2048: {"f16": 0.97, "bf16": 0.97, "i8-f16": 0.77, "i8-f8": 0.68},
                  8192: {"f16": 1.02, "bf16": 1.03, "i8-f16": 1.00, "i8-f8": 0.91}},
 }
-# By the GPU a table was measured on (its name as the driver gives it contains the key); DEFAULT_GPU's table
-# serves where the local GPU is none of them.
+# By the GPU a table was measured on.
 VS_CUDNN = {"H200": _H200, "H100": _H100}
-DEFAULT_GPU = "H200"
-
-
-def table_gpu(device_name: str | None) -> str:
-    """The VS_CUDNN key for a GPU by its name (e.g. "NVIDIA H100 80GB HBM3" -> "H100"), DEFAULT_GPU where no
-    table is of that GPU or there is none."""
-    return next((gpu for gpu in VS_CUDNN if device_name and gpu in device_name.upper()), DEFAULT_GPU)
 
 
 @dataclass(frozen=True)
@@ -156,7 +148,7 @@ def format_errors(*, dtype: str = "float16", npz=None, preset: str = "normal", s
             for c in candidates(dtype)}
 
 
-def table_times(names, *, head_dim: int, causal: bool, seq: int, gpu: str = DEFAULT_GPU) -> dict:
+def table_times(names, *, head_dim: int, causal: bool, seq: int, gpu: str = "H200") -> dict:
     """Each named candidate's time on gpu (a VS_CUDNN key) relative to cuDNN's at the measured sequence length
     nearest to seq (in log2), for those the table has at (head_dim, causal); a balanced variant as its plain
     format (its Q/K factors cost 0-3% of the call at 32K keys, 3-9% at 4K)."""

@@ -3,7 +3,7 @@ a model produces (an .npz of captured tensors or a qattn.data preset), each cach
 its QK paths (an i8 K also with Q/K channel balancing; where the data carries a K bias, with the
 pre-bias residual K) with its error
 against FP64 on the original K/V (its emulator) and its speed (a quick run on the local GPU, else
-the times measured on the H200 and recorded in BENCHMARKS.md), and the choice: the fastest candidate
+the times measured on an H200 or an H100 and recorded in BENCHMARKS.md), and the choice: the fastest candidate
 within the error gate, K16/V8 (f16-e4m3) when no 8-bit K passes, f16-f16 when nothing 8-bit does.
 """
 from __future__ import annotations
@@ -20,16 +20,21 @@ from .recipes import EIGHT_BIT, qk_paths, sides
 # The fp16-query formats a plan weighs, the 16-bit one first.
 PLAN_FORMATS = ("f16-f16", "e4m3-e4m3", "i8-i8", "e4m3-f16", "f16-e4m3", "i8-f16", "f16-i8")
 FALLBACK = "f16-e4m3"  # K16/V8: no K transform, and V8's error is the format's own
-# Decode time relative to f16-f16 on the H200, by candidate name (GQA 32/8, D128, pages of 32, token scales,
-# L2-warm). The transform path of e4m3-e4m3 and i8-i8: BENCHMARKS.md, 2026-12-04, night, "K8/V8 on four warps on
-# pages of 32" over f16-f16 in "V^T in blocks of 4 slots" (two runs of the same session), the mean over 8x32768,
-# 64x4096 and 1x131072; of e4m3-f16 and f16-e4m3: 2026-12-04, "Splits merged in thread-block clusters", the same
-# mean (K8/V16 has run on two warps on pages of 32 since); the rest: 2026-12-03, "the plan's table", the mean over
-# those and 256x1024.
-H200_RELATIVE_TIME = {
-    "f16-f16": 1.0, "e4m3-e4m3": 0.551, "e4m3-e4m3/fp8": 0.637, "i8-i8": 0.558, "i8-i8/int8": 0.641,
-    "e4m3-f16": 0.791, "e4m3-f16/fp8": 0.974, "f16-e4m3": 0.791, "i8-f16": 0.891, "i8-f16/int8": 0.979,
-    "f16-i8": 0.792,
+# Decode time relative to f16-f16, by the GPU it was measured on and candidate name (GQA 32/8, D128, pages of 32,
+# token scales, L2-warm, shuffled pages; the mean over 8x32768, 64x4096 and 1x131072 where not said).
+# H200: the transform path of e4m3-e4m3 and i8-i8 from BENCHMARKS.md, 2026-12-04, night, "K8/V8 on four warps on
+# pages of 32" over f16-f16 in "V^T in blocks of 4 slots" (two runs of the same session); of e4m3-f16 and f16-e4m3:
+# 2026-12-04, "Splits merged in thread-block clusters" (K8/V16 has run on two warps on pages of 32 since); the rest:
+# 2026-12-03, "the plan's table", the mean over those and 256x1024 (older kernels: the H100's row of the same day
+# reads i8-f16 0.776 and the 8-bit QK paths 0.82 where this one reads 0.89 and 0.97-0.98).
+# H100 80GB HBM3: every candidate in one run, 2026-12-07 ("decode's QK paths and formats on the H100").
+RELATIVE_TIME = {
+    "H200": {"f16-f16": 1.0, "e4m3-e4m3": 0.551, "e4m3-e4m3/fp8": 0.637, "i8-i8": 0.558, "i8-i8/int8": 0.641,
+             "e4m3-f16": 0.791, "e4m3-f16/fp8": 0.974, "f16-e4m3": 0.791, "i8-f16": 0.891, "i8-f16/int8": 0.979,
+             "f16-i8": 0.792},
+    "H100": {"f16-f16": 1.0, "e4m3-e4m3": 0.543, "e4m3-e4m3/fp8": 0.566, "i8-i8": 0.547, "i8-i8/int8": 0.566,
+             "e4m3-f16": 0.774, "e4m3-f16/fp8": 0.817, "f16-e4m3": 0.777, "i8-f16": 0.776, "i8-f16/int8": 0.818,
+             "f16-i8": 0.776},
 }
 ERROR_CTX = 4096  # keys per sequence of the error estimate (the emulator runs on the CPU)
 
@@ -124,11 +129,12 @@ def measured_times(names, *, batch: int, ctx: int, heads: int, kv_heads: int, he
     return {c.name: ms[c.timed_as] for c in chosen if c.timed_as in ms}
 
 
-def table_times(names) -> dict:
-    """The H200 relative times of the candidates named (those the table has)."""
-    pool = {c.name: c for c in candidates(with_bias=True)}
-    return {name: H200_RELATIVE_TIME[pool[name].timed_as] for name in names
-            if name in pool and pool[name].timed_as in H200_RELATIVE_TIME}
+def table_times(names, gpu: str = "H200") -> dict:
+    """The relative times on gpu (a RELATIVE_TIME key) of the candidates named (those the table has)."""
+    if gpu not in RELATIVE_TIME:
+        raise ValueError(f"gpu: expected one of {', '.join(RELATIVE_TIME)}, got {gpu!r}")
+    pool, table = {c.name: c for c in candidates(with_bias=True)}, RELATIVE_TIME[gpu]
+    return {name: table[pool[name].timed_as] for name in names if name in pool and pool[name].timed_as in table}
 
 
 def choose(errors: dict, times: dict, max_rel_l2: float) -> tuple[str, str]:
