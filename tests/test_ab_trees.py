@@ -91,7 +91,8 @@ def test_a_run_over_two_trees(tmp_path, capsys, monkeypatch):
     out = tmp_path / "ab.json"
     assert ab_trees.main(["--tree", f"base={base}", "--tree", f"new={new}", "--rounds", "2", "--json", str(out),
                           "--", "bench", "decode", "--shape", "8x4096"]) == 0
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert err.index("round 1/2: base") < err.index("round 1/2: new") < err.index("round 2/2: new") \
         < err.index("round 2/2: base")
     data = json.loads(out.read_text())
@@ -100,6 +101,21 @@ def test_a_run_over_two_trees(tmp_path, capsys, monkeypatch):
     assert rows["qattn:f16-f16 8x4096"]["ratio"]["new"] == pytest.approx(0.8)
     assert rows["sdpa_cudnn 8x4096"]["ratio"]["new"] == pytest.approx(1.0)
     assert data["command"] == ["bench", "decode", "--shape", "8x4096"]
+    assert data["control_drift"] == {"new": {"label": "sdpa_cudnn 8x4096", "ratio": pytest.approx(1.0)}}
+    assert "controls: sdpa_cudnn 8x4096 read 1.000 of its time in new against base" in captured.out
+
+
+def test_control_drift_names_the_peer_that_moved_most():
+    """A peer runs the same code in every tree: its move between trees is the runs' spread, the bar a qattn
+    record's change must clear. qattn records never count as controls."""
+    rows = [{"label": "qattn:f16 16x1024 causal", "ratio": {"new": 0.93, "other": 0.90}},
+            {"label": "sdpa_cudnn 16x1024 causal", "ratio": {"new": 1.034, "other": 0.99}},
+            {"label": "sdpa_cudnn 4x4096 causal", "ratio": {"new": 0.996, "other": 0.97}},
+            {"label": "sdpa_flash 4x4096", "ratio": {"other": 1.01}}]
+    drift = ab_trees.control_drift(rows, ["base", "new", "other"])
+    assert drift == {"new": {"label": "sdpa_cudnn 16x1024 causal", "ratio": 1.034},
+                     "other": {"label": "sdpa_cudnn 4x4096 causal", "ratio": 0.97}}
+    assert ab_trees.control_drift(rows[:1], ["base", "new"]) == {}  # no peer timed: nothing to say
 
 
 def test_a_run_without_times_says_so(tmp_path, capsys):

@@ -13,6 +13,12 @@ file are matched across trees by their identifying fields (shape, page size, imp
         bench decode --shape 8x32768 --page-size 16 -f e4m3-e4m3 --rounds 1 --write-tokens 0
 
 Every tree shares the kernel cache (entries are keyed by their source), so a tree's kernels compile once.
+
+The peers' records (an implementation not named qattn:...) run the same code in every tree, so how far their
+times move between trees is the runs' own spread: the summary names the largest such move, and a qattn
+record's change of that size or less belongs to the runs, not to the trees. Separate processes on one GPU can
+spread several percent at short calls; a kernel option is better timed against its absence in one process
+(`qattn bench -f FORMAT,FORMAT+OPTION ...`, interleaved rounds).
 """
 from __future__ import annotations
 
@@ -102,6 +108,29 @@ def summary_rows(table: dict, names: list[str]) -> list[dict]:
     return sorted(rows, key=lambda row: row["label"])
 
 
+def is_control(row: dict) -> bool:
+    """Whether a summary row times code that no tree changes (a peer: an implementation not named qattn:...)."""
+    return not row["label"].startswith("qattn:")
+
+
+def control_drift(rows: list[dict], names: list[str]) -> dict[str, dict]:
+    """Per later tree, the control row whose time over the first tree's lies farthest from 1 ({"label", "ratio"});
+    trees with no control row in common with the first are left out."""
+    drift = {}
+    for t in names[1:]:
+        controls = [row for row in rows if is_control(row) and t in row["ratio"]]
+        if controls:
+            worst = max(controls, key=lambda row: abs(row["ratio"][t] - 1))
+            drift[t] = {"label": worst["label"], "ratio": worst["ratio"][t]}
+    return drift
+
+
+def print_drift(drift: dict[str, dict], names: list[str]) -> None:
+    for t, worst in drift.items():
+        print(f"controls: {worst['label']} read {worst['ratio']:.3f} of its time in {t} against {names[0]}: "
+              f"changes of {abs(worst['ratio'] - 1):.1%} or less belong to the runs, not the trees")
+
+
 def print_table(rows: list[dict], names: list[str]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -172,9 +201,11 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 1
     print_table(rows, names)
+    drift = control_drift(rows, names)
+    print_drift(drift, names)
     if args.json:
         args.json.write_text(json.dumps({"trees": {n: str(f) for n, f in folders.items()}, "command": args.command,
-                                         "runs": runs, "summary": rows}, indent=1) + "\n")
+                                         "runs": runs, "summary": rows, "control_drift": drift}, indent=1) + "\n")
     return 0
 
 
