@@ -7,6 +7,7 @@ failed compile) end in a one-paragraph message that names the option, never a tr
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -396,10 +397,22 @@ def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page
 # ---- compile: a matrix of specs ---------------------------------------------------------------
 
 def compile_matrix(kind, formats, head_dims, tile, warps, stages, causal, backend, archs, every,
-                   mma=None, options=None) -> list[KernelSpec]:
+                   mma=None, options=None, queries=()) -> list[KernelSpec]:
     """The specs of `qattn compile`. With every (--all), an option left out means all its supported
     values (formats with a kernel, the family's head dims and archs, both causal settings), and a
-    format that --all picked is built for those of the given head dims and archs it supports."""
+    format that --all picked is built for those of the given head dims and archs it supports.
+    Where no kernel is named (no tile, warps, stages, unit or template option), --all and --queries
+    build what calls run (spec.call_specs): a CUDA prefill call's kernel depends on its query rows
+    per sequence, a decode call's QK path ("auto") on its rows per kv head."""
+    named = [name for name, value in (("--tile", tile), ("--warps", warps), ("--stages", stages), ("--mma", mma),
+                                      ("--option", kind == "prefill" and options)) if value]
+    if queries and kind != "prefill":
+        raise click.BadParameter(f"{kind} kernels do not depend on a call's query rows (a decode call's QK path "
+                                 "does: --qk, or --all for every path)", param_hint="'--queries'")
+    if queries and named:
+        raise click.BadParameter(f"the kernel is named by {', '.join(named)}; --queries picks the one calls of "
+                                 "that many query rows run: give one or the other", param_hint="'--queries'")
+    routed = (every or queries) and not named
     picked = every and not formats
     if not formats:
         formats = ([n for n, r in registry.recipes(kind).items() if backend in r.families] if every
@@ -415,7 +428,8 @@ def compile_matrix(kind, formats, head_dims, tile, warps, stages, causal, backen
             dims = [d for d in dims if d in family.head_dims]
             targets = [a for a in targets if a in family.archs]
         for d, arch, c in itertools.product(dims, targets, causals):
-            specs.append(make_spec(kind, fmt, d, tile, warps, stages, c, backend, arch, mma, options))
+            spec = make_spec(kind, fmt, d, tile, warps, stages, c, backend, arch, mma, options)
+            specs += _called_specs(spec, options, queries) if routed else [spec]
     if not specs:
         given = {"--head-dim": ", ".join(map(str, head_dims)), "--arch": ", ".join(archs)}
         given = {option: values for option, values in given.items() if values}
@@ -423,6 +437,28 @@ def compile_matrix(kind, formats, head_dims, tile, warps, stages, causal, backen
                                  " with ".join(f"{option} {values}" for option, values in given.items()),
                                  param_hint=" / ".join(f"'{option}'" for option in given) or None)
     return list(dict.fromkeys(specs))
+
+
+def _called_specs(spec: KernelSpec, options: dict, queries) -> list[KernelSpec]:
+    """What calls run in place of spec, the family's default kernel: on CUDA a prefill call's kernel for
+    its query rows (each of queries, or any count), a decode call's every QK path "auto" picks."""
+    from .engine.spec import call_specs
+    from .formats.decode.recipes import auto_paths
+
+    if spec.backend != "cuda":
+        return [spec]
+    if spec.kind == "prefill":
+        return [s for n in queries or [None] for s in call_specs(spec.recipe, spec.head_dim, spec.causal, spec.arch, n)]
+    if options.get("qk", "auto") != "auto" or options.get("k_rope") == "pre":  # pre-RoPE keys: transform only
+        return [spec]
+    return [make_spec("decode", spec.recipe, spec.head_dim, None, None, None, spec.causal, "cuda", spec.arch,
+                      options={**options, "qk": path}) for path in auto_paths(spec.recipe, spec.arch)]
+
+
+def companions(spec: KernelSpec) -> dict:
+    """{name: build() -> resources} of the modules the spec's family builds beside its kernels on spec's arch."""
+    hook = registry.family_of(spec.recipe, spec.kind).companions
+    return hook(spec.arch) if hook else {}
 
 
 def _spilled(backend: str, res: dict) -> int | None:
@@ -441,42 +477,57 @@ def _first_error_line(exc: Exception) -> str:
 
 @main.command("compile")
 @spec_options(repeatable=True)
+@click.option("--queries", type=click.IntRange(min=1), multiple=True, metavar="N",
+              help="prefill: build the kernels that calls of N query rows per sequence run on each arch (the "
+                   "kernel listed for that count, and any `qattn tune` stored for such calls on this GPU) instead of "
+                   "the family's default; repeatable")
 @click.option("--all", "every", is_flag=True,
-              help="every supported combination of the formats with a kernel (options given narrow it)")
+              help="every supported combination of the formats with a kernel (options given narrow it); where no "
+                   "kernel is named, every kernel calls of any query count run")
 @user_errors
 def compile_(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, k_mean, k_balance, k_rope,
-             options, arch, every):
-    """Compile a matrix of specs x archs into the kernel cache (no GPU needed); exit 1 if any fails."""
+             options, arch, queries, every):
+    """Compile a matrix of specs x archs into the kernel cache (no GPU needed); exit 1 if any fails.
+
+    Deployments that run with QATTN_NO_JIT=1 build what their calls run: `--queries N` for calls of N query rows
+    per sequence, or `--all`."""
     from .engine.kernel import build_kernel
 
     specs = compile_matrix(kind, list(fmt), list(head_dim), tile, warps, stages, causal, backend, list(arch), every, mma,
                            {**template_options(kind, options),
-                            **decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope)})
+                            **decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope)}, list(queries))
+    def resources(spec):
+        return build_kernel(spec).resources
+
+    builds = {spec.name: functools.partial(resources, spec) for spec in specs}
+    for spec in specs:  # e.g. a cache's writer, which the family's calls build beside their kernels
+        builds.update(companions(spec))
     regs, spills = ("regs", "spills (B)") if backend == "cuda" else ("VGPRs", "spilled regs")
     summary = _table(None, "spec", "status", "s", regs, "smem (B)", spills, right=("s", regs, "smem (B)", spills))
     failed, start = [], time.perf_counter()
-    with _Progress("compiling", len(specs)) as progress:
-        for spec in specs:
-            progress.start(spec.name)
+    with _Progress("compiling", len(builds)) as progress:
+        for name, build in builds.items():
+            progress.start(name)
             t0 = time.perf_counter()
             try:
-                kernel = build_kernel(spec)
+                res = build()
             except Exception as exc:  # one bad spec must not stop the matrix; it is reported below
-                failed.append((spec, exc))
+                failed.append((name, exc))
                 seconds = f"{time.perf_counter() - t0:.2f}"
-                summary.add_row(spec.name, "[red]FAILED[/red]", seconds, "-", "-", "-")
-                progress.done(f"{spec.name} FAILED ({seconds} s)")
+                summary.add_row(name, "[red]FAILED[/red]", seconds, "-", "-", "-")
+                progress.done(f"{name} FAILED ({seconds} s)")
             else:
-                res, seconds = kernel.resources, f"{time.perf_counter() - t0:.2f}"
-                summary.add_row(spec.name, "ok", seconds, _fmt(res.get("registers"), "d"),
-                                str(res.get("static_smem", 0) + res["dynamic_smem"]), _fmt(_spilled(backend, res), "d"))
-                progress.done(f"{spec.name} ok ({seconds} s)")
+                seconds = f"{time.perf_counter() - t0:.2f}"
+                summary.add_row(name, "ok", seconds, _fmt(res.get("registers"), "d"),
+                                str(res.get("static_smem", 0) + res.get("dynamic_smem", 0)),
+                                _fmt(_spilled(backend, res), "d"))
+                progress.done(f"{name} ok ({seconds} s)")
     console = _console()
     console.print(summary)
-    console.print(f"{len(specs) - len(failed)} of {len(specs)} compiled, {len(failed)} failed "
+    console.print(f"{len(builds) - len(failed)} of {len(builds)} compiled, {len(failed)} failed "
                   f"in {time.perf_counter() - start:.1f} s (cache: {KernelCache().root})")
-    for spec, exc in failed:
-        click.echo(f"FAILED {spec.name}: {type(exc).__name__}: {_first_error_line(exc)}", err=True)
+    for name, exc in failed:
+        click.echo(f"FAILED {name}: {type(exc).__name__}: {_first_error_line(exc)}", err=True)
     if failed:
         click.echo("`qattn inspect` with the same options shows the full compiler log.", err=True)
         sys.exit(1)

@@ -20,7 +20,8 @@ from qattn.cli import compile_matrix, main
 from qattn.engine.inspect import blocks_per_sm, count_instructions
 from qattn.engine.registry import RECIPES
 from qattn.engine.family import Tolerance
-from qattn.engine.spec import KernelSpec
+from qattn.engine.spec import KernelSpec, builtin_spec
+from qattn.formats.decode.recipes import MAX_ROWS, resolve_qk
 from qattn.engine.cache import KernelCache
 from qattn.engine.compile import CompileError, find_tool
 
@@ -289,6 +290,75 @@ def test_compile_all_skips_what_a_picked_format_does_not_support(monkeypatch):
     assert_usage_error(run("compile", "--all", "-f", "bf16", "--arch", "sm_80"), "--arch")
     assert_usage_error(run("compile", "--all", "--arch", "sm_75"), "--arch")
     assert_usage_error(run("compile", "--all", "-d", "48", "--arch", "sm_90a"), "'--head-dim' / '--arch'")
+
+
+ROUTED = [(fmt, d, causal) for fmt in ("f16", "bf16", "i8-f16", "i8-f8", "kv8-imma") for d in (64, 128)
+          for causal in (False, True)]
+
+
+@pytest.mark.parametrize("fmt, d, causal", ROUTED)
+def test_compile_all_builds_the_kernel_of_every_query_count(fmt, d, causal):
+    """With QATTN_NO_JIT=1 a call finds its kernel only if `qattn compile` built it: on sm_90a the kernel
+    depends on the call's query rows, and --all must hold each count's."""
+    specs = compile_matrix("prefill", [fmt], [d], None, None, None, causal, "cuda", ["sm_90a"], True)
+    counts = sorted({1, 63, 64, 255, 256, 1000, 65536} | {2 ** k + e for k in range(7, 16) for e in (-1, 0, 1)})
+    called = {builtin_spec(fmt, d, causal, n, "sm_90a") for n in counts}
+    assert called == set(specs) and len(specs) >= 2  # the default (the shortest calls') and a routed kernel
+
+
+def test_compile_queries_builds_what_those_calls_run():
+    specs = compile_matrix("prefill", ["f16", "i8-f8"], [128], None, None, None, True, "cuda", ["sm_90a", "sm_89"],
+                           False, queries=[1024, 32768])
+    assert specs == list(dict.fromkeys(builtin_spec(fmt, 128, True, n, arch) for fmt in ("f16", "i8-f8")
+                                       for arch in ("sm_90a", "sm_89") for n in (1024, 32768)))
+    default = compile_matrix("prefill", ["f16"], [128], None, None, None, True, "cuda", ["sm_90a"], False)
+    assert default[0] not in specs and specs[0].family.values["mma_unit"] == "wgmma"
+    hip = compile_matrix("prefill", ["f16"], [64], None, None, None, None, "hip", ["gfx942"], False, queries=[4096])
+    assert hip == compile_matrix("prefill", ["f16"], [64], None, None, None, None, "hip", ["gfx942"], False)
+
+
+def test_compile_all_builds_each_qk_path_auto_picks():
+    """A decode call's QK path ("auto") depends on its packed rows: i8-i8 on sm_90a takes int8 MMAs past one
+    block's rows, so --all builds both, each the spec a cache of those options asks for."""
+    specs = compile_matrix("decode", ["i8-i8", "e4m3-e4m3"], [128], None, None, None, False, "cuda", ["sm_90a"], True,
+                           options={"qk": "auto"})
+    cache_options = {"page_size": 32, "scale_mode": "token", "k_mean": "off", "k_balance": "off", "k_rope": "off"}
+    assert specs == [KernelSpec(kind="decode", recipe=fmt, head_dim=128, arch="sm_90a",
+                                options={**cache_options, "qk": resolve_qk(fmt, "sm_90a", "auto", rows)})
+                     for fmt, rows in (("i8-i8", 1), ("i8-i8", MAX_ROWS + 1), ("e4m3-e4m3", 1))]
+    pre = compile_matrix("decode", ["i8-i8"], [128], None, None, None, False, "cuda", ["sm_90a"], True,
+                         options={"qk": "auto", "k_rope": "pre"})
+    assert [dict(s.options)["qk"] for s in pre] == ["transform"]
+
+
+def test_compile_queries_builds_a_routed_kernel(monkeypatch):
+    built = []
+    resources = {"registers": 168, "dynamic_smem": 200_000, "spill_stores": 0, "spill_loads": 0}
+    monkeypatch.setattr("qattn.engine.kernel.build_kernel",
+                        lambda spec, cache=None: built.append(spec) or SimpleNamespace(resources=resources))
+    result = run("compile", "-f", "f16", "-d", "128", "--causal", "--queries", "1024", "--arch", "sm_90a")
+    assert result.exit_code == 0, result.output
+    assert built == [builtin_spec("f16", 128, True, 1024, "sm_90a")]
+    assert built[0].name in result.stdout and "1 of 1 compiled" in result.stdout
+    assert_usage_error(run("compile", "--queries", "1024", "--tile", "128x64", "--arch", "sm_90a"), "--queries")
+    assert_usage_error(run("compile", "--queries", "1024", "--option", "persistent=on", "--arch", "sm_90a"),
+                       "--queries")
+    assert_usage_error(run("compile", "decode", "--queries", "4", "--arch", "sm_90a"), "--queries")
+    assert_usage_error(run("compile", "--queries", "0", "--arch", "sm_90a"), "--queries")
+
+
+def test_compile_builds_the_modules_a_family_builds_beside_its_kernels(monkeypatch):
+    """kv8 calls write their cache with a writer module of its own: compiling a kv8 kernel builds it too (once an
+    arch), so that QATTN_NO_JIT=1 finds it."""
+    built = []
+    monkeypatch.setattr("qattn.engine.kernel.build_kernel",
+                        lambda spec, cache=None: built.append(spec.name) or SimpleNamespace(resources={"dynamic_smem": 0}))
+    monkeypatch.setattr("qattn.formats.kv8.build_writer",
+                        lambda arch: built.append(arch) or (b"", {"resources": {"registers": 30}}))
+    result = run("compile", "-f", "kv8-imma", "-f", "f16", "-d", "64", "-d", "128", "--arch", "sm_90a")
+    assert result.exit_code == 0, result.output
+    assert built.count("sm_90a") == 1 and len(built) == 5
+    assert "kv8_write_sm90a" in result.stdout and "5 of 5 compiled" in result.stdout
 
 
 def test_compile_hip_summary_counts_spilled_registers(monkeypatch):

@@ -43,6 +43,9 @@ class FormatFamily:
     # check is check/parity.py's): (format, ctx, queries, *, backend, batch, heads, kv_heads, head_dim,
     # seed, time_it, **options) -> record
     parity: Callable | None = None
+    # arch -> {name: build() -> resources}: modules its calls build beside their kernels (a cache's writer),
+    # which `qattn compile` builds with them
+    companions: Callable | None = None
 
 
 KIND_RECIPES: dict[str, dict[str, Recipe]] = {}  # kind -> format name -> Recipe

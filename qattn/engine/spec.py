@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass, replace
 
 from . import tuned
 from .family import BACKENDS, KINDS, SMEM_PER_BLOCK
-from .registry import launch_choice, recipe
-from .shape_class import ShapeClass
+from .registry import launch_choice, launch_choices, recipe
+from .shape_class import ShapeClass, length_bucket
 from .tile import Tile
 
 
@@ -205,6 +205,22 @@ def builtin_spec(format: str, head_dim: int, causal: bool, queries: int, arch: s
                       tile=choice.tile, options=dict(choice.options))
 
 
+def call_specs(format: str, head_dim: int, causal: bool, arch: str, queries: int | None = None) -> list[KernelSpec]:
+    """The prefill kernels that calls naming no tile or unit run on arch, to build ahead of the first call
+    (`qattn compile --queries/--all`, deployments with QATTN_NO_JIT=1): for calls of `queries` query rows per
+    sequence the kernel listed for that count (builtin_spec), for queries None the family's default and every
+    kernel listed for a query count; and the kernels `qattn tune` stored for such calls on this machine's GPU
+    (a call runs its shape class's winner). Calls whose K, V, Q or output strides the TMA cannot address run
+    a variant of their kernel without that TMA load or store, built on first use."""
+    counts = [queries] if queries is not None else [1] + [c.least_queries for c in
+                                                            launch_choices(format, head_dim, arch, causal)]
+    specs = [builtin_spec(format, head_dim, causal, n, arch) for n in counts]
+    base = KernelSpec(kind="prefill", recipe=format, head_dim=head_dim, causal=causal, arch=arch)
+    bucket = None if queries is None else length_bucket(queries)
+    specs += filter(None, (_with_stored(base, stored) for stored in tuned.stored(format, head_dim, causal, arch, bucket)))
+    return list(dict.fromkeys(specs))
+
+
 def _check_cuda_kernel(format: str) -> None:
     if "cuda" not in recipe(format).families:
         raise ValueError(f"format {format!r} has no CUDA kernel yet; its CPU emulator is "
@@ -221,12 +237,15 @@ def with_tuned_tile(spec: KernelSpec, shape: ShapeClass | None = None) -> Kernel
 def _tuned_spec(spec: KernelSpec, shape: ShapeClass | None) -> KernelSpec | None:
     """spec with its stored kernel, or None where nothing usable is stored."""
     stored = tuned.lookup(spec.recipe, spec.head_dim, spec.causal, spec.arch, shape)
-    if stored is None:
-        return None
+    return None if stored is None else _with_stored(spec, stored)
+
+
+def _with_stored(spec: KernelSpec, stored: tuned.TunedKernel) -> KernelSpec | None:
+    """spec on a stored kernel, or None where the family's rules no longer admit it."""
     if stored == tuned.TunedKernel.of(spec):
         return spec
     try:
         return spec.with_(tile=stored.tile, mma=stored.mma, options=dict(stored.options))
     except ValueError as exc:  # stored before the family's rules changed: the built-in default stands
-        warnings.warn(f"qattn: ignoring the tuned kernel {stored.name} for {spec.name}: {exc}", stacklevel=4)
+        warnings.warn(f"qattn: ignoring the tuned kernel {stored.name} for {spec.name}: {exc}", stacklevel=5)
         return None

@@ -232,6 +232,19 @@ def lookup(format: str, head_dim: int, causal: bool, arch: str,
     return best_overall(mine)
 
 
+def stored(format: str, head_dim: int, causal: bool, arch: str, queries: str | None = None) -> list[TunedKernel]:
+    """The winners stored for calls on the current GPU (of the query length bucket `queries` where given, e.g.
+    "1K-4K"), one a kernel; [] without a GPU, a table or with QATTN_TUNED=0."""
+    if not enabled() or not table_path().is_file():
+        return []
+    device = current_device()
+    if device is None:
+        return []
+    mine = [e for e in load() if e.key[:5] == (device, arch, format, head_dim, causal)
+            and (queries is None or e.shape_class.queries == queries)]
+    return list(dict.fromkeys(e.kernel for e in mine))
+
+
 def best_overall(entries: list[TunedEntry]) -> TunedKernel | None:
     """Of the kernels timed in every entry's sweep, the one with the least geometric mean of its time
     over each sweep's best (a call of unknown shape runs it); where no tile was timed in all of

@@ -80,6 +80,12 @@ def resolve_qk(fmt: str, arch: str | None, qk: str = "auto", rows: int = 1) -> s
     return qk
 
 
+def auto_paths(fmt: str, arch: str | None) -> tuple[str, ...]:
+    """Every QK path "auto" picks on arch for some count of packed query rows: what calls may run."""
+    least = AUTO_QK.get(arch, {}).get(fmt, ("transform", 1))[1]
+    return tuple(dict.fromkeys(resolve_qk(fmt, arch, "auto", rows) for rows in (1, least)))
+
+
 def query_dtypes(fmt: str) -> tuple[str, ...]:
     """NumPy dtype names a format's queries may have: a 16-bit side fixes it."""
     halves = {side for side in sides(fmt) if side in HALF}

@@ -3,7 +3,7 @@ a 24-bit operand split, kv8-split, kv8-f32), and the cache they read (``KVCacheI
 from pathlib import Path
 
 from ...engine import registry
-from .cache import KVCacheInt8
+from .cache import KVCacheInt8, build_writer, writer_name
 from .emulate import EMULATORS, as_int8_cache
 from .host import attention_kv8, prefill_kv8
 from .recipes import LAUNCH_TILES, LAUNCHER, RECIPES
@@ -12,6 +12,11 @@ from .recipes import LAUNCH_TILES, LAUNCHER, RECIPES
 def _kernel_inputs(k, v) -> tuple:
     """Float K and V written once into a cache, as an engine's cache is (parity times attention alone)."""
     return (KVCacheInt8.from_kv(k, v),)
+
+
+def _companions(arch: str) -> dict:
+    """The cache's writer, which KVCacheInt8.from_kv and append launch."""
+    return {writer_name(arch): lambda: build_writer(arch)[1]["resources"]}
 
 
 FAMILY = registry.register(registry.FormatFamily(
@@ -26,6 +31,7 @@ FAMILY = registry.register(registry.FormatFamily(
     kv_cache=as_int8_cache,
     launch_tiles=LAUNCH_TILES,
     kernel_inputs=_kernel_inputs,
+    companions=_companions,
 ))
 
 __all__ = ["FAMILY", "KVCacheInt8", "attention_kv8"]

@@ -46,6 +46,11 @@ def writer_source() -> str:
         name=WRITER_NAME, warps=WRITER_WARPS, ln2=repr(math.log(2.0)), log2e=repr(math.log2(math.e)))
 
 
+def writer_name(arch: str) -> str:
+    """The writer's name in the kernel cache."""
+    return f"kv8_write_{arch.replace('_', '')}"
+
+
 def build_writer(arch: str, cache=None) -> tuple[bytes, dict]:
     """The writer's cubin for arch and its meta (compiled on a miss, cached like every kernel)."""
     from ...engine import compile as compiler
@@ -55,7 +60,7 @@ def build_writer(arch: str, cache=None) -> tuple[bytes, dict]:
     options, version = compiler.cuda_options(arch), compiler.nvrtc_version()
     key = content_key(source, options, version, arch)
     cache = cache or KernelCache()
-    name = f"kv8_write_{arch.replace('_', '')}"
+    name = writer_name(arch)
     entry = cache.load(name, key)
     if entry is None:
         if jit_disabled():
