@@ -108,11 +108,33 @@ def _resolve_qk(fmt: str, backend: str, arch: str, options: dict) -> dict:
     return {**rest, "qk": path}
 
 
+def check_queries(kind: str, queries, tile=None, warps=None, stages=None, mma=None, options=None) -> None:
+    """--queries picks a prefill kernel by the calls' query rows: refused with a decode kind or a kernel named."""
+    if not queries:
+        return
+    if kind != "prefill":
+        raise click.BadParameter(f"{kind} kernels do not depend on a call's query rows (a decode call's QK path "
+                                 "does: --qk, or --all for every path)", param_hint="'--queries'")
+    named = [name for name, value in (("--tile", tile), ("--warps", warps), ("--stages", stages), ("--mma", mma),
+                                      ("--option", options)) if value]
+    if named:
+        raise click.BadParameter(f"the kernel is named by {', '.join(named)}; --queries picks the one calls of "
+                                 "that many query rows run: give one or the other", param_hint="'--queries'")
+
+
 def make_spec(kind: str, fmt: str | None, head_dim: int, tile: str | None, warps: int | None, stages: int | None,
-              causal: bool, backend: str, arch: str, mma: str | None = None, options: dict | None = None) -> KernelSpec:
+              causal: bool, backend: str, arch: str, mma: str | None = None, options: dict | None = None,
+              queries: int | None = None) -> KernelSpec:
     """A validated KernelSpec from command-line values. Without --tile the family's tuned tile is
-    used; --warps and --stages override its warps and stages."""
+    used; --warps and --stages override its warps and stages; with queries (CUDA prefill), the kernel
+    that calls of that many query rows run."""
+    check_queries(kind, queries, tile, warps, stages, mma, options)
     fmt = fmt or DEFAULT_FORMAT[kind]
+    if queries and backend == "cuda":
+        from .engine.spec import builtin_spec
+
+        recipe(fmt, kind).family(backend)  # an unknown or kernel-less format is named first
+        return builtin_spec(fmt, head_dim, causal, queries, arch)
     if kind == "decode":
         options = _resolve_qk(fmt, backend, arch, options or {})
     spec = KernelSpec(kind=kind, recipe=fmt, head_dim=head_dim, causal=causal,
@@ -166,6 +188,10 @@ def spec_options(repeatable: bool = False):
         click.option("--option", "options", multiple=True, metavar="NAME=VALUE", callback=_parse_template_options,
                      help="prefill: a template option of the kernel's family, e.g. persistent=on or pingpong=off on the "
                           "sm_90a wgmma kernels (`qattn list` names each family's); repeatable"),
+        click.option("--queries", type=click.IntRange(min=1), multiple=repeatable, metavar="N",
+                     help="prefill: the kernel that qattn.attention calls of N query rows per sequence run on the arch "
+                          "(on sm_90a it depends on them; with compile, also any `qattn tune` stored for such calls on "
+                          f"this GPU) instead of the family's default{many}"),
         click.option("--arch", "arch", multiple=repeatable, metavar="ARCH",
                      help=f"target, e.g. sm_90a or gfx942 (default: the current GPU's, else "
                           f"{FALLBACK_ARCH['cuda']} / {FALLBACK_ARCH['hip']}){many}"),
@@ -280,13 +306,13 @@ def list_():
               help="write the source to FILE instead of printing it")
 @user_errors
 def gen(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, k_mean, k_balance, k_rope,
-        options, arch, output):
+        options, queries, arch, output):
     """Print the rendered kernel source of one spec (KIND: prefill or decode)."""
     from .engine.render import render
 
     spec = make_spec(kind, fmt, head_dim, tile, warps, stages, bool(causal), backend, arch or _default_arch(backend), mma,
                      {**template_options(kind, options),
-                      **decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope)})
+                      **decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope)}, queries)
     source = render(spec)
     if output is None:
         click.echo(source, nl=False)
@@ -341,15 +367,15 @@ def _resource_rows(backend: str, res: dict) -> list[tuple[str, object]]:
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @user_errors
 def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, k_mean, k_balance, k_rope,
-            options, arch, as_json):
+            options, queries, arch, as_json):
     """Compile one spec and show its resources (CUDA: registers, shared memory, stack, spills,
     blocks/SM; HIP: VGPRs, SGPRs, LDS, scratch, spills, waves/SIMD) and its matrix and conversion
     instructions."""
     spec = make_spec(kind, fmt, head_dim, tile, warps, stages, bool(causal), backend, arch or _default_arch(backend), mma,
                      {**template_options(kind, options),
-                      **decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope)})
+                      **decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope)}, queries)
     report = inspect_spec(spec)
-    named_tile = tile is not None or warps is not None or stages is not None or bool(options)
+    named_tile = tile is not None or warps is not None or stages is not None or bool(options) or bool(queries)
     # prefill only: a decode kernel's tile is fixed by its format
     listed = () if spec.kind != "prefill" or named_tile or backend != "cuda" or spec.mma is not None else \
         registry.launch_choices(spec.recipe, spec.head_dim, spec.arch, spec.causal)
@@ -373,8 +399,7 @@ def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page
         on_unit = f" on {unit}" if unit else ""
         options = "".join(f", {name} {value}" for name, value in choice.options)
         console.print(f"note: on {spec.arch}, qattn.attention {calls} run {t.name}{on_unit}{options} instead "
-                      f"(inspect it with --tile {t.block_m}x{t.block_n} --warps {t.warps} --stages {t.stages}"
-                      f"{f' --mma {unit}' if unit else ''})")
+                      f"(inspect it with --queries {max(least, 1)})")
     if "scale_blocks" in report:
         blocks = report["scale_blocks"]
         rows = "one Q scale per query row" if blocks["q_rows"] == 1 else f"{blocks['q_rows']} query rows per Q scale"
@@ -404,15 +429,9 @@ def compile_matrix(kind, formats, head_dims, tile, warps, stages, causal, backen
     Where no kernel is named (no tile, warps, stages, unit or template option), --all and --queries
     build what calls run (spec.call_specs): a CUDA prefill call's kernel depends on its query rows
     per sequence, a decode call's QK path ("auto") on its rows per kv head."""
-    named = [name for name, value in (("--tile", tile), ("--warps", warps), ("--stages", stages), ("--mma", mma),
-                                      ("--option", kind == "prefill" and options)) if value]
-    if queries and kind != "prefill":
-        raise click.BadParameter(f"{kind} kernels do not depend on a call's query rows (a decode call's QK path "
-                                 "does: --qk, or --all for every path)", param_hint="'--queries'")
-    if queries and named:
-        raise click.BadParameter(f"the kernel is named by {', '.join(named)}; --queries picks the one calls of "
-                                 "that many query rows run: give one or the other", param_hint="'--queries'")
-    routed = (every or queries) and not named
+    prefill_options = kind == "prefill" and options
+    check_queries(kind, queries, tile, warps, stages, mma, prefill_options)
+    routed = (every or queries) and not any((tile, warps, stages, mma, prefill_options))
     picked = every and not formats
     if not formats:
         formats = ([n for n, r in registry.recipes(kind).items() if backend in r.families] if every
@@ -477,16 +496,12 @@ def _first_error_line(exc: Exception) -> str:
 
 @main.command("compile")
 @spec_options(repeatable=True)
-@click.option("--queries", type=click.IntRange(min=1), multiple=True, metavar="N",
-              help="prefill: build the kernels that calls of N query rows per sequence run on each arch (the "
-                   "kernel listed for that count, and any `qattn tune` stored for such calls on this GPU) instead of "
-                   "the family's default; repeatable")
 @click.option("--all", "every", is_flag=True,
               help="every supported combination of the formats with a kernel (options given narrow it); where no "
                    "kernel is named, every kernel calls of any query count run")
 @user_errors
 def compile_(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, k_mean, k_balance, k_rope,
-             options, arch, queries, every):
+             options, queries, arch, every):
     """Compile a matrix of specs x archs into the kernel cache (no GPU needed); exit 1 if any fails.
 
     Deployments that run with QATTN_NO_JIT=1 build what their calls run: `--queries N` for calls of N query rows

@@ -149,8 +149,8 @@ def test_inspect_names_the_tile_kv8_calls_run():
     plain = run("inspect", "-f", "kv8-split", "-d", "128", "--arch", "sm_90a")
     assert plain.exit_code == 0, plain.output
     text = " ".join(plain.output.split())
-    assert "qattn.attention calls of at least 256 query rows run m128n64w8s3 instead" in text
-    assert "--tile 128x64 --warps 8 --stages 3" in text
+    assert "qattn.attention calls of at least 256 query rows run m128n64w8s3 instead (inspect it with --queries 256)" \
+        in text
     split = json.loads(run("inspect", "-f", "kv8-split", "-d", "128", "--arch", "sm_90a", "--json").stdout)
     assert split["launch_tiles"] == [{"tile": "m128n64w8s3", "least_queries": 256, "mma": "mma.sync", "options": {}}]
     named = run("inspect", "-f", "kv8-split", "-d", "128", "--arch", "sm_90a", "--tile", "64x64", "--stages", "2")
@@ -159,7 +159,10 @@ def test_inspect_names_the_tile_kv8_calls_run():
     imma = run("inspect", "-f", "kv8-imma", "-d", "64", "--arch", "sm_90a")
     text = " ".join(imma.output.split())
     assert "calls of at least 2048 query rows run m128n64w8s3 on wgmma instead" in text, imma.output
-    assert "--tile 128x64 --warps 8 --stages 3 --mma wgmma)" in text
+    assert "(inspect it with --queries 2048)" in text
+    routed = json.loads(run("inspect", "-f", "kv8-imma", "-d", "64", "--arch", "sm_90a", "--queries", "2048",
+                            "--json").stdout)
+    assert routed["spec"]["tile"]["block_m"] == 128 and "launch_tiles" not in routed
     imma = json.loads(run("inspect", "-f", "kv8-imma", "-d", "128", "--arch", "sm_90a", "--json").stdout)
     assert imma["launch_tiles"] == [{"tile": "m128n64w8s3", "least_queries": 256, "mma": "wgmma", "options": {}}]
     assert imma["spec"]["tile"]["stages"] == 3  # the tuned default: what shorter calls run
@@ -174,6 +177,20 @@ def test_inspect_names_the_tile_kv8_calls_run():
     assert "calls of at least 4096 query rows run m128n128w8s2 on wgmma instead" in text
     causal = json.loads(run("inspect", "-f", "f16", "-d", "128", "--arch", "sm_90a", "--causal", "--json").stdout)
     assert [(b["least_queries"], b["options"]) for b in causal["launch_tiles"]] == [(1024, {"persistent": "on", "chain": "on"})]
+
+
+@pytest.mark.parametrize("queries", [1, 1023, 1024, 9000])
+def test_gen_and_inspect_take_the_kernel_calls_of_n_rows_run(queries):
+    """--queries N shows what qattn.attention runs for calls of N query rows (the note's hint), options and all."""
+    routed = builtin_spec("f16", 128, True, queries, "sm_90a")
+    source = run("gen", "-f", "f16", "-d", "128", "--causal", "--queries", str(queries), "--arch", "sm_90a")
+    assert source.exit_code == 0 and source.output.startswith(f"// {routed.name}:"), source.output[:300]
+    report = json.loads(run("inspect", "-f", "f16", "-d", "128", "--causal", "--queries", str(queries), "--arch",
+                            "sm_90a", "--json").stdout)
+    assert report["name"] == routed.name and "launch_tiles" not in report
+    assert ("wgmma" in routed.name) == (queries >= 1024)
+    assert_usage_error(run("gen", "--queries", "1024", "--stages", "3", "--arch", "sm_90a"), "--queries")
+    assert_usage_error(run("inspect", "decode", "--queries", "1024", "--arch", "sm_90a"), "--queries")
 
 
 def test_inspect_shows_the_format_blocks():
