@@ -591,8 +591,14 @@ def _verdict(record: dict) -> str:
               help="prefill formats, or decode formats over a paged cache (CTX/QUERIES: cached / new tokens)")
 @click.option("--page-size", type=click.Choice(["16", "32", "64", "128"]), help="decode: tokens per page [default: 32]")
 @click.option("--scale", type=click.Choice(("token", "head")), help="decode: scales of 8-bit sides [default: token]")
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), help="decode: K/V from a qattn.data preset "
-                                                                  "[default: N(0,1)]")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)),
+              help="Q, K and V from a qattn.data preset (outlier channels, a K bias, RoPE, ...) instead of N(0,1); "
+                   "the tolerances hold on N(0,1), and a format may fail them on a preset's data: the answer to "
+                   "whether it is accurate enough there")
+@click.option("--smoothing", type=click.Choice(("mean", "mean+balance", "none")),
+              help="prefill: the int8-QK formats' K smoothing: mean (K's channel mean subtracted), mean+balance (then Q's "
+                   "and K's channels balanced: for scale-type K outliers) or none [default: a call's, mean below "
+                   "32768 keys]")
 @click.option("--qk", "qk_paths", multiple=True, type=click.Choice(("auto", "transform", "fp8", "int8")),
               help="decode: QK paths over an 8-bit K, each checked on the formats that have it; repeatable "
                    "[default: auto]")
@@ -611,7 +617,7 @@ def _verdict(record: dict) -> str:
                    "stored, turned on chip; transform path) [default: off]")
 @user_errors
 def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, json_path, seed, time_it, kind, page_size,
-           scale, preset, qk_paths, k_bias, k_mean, k_balance, k_rope):
+           scale, preset, smoothing, qk_paths, k_bias, k_mean, k_balance, k_rope):
     """Check formats against FP64 on fresh random inputs and time their kernels; exit 1 if any
     check fails its format's tolerance. With --kind decode, each format's paged decode against FP64
     on the dequantized cache (its tolerance) and on the original K/V (format_rel_l2: the format's cost)."""
@@ -620,6 +626,15 @@ def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, j
     if kv_heads is not None and heads % kv_heads:
         raise click.BadParameter(f"{kv_heads} does not divide --heads {heads}", param_hint="'--kv-heads'")
     options = {}
+    if smoothing and kind != "prefill":
+        raise click.BadParameter("decode caches take their K terms as --k-mean, --k-balance and --k-bias",
+                                 param_hint="'--smoothing'")
+    if smoothing:
+        smoothed = [name for name in RECIPES if "smoothing" in registry.family_of(name).options]
+        if formats and not {entry.partition("@")[0] for entry in formats} & set(smoothed):
+            raise click.BadParameter(f"only the int8-QK formats ({', '.join(smoothed)}) smooth K; none is checked",
+                                     param_hint="'--smoothing'")
+        options["smoothing"] = None if smoothing == "none" else smoothing
     if kind == "decode":
         if causal:
             raise click.BadParameter("decode rows are always bottom-right causal among the new tokens",
@@ -627,10 +642,12 @@ def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, j
         options = {"page_size": int(page_size or 32), "scale": scale or "token", "preset": preset,
                    "k_bias": bool(k_bias), "k_mean": k_mean or "off", "k_balance": bool(k_balance),
                    "k_rope": k_rope or "off"}
-    elif page_size or scale or preset or qk_paths or any(x is not None for x in (k_bias, k_mean, k_balance, k_rope)):
-        raise click.BadParameter("--page-size, --scale, --preset, --qk, --k-bias, --k-mean, --k-balance and --k-rope "
+    elif page_size or scale or qk_paths or any(x is not None for x in (k_bias, k_mean, k_balance, k_rope)):
+        raise click.BadParameter("--page-size, --scale, --qk, --k-bias, --k-mean, --k-balance and --k-rope "
                                  "are decode options",
                                  param_hint="'--kind'")
+    elif preset:
+        options["preset"] = preset
     runs = _qk_runs(formats, qk_paths) if kind == "decode" else [(formats, {})]
     gpu = device_arch() is not None
     checks = [c for fmts, _ in runs
@@ -658,7 +675,8 @@ def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, j
         speed = ("GB/s", "gbs", ".0f")
         extra = ("format rel_l2",)
     else:
-        title = f"parity vs FP64: batch {batch}, heads {heads}/{kv}, D {head_dim}, {'causal' if causal else 'non-causal'}"
+        title = (f"parity vs FP64: batch {batch}, heads {heads}/{kv}, D {head_dim}, {'causal' if causal else 'non-causal'}, "
+                 f"{preset or 'N(0,1)'} Q/K/V{f', int8-QK smoothing {smoothing}' if smoothing else ''}")
         speed = ("TFLOPS", "tflops", ".1f")
         extra = ()
     table = _table(title, "format", "ctx/queries", "backend", "max_rel", "rel_l2", *extra, "failures", "ms", speed[0],

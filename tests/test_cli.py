@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -27,7 +28,7 @@ from qattn.engine.compile import CompileError, find_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD_KEYS = {"format", "ctx", "queries", "head_dim", "backend", "max_rel", "rel_l2", "cos", "failures", "ms",
-               "passed", "batch", "heads", "kv_heads", "causal", "nonfinite", "tflops", "kernel"}
+               "passed", "batch", "heads", "kv_heads", "causal", "nonfinite", "tflops", "kernel", "data"}
 
 
 @pytest.fixture(autouse=True)
@@ -456,6 +457,51 @@ def test_parity_numpy_json(tmp_path):
         assert r["backend"] == "numpy" and r["ms"] is None and r["kernel"] is None
         assert r["passed"] and r["nonfinite"] == 0 and r["failures"] == 0
     assert "pass" in result.output and "FAIL" not in result.output
+
+
+def test_parity_on_a_preset_and_its_smoothing(tmp_path):
+    """--preset checks the formats on a qattn.data preset's Q, K and V (named in the records and the title); on
+    scale-type K outliers the int8-QK formats fail under K's mean alone, and --smoothing mean+balance goes to the
+    emulator (and the kernel) as a call's smoothing, several times closer to FP64."""
+    out = tmp_path / "parity.json"
+
+    def records(*options):
+        result = run("parity", "--backend", "numpy", "-f", "f16,i8-f16", "--shape", "512/64", "--heads", "2",
+                     "--json", str(out), *options)
+        assert result.exit_code in (0, 1), result.output
+        return result, {r["format"]: r for r in json.loads(out.read_text())}
+
+    plain, normal = records()
+    assert plain.exit_code == 0 and "N(0,1) Q/K/V" in plain.stdout
+    assert {r["data"] for r in normal.values()} == {"normal"} and "smoothing" not in normal["i8-f16"]
+    failed, outliers = records("--preset", "outliers_scale")
+    assert failed.exit_code == 1 and "outliers_scale Q/K/V" in failed.stdout
+    assert {r["data"] for r in outliers.values()} == {"outliers_scale"}
+    assert outliers["f16"]["passed"] and not outliers["i8-f16"]["passed"]
+    assert outliers["i8-f16"]["rel_l2"] > 5 * normal["i8-f16"]["rel_l2"]
+    _, balanced = records("--preset", "outliers_scale", "--smoothing", "mean+balance")
+    assert balanced["i8-f16"]["smoothing"] == "mean+balance" and "smoothing" not in balanced["f16"]
+    assert balanced["i8-f16"]["rel_l2"] < outliers["i8-f16"]["rel_l2"] / 2
+    assert balanced["f16"]["rel_l2"] == outliers["f16"]["rel_l2"]  # the same draws
+    _, unsmoothed = records("--smoothing", "none")
+    assert unsmoothed["i8-f16"]["smoothing"] is None and unsmoothed["i8-f16"]["rel_l2"] != normal["i8-f16"]["rel_l2"]
+    assert_usage_error(run("parity", "--backend", "numpy", "-f", "f16", "--smoothing", "mean"), "--smoothing")
+    assert_usage_error(run("parity", "--kind", "decode", "--smoothing", "mean"), "--smoothing")
+    assert_usage_error(run("parity", "--preset", "nope"), "--preset")
+
+
+def test_parity_preset_inputs_are_the_presets_rounded():
+    from qattn import data
+    from qattn.check.parity import make_inputs
+
+    shapes = ((1, 2, 40, 64), (1, 1, 300, 64), (1, 1, 300, 64))
+    (q, k, v), (q64, _, _) = make_inputs("f16", shapes, np.random.SeedSequence([0, 300, 40]), "bias")
+    seed = int(np.random.default_rng(np.random.SeedSequence([0, 300, 40])).integers(2 ** 31))
+    given = data.preset("bias", ctx=300, queries=40, heads=2, kv_heads=1, head_dim=64, seed=seed)
+    assert all(np.array_equal(x, given[n].astype(np.float16)) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    assert q64.dtype == np.float64 and np.array_equal(q64, q.astype(np.float64))
+    (_, k8, _), (_, k8_64, _) = make_inputs("kv8-imma", shapes, np.random.SeedSequence([0, 300, 40]), "bias")
+    assert not np.array_equal(k8_64, k8.astype(np.float64))  # the cache's dequantized codes, not the input
 
 
 def test_parity_auto_without_gpu_runs_emulators(no_gpu):

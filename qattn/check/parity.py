@@ -12,6 +12,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from ..bench.timing import attention_flops, time_cuda
+from .. import data
 from ..engine import registry
 from ..engine.arrays import numpy_dtype
 from ..engine.registry import RECIPES, recipe
@@ -53,12 +54,21 @@ def resolve_backend(fmt: str, backend: str, gpu: bool, kind: str = "prefill") ->
     return "numpy"
 
 
-def make_inputs(fmt: str, shapes: tuple, seed) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Fresh N(0,1) q, k, v in the format's input dtype, and the float64 arrays the FP64 reference
-    sees: the same rounded values, or for formats over a cache (kv8) K and V read back from it."""
+_UNSET = object()  # a call option not given: the call's own default
+
+
+def make_inputs(fmt: str, shapes: tuple, seed, preset: str | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Fresh q, k, v in the format's input dtype, N(0,1) or from a qattn.data preset, and the float64 arrays the
+    FP64 reference sees: the same rounded values, or for formats over a cache (kv8) K and V read back from it."""
     rng = np.random.default_rng(seed)
     dtype = numpy_dtype(recipe(fmt).input_dtypes[0])
-    given = [rng.standard_normal(shape, dtype=np.float32).astype(dtype) for shape in shapes]
+    if preset is None:
+        given = [rng.standard_normal(shape, dtype=np.float32).astype(dtype) for shape in shapes]
+    else:
+        (batch, heads, queries, head_dim), (_, kv_heads, ctx, _) = shapes[:2]
+        x = data.preset(preset, ctx=ctx, queries=queries, batch=batch, heads=heads, kv_heads=kv_heads,
+                        head_dim=head_dim, seed=int(rng.integers(2 ** 31)))
+        given = [x[name].astype(dtype) for name in "qkv"]
     exact = [x.astype(np.float64) for x in given]
     to_cache = registry.family_of(fmt).kv_cache
     if to_cache is not None:  # the kernel and emulator quantize K and V the same way
@@ -76,8 +86,9 @@ def cuda_spec(entry: str, head_dim: int, causal: bool, queries: int):
     return call_spec(fmt, head_dim, causal, queries, spec.arch)  # the kernel a call of this many queries runs
 
 
-def _run_cuda(entry, q, k, v, *, head_dim, causal, time_it):
-    """Launch the kernel a call of the format runs into a NaN-poisoned output; return (out, ms, spec name)."""
+def _run_cuda(entry, q, k, v, *, head_dim, causal, time_it, **options):
+    """Launch the kernel a call of the format runs (with the family's call options, e.g. smoothing) into a
+    NaN-poisoned output; return (out, ms, spec name)."""
     import cupy
 
     from ..engine.kernel import build_kernel
@@ -88,9 +99,9 @@ def _run_cuda(entry, q, k, v, *, head_dim, causal, time_it):
     kernel_inputs = registry.family_of(fmt).kernel_inputs  # a cache is written once: attention alone is timed
     kv = kernel_inputs(k, v) if kernel_inputs is not None else (k, v)
     out = cupy.full(q.shape, float("nan"), dtype=q.dtype)  # any element left unwritten stays NaN
-    kernel(q, *kv, out=out)
+    kernel(q, *kv, out=out, **options)
     result = cupy.asnumpy(out)
-    ms = time_cuda(lambda: kernel(q, *kv, out=out)).median_ms if time_it else None
+    ms = time_cuda(lambda: kernel(q, *kv, out=out, **options)).median_ms if time_it else None
     return result, ms, kernel.name
 
 
@@ -104,27 +115,30 @@ def _emulator_block_n(fmt: str, head_dim: int) -> int:
 
 def check(entry: str, ctx: int, queries: int, *, backend: str, batch: int = 1, heads: int = 8,
           kv_heads: int | None = None, head_dim: int = 128, causal: bool = False, seed: int = 0,
-          time_it: bool = True) -> dict:
+          time_it: bool = True, preset: str | None = None, smoothing=_UNSET) -> dict:
     """One parity check of a format (or FORMAT@UNIT, cuda only) on a resolved backend ("cuda" or
-    "numpy"); returns its record."""
+    "numpy"), on N(0,1) inputs or a qattn.data preset's; smoothing (int8-QK formats: "mean", "mean+balance" or
+    None; the call's default where not given) goes to the kernel's call and the emulator alike; returns its
+    record."""
     fmt = entry.partition("@")[0]
+    options = {} if smoothing is _UNSET or "smoothing" not in registry.family_of(fmt).options else {"smoothing": smoothing}
     kv_heads = heads if kv_heads is None else kv_heads
     tol = recipe(fmt).tolerance
     shapes = ((batch, heads, queries, head_dim), (batch, kv_heads, ctx, head_dim), (batch, kv_heads, ctx, head_dim))
     # Same seed for the same shape in every format: formats are compared on the same draws.
-    (q, k, v), (q64, k64, v64) = make_inputs(fmt, shapes, np.random.SeedSequence([seed, ctx, queries]))
+    (q, k, v), (q64, k64, v64) = make_inputs(fmt, shapes, np.random.SeedSequence([seed, ctx, queries]), preset)
     ref = reference_attention(q64, k64, v64, causal=causal)
     if backend == "cuda":
-        out, ms, kernel_name = _run_cuda(entry, q, k, v, head_dim=head_dim, causal=causal, time_it=time_it)
+        out, ms, kernel_name = _run_cuda(entry, q, k, v, head_dim=head_dim, causal=causal, time_it=time_it, **options)
     else:
-        out = emulate(fmt, q, k, v, causal=causal, block_n=_emulator_block_n(fmt, head_dim))
+        out = emulate(fmt, q, k, v, causal=causal, block_n=_emulator_block_n(fmt, head_dim), **options)
         ms, kernel_name = None, None
     err = metrics.compare(out, ref)
     flops = attention_flops(batch, heads, queries, ctx, head_dim, causal)
     return {
         "format": entry, "ctx": ctx, "queries": queries, "batch": batch, "heads": heads, "kv_heads": kv_heads,
         "head_dim": head_dim, "causal": causal, "backend": backend, "kernel": kernel_name,
-        "input_dtype": recipe(fmt).input_dtypes[0], "seed": seed,
+        "input_dtype": recipe(fmt).input_dtypes[0], "seed": seed, "data": preset or "normal", **options,
         "max_rel": err.max_rel, "rel_l2": err.rel_l2, "cos": err.cos, "nonfinite": err.nonfinite,
         "worst_index": list(err.worst_index), "failures": metrics.failures(out, ref, tol.max_rel),
         "tolerance": {"max_rel": tol.max_rel, "rel_l2": tol.rel_l2},
@@ -171,9 +185,9 @@ def run_parity(formats: Iterable[str], shapes: Iterable[tuple[int, int]] | None,
                backend: str = "auto", seed: int = 0, time_it: bool = True,
                progress: Callable[[dict], None] | None = None, kind: str = "prefill", **options) -> list[dict]:
     """Check every format on every shape (ctx, queries) against FP64; one record per check.
-    progress, if given, is called with each record as it completes. Kinds other than prefill run their
-    family's check (FormatFamily.parity) with the options of that kind (decode: page_size, scale,
-    preset)."""
+    progress, if given, is called with each record as it completes. Prefill checks take two options: preset (a
+    qattn.data preset's Q, K and V instead of N(0,1)) and smoothing (the int8-QK formats'); kinds other than prefill run their family's check
+    (FormatFamily.parity) with the options of that kind (decode: page_size, scale, preset, ...)."""
     kv_heads = heads if kv_heads is None else kv_heads
     if batch < 1 or heads < 1 or kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"heads: batch, heads and kv_heads must be >= 1 with heads a multiple of kv_heads, "
@@ -181,13 +195,18 @@ def run_parity(formats: Iterable[str], shapes: Iterable[tuple[int, int]] | None,
     if head_dim < 1:
         raise ValueError(f"head_dim: expected a positive integer, got {head_dim}")
     records = []
+    preset = options.pop("preset", None) if kind == "prefill" else None
+    smoothing = options.pop("smoothing", _UNSET) if kind == "prefill" else _UNSET
     if options and kind == "prefill":
-        raise ValueError(f"options: prefill checks take none, got {', '.join(options)}")
+        raise ValueError(f"options: prefill checks take only preset and smoothing, got {', '.join(options)}")
+    if preset is not None and preset not in data.PRESETS:
+        raise ValueError(f"preset: unknown preset {preset!r}; expected one of {sorted(data.PRESETS)}")
     for fmt, ran, ctx, queries in plan(list(formats), shapes, backend=backend, head_dim=head_dim, causal=causal,
                                        kind=kind):
         if kind == "prefill":
             record = check(fmt, ctx, queries, backend=ran, batch=batch, heads=heads, kv_heads=kv_heads,
-                           head_dim=head_dim, causal=causal, seed=seed, time_it=time_it)
+                           head_dim=head_dim, causal=causal, seed=seed, time_it=time_it, preset=preset,
+                           smoothing=smoothing)
         else:
             record = registry.family_of(fmt, kind).parity(fmt, ctx, queries, backend=ran, batch=batch, heads=heads,
                                                            kv_heads=kv_heads, head_dim=head_dim, seed=seed,
