@@ -164,7 +164,8 @@ def spec_options(repeatable: bool = False):
         click.option("--warps", type=click.IntRange(min=1), help="warps (waves on HIP) per block"),
         click.option("--stages", type=click.IntRange(min=1), help="K/V tiles in flight (pipeline depth)"),
         click.option("--causal/--no-causal", default=None,
-                     help="bottom-right aligned causal mask" + (" (default: off; both with --all)" if repeatable
+                     help="bottom-right aligned causal mask (prefill; decode rows always are)" +
+                          (" (default: off; both with --all)" if repeatable
                                                                 else " [default: no-causal]")),
         click.option("--backend", type=click.Choice(BACKENDS), default="cuda", show_default=True,
                      help="code generator and compiler: cuda (NVRTC) or hip (clang, offline)"),
@@ -438,7 +439,7 @@ def compile_matrix(kind, formats, head_dims, tile, warps, stages, causal, backen
                    else [DEFAULT_FORMAT[kind]])
     if not archs and not every:
         archs = [_default_arch(backend)]
-    causals = [causal] if causal is not None else [False, True] if every else [False]
+    causals = [causal] if causal is not None else [False, True] if every and kind == "prefill" else [False]
     specs = []
     for fmt in formats:
         family = recipe(fmt, kind).family(backend)
@@ -468,6 +469,7 @@ def _called_specs(spec: KernelSpec, options: dict, queries) -> list[KernelSpec]:
         return [spec]
     if spec.kind == "prefill":
         return [s for n in queries or [None] for s in call_specs(spec.recipe, spec.head_dim, spec.causal, spec.arch, n)]
+    options = options or {}
     if options.get("qk", "auto") != "auto" or options.get("k_rope") == "pre":  # pre-RoPE keys: transform only
         return [spec]
     return [make_spec("decode", spec.recipe, spec.head_dim, None, None, None, spec.causal, "cuda", spec.arch,

@@ -344,6 +344,8 @@ def test_compile_all_builds_each_qk_path_auto_picks():
     assert specs == [KernelSpec(kind="decode", recipe=fmt, head_dim=128, arch="sm_90a",
                                 options={**cache_options, "qk": resolve_qk(fmt, "sm_90a", "auto", rows)})
                      for fmt, rows in (("i8-i8", 1), ("i8-i8", MAX_ROWS + 1), ("e4m3-e4m3", 1))]
+    assert compile_matrix("decode", ["i8-i8"], [128], None, None, None, None, "cuda", ["sm_90a"], True) == specs[:2]
+    assert_usage_error(run("gen", "decode", "--causal", "--arch", "sm_90a"), "--causal")  # decode rows always are
     pre = compile_matrix("decode", ["i8-i8"], [128], None, None, None, False, "cuda", ["sm_90a"], True,
                          options={"qk": "auto", "k_rope": "pre"})
     assert [dict(s.options)["qk"] for s in pre] == ["transform"]

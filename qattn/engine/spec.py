@@ -63,6 +63,9 @@ class KernelSpec:
                              f"{', '.join(map(str, fam.head_dims))}, got {self.head_dim!r}")
         if not isinstance(self.causal, bool):
             raise ValueError(f"causal: expected a bool, got {self.causal!r}")
+        if self.causal and self.kind == "decode":
+            raise ValueError("causal: decode rows are always bottom-right causal among the new tokens; a decode spec "
+                             "takes causal=False")
         if self.arch is None:
             arch = device_arch() if self.backend == "cuda" else None
             if arch is None:
