@@ -21,7 +21,9 @@ from qattn.cli import compile_matrix, main
 from qattn.engine.inspect import blocks_per_sm, count_instructions
 from qattn.engine.registry import RECIPES
 from qattn.engine.family import Tolerance
+from qattn.engine.registry import family_of
 from qattn.engine.spec import KernelSpec, builtin_spec
+from qattn.formats.dense.launch import stride_variants
 from qattn.formats.decode.recipes import MAX_ROWS, resolve_qk
 from qattn.engine.cache import KernelCache
 from qattn.engine.compile import CompileError, find_tool
@@ -321,16 +323,22 @@ def test_compile_all_builds_the_kernel_of_every_query_count(fmt, d, causal):
     specs = compile_matrix("prefill", [fmt], [d], None, None, None, causal, "cuda", ["sm_90a"], True)
     counts = sorted({1, 63, 64, 255, 256, 1000, 65536} | {2 ** k + e for k in range(7, 16) for e in (-1, 0, 1)})
     called = {builtin_spec(fmt, d, causal, n, "sm_90a") for n in counts}
-    assert called == set(specs) and len(specs) >= 2  # the default (the shortest calls') and a routed kernel
+    assert len(called) >= 2  # the default (the shortest calls') and a routed kernel
+    variants = family_of(fmt).variants
+    assert set(specs) == called | {v for s in called for v in (variants(s) if variants else ())}
 
 
 def test_compile_queries_builds_what_those_calls_run():
-    specs = compile_matrix("prefill", ["f16", "i8-f8"], [128], None, None, None, True, "cuda", ["sm_90a", "sm_89"],
+    specs = compile_matrix("prefill", ["i8-f8", "f16"], [128], None, None, None, True, "cuda", ["sm_90a", "sm_89"],
                            False, queries=[1024, 32768])
-    assert specs == list(dict.fromkeys(builtin_spec(fmt, 128, True, n, arch) for fmt in ("f16", "i8-f8")
-                                       for arch in ("sm_90a", "sm_89") for n in (1024, 32768)))
+    routed = [builtin_spec(fmt, 128, True, n, arch) for fmt in ("i8-f8", "f16") for arch in ("sm_90a", "sm_89")
+              for n in (1024, 32768)]
+    i8_f8 = list(dict.fromkeys(routed[:4]))  # one kernel a call, no variant (sm_89: one for every count)
+    assert specs[:len(i8_f8)] == i8_f8 and len(i8_f8) == 3
+    f16 = set(routed[4:]) | {v for s in routed[4:] for v in stride_variants(s)}  # and the variants on sm_90a
+    assert set(specs[len(i8_f8):]) == f16
     default = compile_matrix("prefill", ["f16"], [128], None, None, None, True, "cuda", ["sm_90a"], False)
-    assert default[0] not in specs and specs[0].family.values["mma_unit"] == "wgmma"
+    assert default[0] not in specs and routed[4].family.values["mma_unit"] == "wgmma"
     hip = compile_matrix("prefill", ["f16"], [64], None, None, None, None, "hip", ["gfx942"], False, queries=[4096])
     assert hip == compile_matrix("prefill", ["f16"], [64], None, None, None, None, "hip", ["gfx942"], False)
 
@@ -358,13 +366,33 @@ def test_compile_queries_builds_a_routed_kernel(monkeypatch):
                         lambda spec, cache=None: built.append(spec) or SimpleNamespace(resources=resources))
     result = run("compile", "-f", "f16", "-d", "128", "--causal", "--queries", "1024", "--arch", "sm_90a")
     assert result.exit_code == 0, result.output
-    assert built == [builtin_spec("f16", 128, True, 1024, "sm_90a")]
-    assert built[0].name in result.stdout and "1 of 1 compiled" in result.stdout
+    routed = builtin_spec("f16", 128, True, 1024, "sm_90a")
+    assert built == [routed, *stride_variants(routed)] and len(built) == 3  # K/V rows by cp.async; Q rows too
+    assert routed.name in result.stdout and "3 of 3 compiled" in result.stdout
     assert_usage_error(run("compile", "--queries", "1024", "--tile", "128x64", "--arch", "sm_90a"), "--queries")
     assert_usage_error(run("compile", "--queries", "1024", "--option", "persistent=on", "--arch", "sm_90a"),
                        "--queries")
     assert_usage_error(run("compile", "decode", "--queries", "4", "--arch", "sm_90a"), "--queries")
     assert_usage_error(run("compile", "--queries", "0", "--arch", "sm_90a"), "--queries")
+
+
+def test_stride_variants_hold_every_kernel_the_launcher_switches_to(monkeypatch):
+    """Where the TMA cannot address a call's K/V or Q strides the dense launcher runs another spec
+    (kv_rows on, q_tma off): each such spec is among stride_variants, which `qattn compile` builds."""
+    from qattn.formats.dense import launch
+
+    monkeypatch.setattr("qattn.engine.kernel.build_kernel", lambda spec, cache=None: SimpleNamespace(spec=spec))
+    routed = builtin_spec("f16", 128, True, 1024, "sm_90a")
+    assert dict(routed.options)["q_tma"] == "on" and routed.family.values["kv_rows"] == "off"
+    k = np.broadcast_to(np.zeros((1, 1, 1024, 128), np.float16), (2, 2, 1024, 128))  # batch and heads at stride 0
+    kernel, maps = launch._kv_maps(SimpleNamespace(spec=routed), k, k)
+    assert maps is None and kernel.spec in stride_variants(routed)
+    q = np.zeros((2, 8, 1024, 130), np.float16)[..., :128]  # rows 260 bytes apart: not a multiple of 16
+    for start in (routed, kernel.spec):
+        switched, q_map = launch._rows_map(SimpleNamespace(spec=start), "q_tma", "q", q.shape, q.strides, "float16", 128)
+        assert switched.spec in [routed, *stride_variants(routed)] and q_map is None
+    assert switched.spec == kernel.spec  # kv_rows on settles q_tma off already
+    assert stride_variants(builtin_spec("f16", 128, True, 100, "sm_90a")) == []  # mma.sync: no TMA
 
 
 def test_compile_builds_the_modules_a_family_builds_beside_its_kernels(monkeypatch):

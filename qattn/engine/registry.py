@@ -43,6 +43,8 @@ class FormatFamily:
     # check is check/parity.py's): (format, ctx, queries, *, backend, batch, heads, kv_heads, head_dim,
     # seed, time_it, **options) -> record
     parity: Callable | None = None
+    # spec -> the specs its launcher may run in spec's place for some arguments (strides the TMA cannot address)
+    variants: Callable | None = None
     # arch -> {name: build() -> resources}: modules its calls build beside their kernels (a cache's writer),
     # which `qattn compile` builds with them
     companions: Callable | None = None

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, replace
 
 from . import tuned
 from .family import BACKENDS, KINDS, SMEM_PER_BLOCK
-from .registry import launch_choice, launch_choices, recipe
+from .registry import family_of, launch_choice, launch_choices, recipe
 from .shape_class import ShapeClass, length_bucket
 from .tile import Tile
 
@@ -213,15 +213,16 @@ def call_specs(format: str, head_dim: int, causal: bool, arch: str, queries: int
     (`qattn compile --queries/--all`, deployments with QATTN_NO_JIT=1): for calls of `queries` query rows per
     sequence the kernel listed for that count (builtin_spec), for queries None the family's default and every
     kernel listed for a query count; and the kernels `qattn tune` stored for such calls on this machine's GPU
-    (a call runs its shape class's winner). Calls whose K, V, Q or output strides the TMA cannot address run
-    a variant of their kernel without that TMA load or store, built on first use."""
+    (a call runs its shape class's winner); and with each, the kernels its launcher runs in its place for
+    arguments whose strides the TMA cannot address (FormatFamily.variants)."""
     counts = [queries] if queries is not None else [1] + [c.least_queries for c in
                                                             launch_choices(format, head_dim, arch, causal)]
     specs = [builtin_spec(format, head_dim, causal, n, arch) for n in counts]
     base = KernelSpec(kind="prefill", recipe=format, head_dim=head_dim, causal=causal, arch=arch)
     bucket = None if queries is None else length_bucket(queries)
     specs += filter(None, (_with_stored(base, stored) for stored in tuned.stored(format, head_dim, causal, arch, bucket)))
-    return list(dict.fromkeys(specs))
+    variants = family_of(format).variants
+    return list(dict.fromkeys(specs + [v for s in specs for v in (variants(s) if variants else ())]))
 
 
 def _check_cuda_kernel(format: str) -> None:

@@ -130,8 +130,27 @@ def _kv_maps(kernel, k, v):
     except ValueError:
         from ...engine.kernel import build_kernel
 
-        return build_kernel(spec.with_(options={**dict(spec.options), "kv_rows": "on"})), None
+        return build_kernel(_kv_rows_spec(spec)), None
     return kernel, maps
+
+
+def _kv_rows_spec(spec):
+    return spec.with_(options={**dict(spec.options), "kv_rows": "on"})
+
+
+def _tma_off_spec(spec, option):
+    return spec.with_(options={**dict(spec.options), option: "off"})
+
+
+def stride_variants(spec) -> list:
+    """The kernels a call may run in spec's place where the TMA cannot address its tensors' strides (K and V, then
+    the output, then Q: _kv_maps and _rows_map in turn), so that `qattn compile` builds them too."""
+    found = [spec]
+    if spec.family.values.get("kv_rows") == "off":
+        found.append(_kv_rows_spec(spec))
+    for option in ("out_tma", "q_tma"):
+        found += [_tma_off_spec(s, option) for s in found if dict(s.options).get(option) == "on"]
+    return list(dict.fromkeys(found))[1:]
 
 
 def _rows_map(kernel, option, tensor, shape, strides, dtype, box_rows):
@@ -148,4 +167,4 @@ def _rows_map(kernel, option, tensor, shape, strides, dtype, box_rows):
     except ValueError:
         from ...engine.kernel import build_kernel
 
-        return build_kernel(spec.with_(options={**dict(spec.options), option: "off"})), None
+        return build_kernel(_tma_off_spec(spec, option)), None
