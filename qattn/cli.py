@@ -597,6 +597,9 @@ def _verdict(record: dict) -> str:
               help="Q, K and V from a qattn.data preset (outlier channels, a K bias, RoPE, ...) instead of N(0,1); "
                    "the tolerances hold on N(0,1), and a format may fail them on a preset's data: the answer to "
                    "whether it is accurate enough there")
+@click.option("--npz", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="prefill: captured q, k and v [B, H, L, D] to check on (each CTX/QUERIES the file's last keys and "
+                   "rows; default shape: all of them), its batch, heads and head dim taken from the file")
 @click.option("--smoothing", type=click.Choice(("mean", "mean+balance", "none")),
               help="prefill: the int8-QK formats' K smoothing: mean (K's channel mean subtracted), mean+balance (then Q's "
                    "and K's channels balanced: for scale-type K outliers) or none [default: a call's, mean below "
@@ -618,8 +621,9 @@ def _verdict(record: dict) -> str:
                    "(post-RoPE keys, K - R_p b stored, q·R_p b added back per key) or pre (pre-RoPE keys, k_pre - b "
                    "stored, turned on chip; transform path) [default: off]")
 @user_errors
-def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, json_path, seed, time_it, kind, page_size,
-           scale, preset, smoothing, qk_paths, k_bias, k_mean, k_balance, k_rope):
+@click.pass_context
+def parity(ctx, formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, json_path, seed, time_it, kind,
+           page_size, scale, preset, npz, smoothing, qk_paths, k_bias, k_mean, k_balance, k_rope):
     """Check formats against FP64 on fresh random inputs and time their kernels; exit 1 if any
     check fails its format's tolerance. With --kind decode, each format's paged decode against FP64
     on the dequantized cache (its tolerance) and on the original K/V (format_rel_l2: the format's cost)."""
@@ -641,6 +645,9 @@ def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, j
         if causal:
             raise click.BadParameter("decode rows are always bottom-right causal among the new tokens",
                                      param_hint="'--causal'")
+        if npz:
+            raise click.BadParameter("decode checks take --preset; `qattn plan decode --npz` weighs captured tensors",
+                                     param_hint="'--npz'")
         options = {"page_size": int(page_size or 32), "scale": scale or "token", "preset": preset,
                    "k_bias": bool(k_bias), "k_mean": k_mean or "off", "k_balance": bool(k_balance),
                    "k_rope": k_rope or "off"}
@@ -648,8 +655,26 @@ def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, j
         raise click.BadParameter("--page-size, --scale, --qk, --k-bias, --k-mean, --k-balance and --k-rope "
                                  "are decode options",
                                  param_hint="'--kind'")
+    elif preset and npz:
+        raise click.BadParameter("give --preset or --npz, not both", param_hint="'--npz'")
+    elif npz:
+        given = [f"--{name.replace('_', '-')}" for name in ("batch", "heads", "kv_heads", "head_dim")
+                 if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+        if given:
+            raise click.BadParameter(f"{', '.join(given)}: the captured tensors fix them", param_hint="'--npz'")
+        try:
+            options["source"] = job.Captured.load(npz)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc).removeprefix("npz: "), param_hint="'--npz'") from None
+        dims = options["source"].dims
+        batch, heads, kv_heads, head_dim = dims["batch"], dims["heads"], dims["kv_heads"], dims["head_dim"]
+        shapes = shapes or [(dims["keys"], dims["queries"])]
+        too_long = [f"{c}/{q}" for c, q in shapes if c > dims["keys"] or q > dims["queries"]]
+        if too_long:
+            raise click.BadParameter(f"{', '.join(too_long)}: {npz.name} holds {dims['keys']} keys and "
+                                     f"{dims['queries']} queries", param_hint="'--shape'")
     elif preset:
-        options["preset"] = preset
+        options["source"] = preset
     runs = _qk_runs(formats, qk_paths) if kind == "decode" else [(formats, {})]
     gpu = device_arch() is not None
     checks = [c for fmts, _ in runs
@@ -677,8 +702,9 @@ def parity(formats, shapes, batch, heads, kv_heads, head_dim, causal, backend, j
         speed = ("GB/s", "gbs", ".0f")
         extra = ("format rel_l2",)
     else:
+        data = npz.name if npz else preset or "N(0,1)"
         title = (f"parity vs FP64: batch {batch}, heads {heads}/{kv}, D {head_dim}, {'causal' if causal else 'non-causal'}, "
-                 f"{preset or 'N(0,1)'} Q/K/V{f', int8-QK smoothing {smoothing}' if smoothing else ''}")
+                 f"{data} Q/K/V{f', int8-QK smoothing {smoothing}' if smoothing else ''}")
         speed = ("TFLOPS", "tflops", ".1f")
         extra = ()
     table = _table(title, "format", "ctx/queries", "backend", "max_rel", "rel_l2", *extra, "failures", "ms", speed[0],

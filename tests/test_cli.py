@@ -520,6 +520,41 @@ def test_parity_on_a_preset_and_its_smoothing(tmp_path):
     assert_usage_error(run("parity", "--preset", "nope"), "--preset")
 
 
+def test_parity_on_captured_tensors(tmp_path):
+    """--npz checks the formats on a file's q, k, v: each CTX/QUERIES its last keys and rows (all of them by default),
+    the file's batch, heads and head dim, the records naming it; what the file cannot hold is refused by option."""
+    rng = np.random.default_rng(5)
+    captured = {"q": rng.standard_normal((1, 4, 300, 64)).astype(np.float32),
+                "k": rng.standard_normal((1, 2, 300, 64)).astype(np.float32) + 3.0,  # a K bias
+                "v": rng.standard_normal((1, 2, 300, 64)).astype(np.float32)}
+    path, out = tmp_path / "layer7.npz", tmp_path / "parity.json"
+    np.savez(path, **captured)
+    result = run("parity", "--backend", "numpy", "-f", "f16,i8-f8", "--npz", str(path), "--shape", "300/300",
+                 "--shape", "200/40", "--causal", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    assert "layer7.npz Q/K/V" in result.stdout and "heads 4/2, D 64" in result.stdout
+    records = json.loads(out.read_text())
+    assert [(r["format"], r["ctx"], r["queries"], r["heads"], r["kv_heads"], r["head_dim"]) for r in records] == [
+        (f, c, q, 4, 2, 64) for f in ("f16", "i8-f8") for c, q in ((300, 300), (200, 40))]
+    assert {r["data"] for r in records} == {"npz:layer7.npz"}
+    # the window: the last 200 keys and the last 40 rows, against FP64 on the same rounded values
+    from qattn.check import emulate, metrics, reference
+
+    q, k, v = (x.astype(np.float16) for x in (captured["q"][:, :, -40:], captured["k"][:, :, -200:],
+                                             captured["v"][:, :, -200:]))
+    ref = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), causal=True)
+    window = emulate.emulate("f16", q, k, v, causal=True, block_n=qattn.check.parity._emulator_block_n("f16", 64))
+    assert records[1]["rel_l2"] == metrics.compare(window, ref).rel_l2
+    whole = run("parity", "--backend", "numpy", "-f", "f16", "--npz", str(path), "--json", str(out))
+    assert whole.exit_code == 0 and [(r["ctx"], r["queries"]) for r in json.loads(out.read_text())] == [(300, 300)]
+    assert_usage_error(run("parity", "--backend", "numpy", "--npz", str(path), "--shape", "400/10"), "--shape")
+    assert_usage_error(run("parity", "--backend", "numpy", "--npz", str(path), "--heads", "4"), "--npz")
+    assert_usage_error(run("parity", "--backend", "numpy", "--npz", str(path), "--preset", "bias"), "--npz")
+    assert_usage_error(run("parity", "--kind", "decode", "--npz", str(path)), "--npz")
+    np.savez(tmp_path / "no_v.npz", q=captured["q"], k=captured["k"])
+    assert_usage_error(run("parity", "--backend", "numpy", "--npz", str(tmp_path / "no_v.npz")), "--npz")
+
+
 def test_parity_preset_inputs_are_the_presets_rounded():
     from qattn import data
     from qattn.check.parity import make_inputs

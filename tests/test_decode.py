@@ -344,7 +344,7 @@ def test_parity_decode_on_the_emulator_records_both_references(tmp_path):
     assert by_format["f16-f16"] < 1e-3 < 1e-2 < by_format["e4m3-e4m3"] < 6e-2  # the format's own cost
     with pytest.raises(ValueError, match="known decode formats"):
         parity.run_parity(["i8-f8"], [(64, 1)], backend="numpy", kind="decode")
-    with pytest.raises(ValueError, match="^options: prefill checks take only preset and smoothing"):
+    with pytest.raises(ValueError, match="^options: prefill checks take only source and smoothing"):
         parity.run_parity(["f16"], [(64, 1)], backend="numpy", page_size=16)
 
 

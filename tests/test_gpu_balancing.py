@@ -301,7 +301,7 @@ def test_parity_checks_the_kernels_on_a_preset_with_their_smoothing():
     from qattn.check.parity import run_parity
 
     shapes = [(2048, 256)]
-    options = dict(heads=4, kv_heads=2, causal=True, preset="outliers_scale", time_it=False)
+    options = dict(heads=4, kv_heads=2, causal=True, source="outliers_scale", time_it=False)
     for fmt in FORMATS:
         _skip_unsupported(fmt)
         gpu, emulated = (run_parity([fmt], shapes, backend=backend, smoothing="mean+balance", **options)[0]

@@ -7,6 +7,8 @@ the record says backend "numpy" with ms and tflops None.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
@@ -19,7 +21,7 @@ from ..engine.registry import RECIPES, recipe
 from ..engine.spec import call_spec, default_spec, device_arch
 from . import metrics
 from .emulate import emulate
-from .reference import attention as reference_attention
+from .reference import attention as reference_attention, check_shapes
 
 BACKENDS = ("auto", "cuda", "numpy")
 KIND_SHAPES = {  # (ctx, queries) of the kinds other than prefill: cached tokens, new tokens per sequence
@@ -57,16 +59,61 @@ def resolve_backend(fmt: str, backend: str, gpu: bool, kind: str = "prefill") ->
 _UNSET = object()  # a call option not given: the call's own default
 
 
-def make_inputs(fmt: str, shapes: tuple, seed, preset: str | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Fresh q, k, v in the format's input dtype, N(0,1) or from a qattn.data preset, and the float64 arrays the
-    FP64 reference sees: the same rounded values, or for formats over a cache (kv8) K and V read back from it."""
+@dataclass(frozen=True)
+class Captured:
+    """Q, K and V a model produced (an .npz's arrays q, k and v, BHSD): a check of CTX/QUERIES takes the last ctx
+    keys and, of those positions, the last queries rows (the queries close the context, bottom-right aligned)."""
+
+    name: str
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+
+    @classmethod
+    def load(cls, path) -> "Captured":
+        with np.load(path) as z:
+            missing = [name for name in "qkv" if name not in z.files]
+            if missing:
+                raise ValueError(f"npz: {path} holds no {', '.join(missing)} (expected arrays q, k and v, BHSD)")
+            q, k, v = (np.asarray(z[name], np.float32) for name in "qkv")
+        try:
+            check_shapes(q.shape, k.shape, v.shape)
+        except ValueError as exc:
+            raise ValueError(f"npz: {path}: {exc}") from None
+        return cls(Path(path).name, q, k, v)
+
+    @property
+    def dims(self) -> dict:
+        """batch, heads, kv_heads, head_dim, queries and keys of the file."""
+        (batch, heads, queries, head_dim), kv_heads, keys = self.q.shape, self.k.shape[1], self.k.shape[2]
+        return dict(batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, queries=queries, keys=keys)
+
+    def window(self, ctx: int, queries: int) -> list[np.ndarray]:
+        if ctx > self.k.shape[2] or queries > self.q.shape[2]:
+            raise ValueError(f"shape: {ctx}/{queries} is more than the {self.k.shape[2]} keys / {self.q.shape[2]} "
+                             f"queries in {self.name}")
+        return [self.q[:, :, -queries:], self.k[:, :, -ctx:], self.v[:, :, -ctx:]]
+
+
+def data_name(source) -> str:
+    """How a record names its inputs: normal, a preset's name, or npz:FILE."""
+    return "normal" if source is None else f"npz:{source.name}" if isinstance(source, Captured) else source
+
+
+def make_inputs(fmt: str, shapes: tuple, seed, source: str | Captured | None = None
+                ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """q, k, v in the format's input dtype, fresh N(0,1), a qattn.data preset's (source: its name) or a window of
+    captured ones (a Captured), and the float64 arrays the FP64 reference sees: the same rounded values, or for
+    formats over a cache (kv8) K and V read back from it."""
     rng = np.random.default_rng(seed)
     dtype = numpy_dtype(recipe(fmt).input_dtypes[0])
-    if preset is None:
+    (batch, heads, queries, head_dim), (_, kv_heads, ctx, _) = shapes[:2]
+    if source is None:
         given = [rng.standard_normal(shape, dtype=np.float32).astype(dtype) for shape in shapes]
+    elif isinstance(source, Captured):
+        given = [x.astype(dtype) for x in source.window(ctx, queries)]
     else:
-        (batch, heads, queries, head_dim), (_, kv_heads, ctx, _) = shapes[:2]
-        x = data.preset(preset, ctx=ctx, queries=queries, batch=batch, heads=heads, kv_heads=kv_heads,
+        x = data.preset(source, ctx=ctx, queries=queries, batch=batch, heads=heads, kv_heads=kv_heads,
                         head_dim=head_dim, seed=int(rng.integers(2 ** 31)))
         given = [x[name].astype(dtype) for name in "qkv"]
     exact = [x.astype(np.float64) for x in given]
@@ -115,18 +162,21 @@ def _emulator_block_n(fmt: str, head_dim: int) -> int:
 
 def check(entry: str, ctx: int, queries: int, *, backend: str, batch: int = 1, heads: int = 8,
           kv_heads: int | None = None, head_dim: int = 128, causal: bool = False, seed: int = 0,
-          time_it: bool = True, preset: str | None = None, smoothing=_UNSET) -> dict:
+          time_it: bool = True, source: str | Captured | None = None, smoothing=_UNSET) -> dict:
     """One parity check of a format (or FORMAT@UNIT, cuda only) on a resolved backend ("cuda" or
-    "numpy"), on N(0,1) inputs or a qattn.data preset's; smoothing (int8-QK formats: "mean", "mean+balance" or
+    "numpy"), on N(0,1) inputs, a qattn.data preset's (source: its name) or captured ones (a Captured, whose
+    dimensions replace batch, heads, kv_heads and head_dim); smoothing (int8-QK formats: "mean", "mean+balance" or
     None; the call's default where not given) goes to the kernel's call and the emulator alike; returns its
     record."""
     fmt = entry.partition("@")[0]
     options = {} if smoothing is _UNSET or "smoothing" not in registry.family_of(fmt).options else {"smoothing": smoothing}
+    if isinstance(source, Captured):
+        batch, heads, kv_heads, head_dim = (source.dims[n] for n in ("batch", "heads", "kv_heads", "head_dim"))
     kv_heads = heads if kv_heads is None else kv_heads
     tol = recipe(fmt).tolerance
     shapes = ((batch, heads, queries, head_dim), (batch, kv_heads, ctx, head_dim), (batch, kv_heads, ctx, head_dim))
     # Same seed for the same shape in every format: formats are compared on the same draws.
-    (q, k, v), (q64, k64, v64) = make_inputs(fmt, shapes, np.random.SeedSequence([seed, ctx, queries]), preset)
+    (q, k, v), (q64, k64, v64) = make_inputs(fmt, shapes, np.random.SeedSequence([seed, ctx, queries]), source)
     ref = reference_attention(q64, k64, v64, causal=causal)
     if backend == "cuda":
         out, ms, kernel_name = _run_cuda(entry, q, k, v, head_dim=head_dim, causal=causal, time_it=time_it, **options)
@@ -138,7 +188,7 @@ def check(entry: str, ctx: int, queries: int, *, backend: str, batch: int = 1, h
     return {
         "format": entry, "ctx": ctx, "queries": queries, "batch": batch, "heads": heads, "kv_heads": kv_heads,
         "head_dim": head_dim, "causal": causal, "backend": backend, "kernel": kernel_name,
-        "input_dtype": recipe(fmt).input_dtypes[0], "seed": seed, "data": preset or "normal", **options,
+        "input_dtype": recipe(fmt).input_dtypes[0], "seed": seed, "data": data_name(source), **options,
         "max_rel": err.max_rel, "rel_l2": err.rel_l2, "cos": err.cos, "nonfinite": err.nonfinite,
         "worst_index": list(err.worst_index), "failures": metrics.failures(out, ref, tol.max_rel),
         "tolerance": {"max_rel": tol.max_rel, "rel_l2": tol.rel_l2},
@@ -185,8 +235,9 @@ def run_parity(formats: Iterable[str], shapes: Iterable[tuple[int, int]] | None,
                backend: str = "auto", seed: int = 0, time_it: bool = True,
                progress: Callable[[dict], None] | None = None, kind: str = "prefill", **options) -> list[dict]:
     """Check every format on every shape (ctx, queries) against FP64; one record per check.
-    progress, if given, is called with each record as it completes. Prefill checks take two options: preset (a
-    qattn.data preset's Q, K and V instead of N(0,1)) and smoothing (the int8-QK formats'); kinds other than prefill run their family's check
+    progress, if given, is called with each record as it completes. Prefill checks take two options: source (a
+    qattn.data preset's name or a Captured, instead of N(0,1): see check) and smoothing (the int8-QK formats');
+    kinds other than prefill run their family's check
     (FormatFamily.parity) with the options of that kind (decode: page_size, scale, preset, ...)."""
     kv_heads = heads if kv_heads is None else kv_heads
     if batch < 1 or heads < 1 or kv_heads < 1 or heads % kv_heads:
@@ -195,17 +246,17 @@ def run_parity(formats: Iterable[str], shapes: Iterable[tuple[int, int]] | None,
     if head_dim < 1:
         raise ValueError(f"head_dim: expected a positive integer, got {head_dim}")
     records = []
-    preset = options.pop("preset", None) if kind == "prefill" else None
+    source = options.pop("source", None) if kind == "prefill" else None
     smoothing = options.pop("smoothing", _UNSET) if kind == "prefill" else _UNSET
     if options and kind == "prefill":
-        raise ValueError(f"options: prefill checks take only preset and smoothing, got {', '.join(options)}")
-    if preset is not None and preset not in data.PRESETS:
-        raise ValueError(f"preset: unknown preset {preset!r}; expected one of {sorted(data.PRESETS)}")
+        raise ValueError(f"options: prefill checks take only source and smoothing, got {', '.join(options)}")
+    if isinstance(source, str) and source not in data.PRESETS:
+        raise ValueError(f"source: unknown preset {source!r}; expected one of {sorted(data.PRESETS)}")
     for fmt, ran, ctx, queries in plan(list(formats), shapes, backend=backend, head_dim=head_dim, causal=causal,
                                        kind=kind):
         if kind == "prefill":
             record = check(fmt, ctx, queries, backend=ran, batch=batch, heads=heads, kv_heads=kv_heads,
-                           head_dim=head_dim, causal=causal, seed=seed, time_it=time_it, preset=preset,
+                           head_dim=head_dim, causal=causal, seed=seed, time_it=time_it, source=source,
                            smoothing=smoothing)
         else:
             record = registry.family_of(fmt, kind).parity(fmt, ctx, queries, backend=ran, batch=batch, heads=heads,
