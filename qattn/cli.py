@@ -658,21 +658,10 @@ def parity(ctx, formats, shapes, batch, heads, kv_heads, head_dim, causal, backe
     elif preset and npz:
         raise click.BadParameter("give --preset or --npz, not both", param_hint="'--npz'")
     elif npz:
-        given = [f"--{name.replace('_', '-')}" for name in ("batch", "heads", "kv_heads", "head_dim")
-                 if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
-        if given:
-            raise click.BadParameter(f"{', '.join(given)}: the captured tensors fix them", param_hint="'--npz'")
-        try:
-            options["source"] = job.Captured.load(npz)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc).removeprefix("npz: "), param_hint="'--npz'") from None
-        dims = options["source"].dims
+        options["source"] = captured = _captured(ctx, npz, shapes)
+        dims = captured.dims
         batch, heads, kv_heads, head_dim = dims["batch"], dims["heads"], dims["kv_heads"], dims["head_dim"]
         shapes = shapes or [(dims["keys"], dims["queries"])]
-        too_long = [f"{c}/{q}" for c, q in shapes if c > dims["keys"] or q > dims["queries"]]
-        if too_long:
-            raise click.BadParameter(f"{', '.join(too_long)}: {npz.name} holds {dims['keys']} keys and "
-                                     f"{dims['queries']} queries", param_hint="'--shape'")
     elif preset:
         options["source"] = preset
     runs = _qk_runs(formats, qk_paths) if kind == "decode" else [(formats, {})]
@@ -726,6 +715,26 @@ def parity(ctx, formats, shapes, batch, heads, kv_heads, head_dim, causal, backe
     if bad:
         click.echo(f"{len(bad)} of {len(records)} checks failed their format's tolerance", err=True)
         sys.exit(1)
+
+
+def _captured(ctx, npz: Path, shapes):
+    """parity --npz: the file's tensors, which fix batch, heads and head dim and bound the shapes checked."""
+    from .check.parity import Captured
+
+    given = [f"--{name.replace('_', '-')}" for name in ("batch", "heads", "kv_heads", "head_dim")
+             if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+    if given:
+        raise click.BadParameter(f"{', '.join(given)}: the captured tensors fix them", param_hint="'--npz'")
+    try:
+        captured = Captured.load(npz)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc).removeprefix("npz: "), param_hint="'--npz'") from None
+    keys, queries = captured.dims["keys"], captured.dims["queries"]
+    too_long = [f"{c}/{q}" for c, q in shapes if c > keys or q > queries]
+    if too_long:
+        raise click.BadParameter(f"{', '.join(too_long)}: {npz.name} holds {keys} keys and {queries} queries",
+                                 param_hint="'--shape'")
+    return captured
 
 
 def _qk_runs(formats, qk_paths) -> list[tuple[tuple, dict]]:
