@@ -6,7 +6,7 @@ from .engine import registry
 from .engine.arrays import as_device_array
 from .engine.kernel import Kernel, build_kernel
 from .engine.shape_class import ShapeClass
-from .engine.spec import KernelSpec, call_spec, default_spec, device_arch
+from .engine.spec import KernelSpec, builtin_spec, call_spec, default_spec, device_arch
 from .engine.tile import Tile
 
 # The format a call without format= runs, by the queries' dtype.
@@ -39,10 +39,22 @@ def _spec_from(kind: str, fields: dict) -> KernelSpec:
     return KernelSpec(kind=kind, **fields)
 
 
-def build(kind: str = "prefill", **spec) -> Kernel:
+def build(kind: str = "prefill", *, queries: int | None = None, **spec) -> Kernel:
     """Build (or fetch from the cache) one kernel: build("prefill", format="f16", head_dim=128,
-    causal=True, tile=(128, 64, 8, 2), arch="sm_90a"). The arch defaults to the current GPU's."""
-    return build_kernel(_spec_from(kind, spec))
+    causal=True, tile=(128, 64, 8, 2), arch="sm_90a"). The arch defaults to the current GPU's. With
+    queries (prefill, no tile, mma or options named), the kernel listed for attention() calls of that many
+    query rows per sequence (on sm_90a it depends on them): what they run where `qattn tune` stored none."""
+    if queries is None:
+        return build_kernel(_spec_from(kind, spec))
+    if not isinstance(queries, int) or isinstance(queries, bool) or queries < 1:
+        raise ValueError(f"queries: expected a positive integer, got {queries!r}")
+    if kind != "prefill":
+        raise ValueError(f"queries: {kind} kernels do not depend on a call's query rows (a decode call's QK path does)")
+    named = [name for name in ("tile", "mma", "options") if spec.get(name) is not None]
+    if named:
+        raise ValueError(f"queries: the kernel is named by {', '.join(named)}; give one or the other")
+    base = _spec_from(kind, spec)  # validates the rest and settles the arch
+    return build_kernel(builtin_spec(base.recipe, base.head_dim, base.causal, queries, base.arch))
 
 
 def _check_options(options: dict, format: str | None, k) -> None:

@@ -425,8 +425,8 @@ def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page
 def compile_matrix(kind, formats, head_dims, tile, warps, stages, causal, backend, archs, every,
                    mma=None, options=None, queries=()) -> list[KernelSpec]:
     """The specs of `qattn compile`. With every (--all), an option left out means all its supported
-    values (formats with a kernel, the family's head dims and archs, both causal settings), and a
-    format that --all picked is built for those of the given head dims and archs it supports.
+    values (formats with a kernel, the family's head dims and archs, both causal settings of a prefill
+    kernel), and a format that --all picked is built for those of the given head dims and archs it supports.
     Where no kernel is named (no tile, warps, stages, unit or template option), --all and --queries
     build what calls run (spec.call_specs): a CUDA prefill call's kernel depends on its query rows
     per sequence, a decode call's QK path ("auto") on its rows per kv head."""

@@ -417,3 +417,25 @@ def test_rocm_cupy_gets_a_clear_refusal(monkeypatch):
                                          r"--backend hip`\); name one of sm_80"):
         KernelSpec(recipe="f16", head_dim=128)
     assert KernelSpec(recipe="f16", head_dim=128, backend="hip", arch="gfx942").arch == "gfx942"
+
+
+def test_build_of_a_query_count_is_the_kernel_listed_for_it(monkeypatch):
+    """qattn.build(..., queries=N): the kernel calls of N query rows run where nothing is tuned (on sm_90a f16 from
+    1024 rows causal the persistent wgmma kernel, below that the mma.sync default); refused for decode kinds and
+    named kernels, and for anything but a positive count."""
+    import qattn
+    from qattn.engine.spec import builtin_spec
+
+    monkeypatch.setattr("qattn.api.build_kernel", lambda spec: spec)
+    for queries in (1, 1023, 1024, 50000):
+        built = qattn.build("prefill", format="f16", head_dim=128, causal=True, arch="sm_90a", queries=queries)
+        assert built == builtin_spec("f16", 128, True, queries, "sm_90a")
+        assert (built.family.values["mma_unit"] == "wgmma") == (queries >= 1024)
+    assert qattn.build("prefill", format="f16", arch="sm_90a") == KernelSpec(recipe="f16", arch="sm_90a")
+    for bad, message in ((dict(queries=0), "positive integer"), (dict(queries=True), "positive integer"),
+                         (dict(queries=64, tile=(64, 64, 4, 2)), "named by tile"),
+                         (dict(queries=64, options={"persistent": "on"}), "named by options")):
+        with pytest.raises(ValueError, match=f"^queries: .*{message}"):
+            qattn.build("prefill", format="f16", arch="sm_90a", **bad)
+    with pytest.raises(ValueError, match="^queries: decode kernels do not depend"):
+        qattn.build("decode", format="f16-f16", arch="sm_90a", queries=4)
