@@ -598,8 +598,9 @@ def _verdict(record: dict) -> str:
                    "the tolerances hold on N(0,1), and a format may fail them on a preset's data: the answer to "
                    "whether it is accurate enough there")
 @click.option("--npz", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="prefill: captured q, k and v [B, H, L, D] to check on (each CTX/QUERIES the file's last keys and "
-                   "rows; default shape: all of them), its batch, heads and head dim taken from the file")
+              help="captured q, k and v [B, H, L, D] to check on, its batch, heads and head dim taken from the "
+                   "file: each CTX/QUERIES the file's last keys and rows (prefill; default: all of them) or its last "
+                   "keys cached, the last QUERIES of them new (decode; default: all keys, one new)")
 @click.option("--smoothing", type=click.Choice(("mean", "mean+balance", "none")),
               help="prefill: the int8-QK formats' K smoothing: mean (K's channel mean subtracted), mean+balance (then Q's "
                    "and K's channels balanced: for scale-type K outliers) or none [default: a call's, mean below "
@@ -641,27 +642,23 @@ def parity(ctx, formats, shapes, batch, heads, kv_heads, head_dim, causal, backe
             raise click.BadParameter(f"only the int8-QK formats ({', '.join(smoothed)}) smooth K; none is checked",
                                      param_hint="'--smoothing'")
         options["smoothing"] = None if smoothing == "none" else smoothing
+    if preset and npz:
+        raise click.BadParameter("give --preset or --npz, not both", param_hint="'--npz'")
     if kind == "decode":
         if causal:
             raise click.BadParameter("decode rows are always bottom-right causal among the new tokens",
                                      param_hint="'--causal'")
-        if npz:
-            raise click.BadParameter("decode checks take --preset; `qattn plan decode --npz` weighs captured tensors",
-                                     param_hint="'--npz'")
-        options = {"page_size": int(page_size or 32), "scale": scale or "token", "preset": preset,
-                   "k_bias": bool(k_bias), "k_mean": k_mean or "off", "k_balance": bool(k_balance),
-                   "k_rope": k_rope or "off"}
+        options = {"page_size": int(page_size or 32), "scale": scale or "token", "k_bias": bool(k_bias),
+                   "k_mean": k_mean or "off", "k_balance": bool(k_balance), "k_rope": k_rope or "off"}
     elif page_size or scale or qk_paths or any(x is not None for x in (k_bias, k_mean, k_balance, k_rope)):
         raise click.BadParameter("--page-size, --scale, --qk, --k-bias, --k-mean, --k-balance and --k-rope "
                                  "are decode options",
                                  param_hint="'--kind'")
-    elif preset and npz:
-        raise click.BadParameter("give --preset or --npz, not both", param_hint="'--npz'")
-    elif npz:
+    if npz:
         options["source"] = captured = _captured(ctx, npz, shapes)
         dims = captured.dims
         batch, heads, kv_heads, head_dim = dims["batch"], dims["heads"], dims["kv_heads"], dims["head_dim"]
-        shapes = shapes or [(dims["keys"], dims["queries"])]
+        shapes = shapes or [(dims["keys"], 1 if kind == "decode" else dims["queries"])]
     elif preset:
         options["source"] = preset
     runs = _qk_runs(formats, qk_paths) if kind == "decode" else [(formats, {})]
@@ -682,16 +679,16 @@ def parity(ctx, formats, shapes, batch, heads, kv_heads, head_dim, causal, backe
                                                                             f"{r['backend']}: {_verdict(r)}"),
                                            **options, **path)]
     kv = heads if kv_heads is None else kv_heads
+    data = npz.name if npz else preset or "N(0,1)"
     if kind == "decode":
         title = (f"decode parity vs FP64: batch {batch}, heads {heads}/{kv}, D {head_dim}, page {options['page_size']}, "
-                 f"{options['scale']} scales, {preset or 'N(0,1)'} K/V{', pre-bias residual K' if k_bias else ''}"
+                 f"{options['scale']} scales, {data} K/V{', pre-bias residual K' if k_bias else ''}"
                  f"{', page means of K' if options['k_mean'] == 'page' else ''}"
                  f"{', balanced K channels' if options['k_balance'] else ''}"
                  f"{'' if options['k_rope'] == 'off' else ', ' + options['k_rope'] + '-RoPE residual K'}")
         speed = ("GB/s", "gbs", ".0f")
         extra = ("format rel_l2",)
     else:
-        data = npz.name if npz else preset or "N(0,1)"
         title = (f"parity vs FP64: batch {batch}, heads {heads}/{kv}, D {head_dim}, {'causal' if causal else 'non-causal'}, "
                  f"{data} Q/K/V{f', int8-QK smoothing {smoothing}' if smoothing else ''}")
         speed = ("TFLOPS", "tflops", ".1f")
@@ -719,7 +716,7 @@ def parity(ctx, formats, shapes, batch, heads, kv_heads, head_dim, causal, backe
 
 def _captured(ctx, npz: Path, shapes):
     """parity --npz: the file's tensors, which fix batch, heads and head dim and bound the shapes checked."""
-    from .check.parity import Captured
+    from .check.captured import Captured
 
     given = [f"--{name.replace('_', '-')}" for name in ("batch", "heads", "kv_heads", "head_dim")
              if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]

@@ -550,7 +550,6 @@ def test_parity_on_captured_tensors(tmp_path):
     assert_usage_error(run("parity", "--backend", "numpy", "--npz", str(path), "--shape", "400/10"), "--shape")
     assert_usage_error(run("parity", "--backend", "numpy", "--npz", str(path), "--heads", "4"), "--npz")
     assert_usage_error(run("parity", "--backend", "numpy", "--npz", str(path), "--preset", "bias"), "--npz")
-    assert_usage_error(run("parity", "--kind", "decode", "--npz", str(path)), "--npz")
     np.savez(tmp_path / "no_v.npz", q=captured["q"], k=captured["k"])
     assert_usage_error(run("parity", "--backend", "numpy", "--npz", str(tmp_path / "no_v.npz")), "--npz")
 

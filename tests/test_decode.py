@@ -333,7 +333,7 @@ def test_parity_decode_on_the_emulator_records_both_references(tmp_path):
     from qattn.check import parity
 
     records = parity.run_parity(["e4m3-e4m3", "f16-f16"], [(300, 1), (200, 3)], batch=2, heads=8, kv_heads=2,
-                                head_dim=64, backend="numpy", kind="decode", page_size=16, scale="head", preset=None,
+                                head_dim=64, backend="numpy", kind="decode", page_size=16, scale="head", source=None,
                                 qk="transform")
     assert [(r["format"], r["ctx"], r["queries"]) for r in records] == [
         ("e4m3-e4m3", 300, 1), ("e4m3-e4m3", 200, 3), ("f16-f16", 300, 1), ("f16-f16", 200, 3)]
@@ -362,11 +362,77 @@ def test_a_large_k_bias_ruins_an_8bit_k_cache_and_the_residual_k_fixes_it(fmt):
         assert all(r["passed"] for r in records)  # the kernel's arithmetic stays exact either way
         return {r["format"]: r["format_rel_l2"] for r in records}
 
-    biased = cost([fmt, "f16-e4m3"], preset="bias")
+    biased = cost([fmt, "f16-e4m3"], source="bias")
     assert biased[fmt] > 0.15 and biased["f16-e4m3"] < 0.06 and biased[fmt] > 5 * biased["f16-e4m3"], biased
-    residual = cost([fmt], preset="bias", k_bias=True)[fmt]
-    normal = cost([fmt], preset=None)[fmt]
+    residual = cost([fmt], source="bias", k_bias=True)[fmt]
+    normal = cost([fmt], source=None)[fmt]
     assert residual < 2 * normal and residual < biased[fmt] / 5, (residual, normal)
+
+
+def _captured_bias_file(path):
+    """A file as tools/capture_qkv.py writes it (q, k, v BHSD) whose keys carry a K bias 8x the tokens' spread (the
+    bias preset's failure)."""
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((2, 8, 900, 64)).astype(np.float32)
+    k = rng.standard_normal((2, 2, 900, 64)).astype(np.float32) + 8.0 * rng.standard_normal(64).astype(np.float32)
+    v = rng.standard_normal((2, 2, 900, 64)).astype(np.float32)
+    np.savez(path, q=q, k=k, v=v)
+    return q, k, v
+
+
+def test_parity_decode_on_captured_tensors(tmp_path):
+    """parity --kind decode --npz: the paged cache written from the file's last CTX keys, the last QUERIES of them new
+    (all keys and one new token by default), batch, heads and head dim the file's, the records naming it; the bias
+    preset's failure shows on captured tensors as on the preset, and the pre-bias residual K (the file's channel
+    mean) fixes it."""
+    import json
+
+    from qattn.check.captured import Captured
+    from qattn.cli import main
+    from qattn.formats.decode import parity
+
+    path, out = tmp_path / "layer3.npz", tmp_path / "decode.json"
+    q, k, v = _captured_bias_file(path)
+    # the window: q's last rows, K and V's last keys as tokens [B, L, Hkv, D]
+    wq, wk, wv, bias, theta, _ = parity._inputs("e4m3-e4m3", 2, 8, 2, 500, 4, 64, Captured.load(path), 0)
+    assert np.array_equal(wq, q[:, :, -4:].astype(np.float16)) and theta is None
+    assert np.array_equal(wk, k[:, :, -500:].transpose(0, 2, 1, 3).astype(np.float16))
+    assert np.array_equal(wv, v[:, :, -500:].transpose(0, 2, 1, 3).astype(np.float16))
+    assert np.allclose(bias, wk.astype(np.float32).mean(axis=(0, 1)), atol=1e-3)  # the mean before fp16 rounding
+
+    def records(*args):
+        result = CliRunner().invoke(main, ["parity", "--kind", "decode", "--backend", "numpy", "--npz", str(path),
+                                           "--json", str(out), *args])
+        assert result.exit_code == 0, result.output
+        return result, {(r["format"], r["ctx"], r["queries"]): r for r in json.loads(out.read_text())}
+
+    result, plain = records("-f", "e4m3-e4m3,f16-e4m3", "--shape", "600/1", "--shape", "500/4", "--page-size", "16")
+    assert "layer3.npz K/V" in result.output and "batch 2, heads 8/2, D 64" in result.output
+    assert set(plain) == {(f, c, n) for f in ("e4m3-e4m3", "f16-e4m3") for c, n in ((600, 1), (500, 4))}
+    for r in plain.values():
+        assert r["data"] == "npz:layer3.npz" and (r["batch"], r["heads"], r["kv_heads"], r["head_dim"]) == (2, 8, 2, 64)
+        assert r["passed"] and r["page_size"] == 16
+    for shape in ((600, 1), (500, 4)):
+        k8, k16 = plain[("e4m3-e4m3", *shape)]["format_rel_l2"], plain[("f16-e4m3", *shape)]["format_rel_l2"]
+        assert k16 < 0.06 and k8 > 5 * k16, (shape, k8, k16)
+    _, residual = records("-f", "e4m3-e4m3", "--shape", "600/1", "--k-bias")
+    normal = parity.check("e4m3-e4m3", 600, 1, backend="numpy", batch=2, heads=8, kv_heads=2, head_dim=64,
+                          page_size=16, qk="transform")["format_rel_l2"]
+    fixed = residual[("e4m3-e4m3", 600, 1)]["format_rel_l2"]
+    assert fixed < 2 * normal and fixed < plain[("e4m3-e4m3", 600, 1)]["format_rel_l2"] / 4, (fixed, normal)
+    _, whole = records("-f", "f16-f16")
+    assert list(whole) == [("f16-f16", 900, 1)] and whole[("f16-f16", 900, 1)]["passed"]
+
+    def refused(*args):
+        return CliRunner().invoke(main, ["parity", "--kind", "decode", "--backend", "numpy", "--npz", str(path),
+                                         *args])
+
+    for args, option in ((("--heads", "8"), "--npz"), (("--shape", "901/1"), "--shape"),
+                         (("--preset", "bias"), "--npz")):
+        result = refused(*args)
+        assert result.exit_code == 2 and option in result.output, (args, result.output)
+    result = refused("-f", "e4m3-e4m3", "--shape", "600/1", "--k-rope", "post")
+    assert result.exit_code != 0 and "the data (npz:layer3.npz) has no RoPE" in result.output
 
 
 def test_the_host_cache_stores_k_minus_the_bias_and_adds_it_back():

@@ -259,6 +259,27 @@ def test_decode_format_cost_is_measured_against_the_original_kv():
     assert errors["f16-f16"] < 1e-3 < errors["i8-i8"] < 2e-2 < errors["e4m3-e4m3"] < 6e-2, errors
 
 
+@pytest.mark.parametrize("fmt, qk", [("e4m3-e4m3", "fp8"), ("i8-i8", "int8"), ("f16-e4m3", "transform")])
+def test_parity_on_captured_tensors_runs_the_kernel(tmp_path, fmt, qk):
+    """parity's decode check on a captured file (a K bias 8x the tokens' spread): the kernel within the format's
+    tolerance of FP64 on the cache, and its cost against the original K/V that of the emulator's run on the same
+    window."""
+    from qattn.check.captured import Captured
+    from qattn.formats.decode.parity import check
+
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((2, 8, 700, 128)).astype(np.float32)
+    k = rng.standard_normal((2, 2, 700, 128)).astype(np.float32) + 8.0 * rng.standard_normal(128).astype(np.float32)
+    v = rng.standard_normal((2, 2, 700, 128)).astype(np.float32)
+    np.savez(tmp_path / "qkv.npz", q=q, k=k, v=v)
+    source = Captured.load(tmp_path / "qkv.npz")
+    runs = {backend: check(fmt, 650, 3, backend=backend, batch=2, heads=8, kv_heads=2, head_dim=128, source=source,
+                           qk=qk, time_it=False) for backend in ("cuda", "numpy")}
+    assert runs["cuda"]["passed"] and runs["cuda"]["data"] == "npz:qkv.npz", runs["cuda"]
+    cost = {backend: r["format_rel_l2"] for backend, r in runs.items()}
+    assert abs(cost["cuda"] - cost["numpy"]) < 2e-3, cost  # the kernel is within 1e-3 of the emulator
+
+
 def test_empty_and_short_sequences_and_padding_slots():
     import cupy
 

@@ -135,8 +135,8 @@ def test_bias_rope_preset_on_the_gpu(fmt, control):
         assert record["passed"], record
         return record["format_rel_l2"]
 
-    plain, k16 = run(fmt, preset="bias_rope"), run(control, preset="bias_rope")
-    post, pre = (run(fmt, preset="bias_rope", k_rope=layout) for layout in ("post", "pre"))
+    plain, k16 = run(fmt, source="bias_rope"), run(control, source="bias_rope")
+    post, pre = (run(fmt, source="bias_rope", k_rope=layout) for layout in ("post", "pre"))
     normal = run(fmt)
     assert plain > 4 * k16 and post < 2 * normal and pre < 2 * normal, (plain, k16, post, pre, normal)
 

@@ -7,8 +7,6 @@ the record says backend "numpy" with ms and tflops None.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
@@ -20,8 +18,9 @@ from ..engine.arrays import numpy_dtype
 from ..engine.registry import RECIPES, recipe
 from ..engine.spec import call_spec, default_spec, device_arch
 from . import metrics
+from .captured import Captured, data_name
 from .emulate import emulate
-from .reference import attention as reference_attention, check_shapes
+from .reference import attention as reference_attention
 
 BACKENDS = ("auto", "cuda", "numpy")
 KIND_SHAPES = {  # (ctx, queries) of the kinds other than prefill: cached tokens, new tokens per sequence
@@ -57,47 +56,6 @@ def resolve_backend(fmt: str, backend: str, gpu: bool, kind: str = "prefill") ->
 
 
 _UNSET = object()  # a call option not given: the call's own default
-
-
-@dataclass(frozen=True)
-class Captured:
-    """Q, K and V a model produced (an .npz's arrays q, k and v, BHSD): a check of CTX/QUERIES takes the last ctx
-    keys and, of those positions, the last queries rows (the queries close the context, bottom-right aligned)."""
-
-    name: str
-    q: np.ndarray
-    k: np.ndarray
-    v: np.ndarray
-
-    @classmethod
-    def load(cls, path) -> "Captured":
-        with np.load(path) as z:
-            missing = [name for name in "qkv" if name not in z.files]
-            if missing:
-                raise ValueError(f"npz: {path} holds no {', '.join(missing)} (expected arrays q, k and v, BHSD)")
-            q, k, v = (np.asarray(z[name], np.float32) for name in "qkv")
-        try:
-            check_shapes(q.shape, k.shape, v.shape)
-        except ValueError as exc:
-            raise ValueError(f"npz: {path}: {exc}") from None
-        return cls(Path(path).name, q, k, v)
-
-    @property
-    def dims(self) -> dict:
-        """batch, heads, kv_heads, head_dim, queries and keys of the file."""
-        (batch, heads, queries, head_dim), kv_heads, keys = self.q.shape, self.k.shape[1], self.k.shape[2]
-        return dict(batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, queries=queries, keys=keys)
-
-    def window(self, ctx: int, queries: int) -> list[np.ndarray]:
-        if ctx > self.k.shape[2] or queries > self.q.shape[2]:
-            raise ValueError(f"shape: {ctx}/{queries} is more than the {self.k.shape[2]} keys / {self.q.shape[2]} "
-                             f"queries in {self.name}")
-        return [self.q[:, :, -queries:], self.k[:, :, -ctx:], self.v[:, :, -ctx:]]
-
-
-def data_name(source) -> str:
-    """How a record names its inputs: normal, a preset's name, or npz:FILE."""
-    return "normal" if source is None else f"npz:{source.name}" if isinstance(source, Captured) else source
 
 
 def make_inputs(fmt: str, shapes: tuple, seed, source: str | Captured | None = None

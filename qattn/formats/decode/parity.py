@@ -1,5 +1,6 @@
 """The parity check of one decode format at one shape (`tools/parity --kind decode`): a paged cache
-written from fresh fp16 K/V (N(0,1), or a qattn.data preset), decoded on the GPU kernel (into a
+written from fp16 K/V (fresh N(0,1), a qattn.data preset, or captured tensors: the last keys and new tokens of an
+.npz), decoded on the GPU kernel (into a
 NaN-poisoned output, and timed) or on the CPU emulator, and compared with FP64 twice: on the
 dequantized cache (the kernel's arithmetic, judged by the format's tolerance) and on the original
 fp16 K/V (the format's own cost, reported as format_rel_l2). An 8-bit K is read on one QK path (qk:
@@ -16,6 +17,7 @@ import math
 import numpy as np
 
 from ...check import metrics
+from ...check.captured import Captured, data_name
 from ...engine.arrays import numpy_dtype
 from ...engine.registry import recipe
 from . import emulate
@@ -26,19 +28,23 @@ from .rope import RoPE
 WRITE_PIECE = 256  # tokens per sequence of each write after the first, with page means
 
 
-def _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, preset, seed):
+def _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, source, seed):
     """q [B, Hq, Lq, D] and the tokens k, v [B, L, Hkv, D] in the format's query type, the K
-    bias of the data ([Hkv, D] fp32: the preset's own, else K's channel mean over every token) and the
-    data's RoPE base and its K before RoPE ([B, L, Hkv, D]; None without RoPE)."""
+    bias of the data ([Hkv, D] fp32: a preset's own, else K's channel mean over every token) and the
+    data's RoPE base and its K before RoPE ([B, L, Hkv, D]; None without RoPE). source: None (N(0,1)), a
+    qattn.data preset's name or a Captured (its last ctx keys; q its last queries rows)."""
     dtype = numpy_dtype(recipe(fmt, "decode").input_dtypes[0])
-    if preset is None:
+    if source is None:
         rng = np.random.default_rng(seed)
         q = rng.standard_normal((batch, heads, queries, head_dim), dtype=np.float32)
         k, v = (rng.standard_normal((batch, ctx, kv_heads, head_dim), dtype=np.float32) for _ in range(2))
+    elif isinstance(source, Captured):
+        q, k, v = source.window(ctx, queries)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     else:
         from ... import data
 
-        x = data.preset(preset, ctx=ctx, queries=queries, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        x = data.preset(source, ctx=ctx, queries=queries, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                         batch=batch, seed=seed)
         q, k, v = x["q"], x["k"].transpose(0, 2, 1, 3), x["v"].transpose(0, 2, 1, 3)
         if "k_bias" in x:
@@ -49,11 +55,12 @@ def _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, preset, seed):
 
 
 def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, heads: int = 8, kv_heads: int = 8,
-          head_dim: int = 128, page_size: int = 32, scale: str = "token", preset: str | None = None, seed: int = 0,
+          head_dim: int = 128, page_size: int = 32, scale: str = "token", source: str | Captured | None = None,
+          seed: int = 0,
           time_it: bool = True, qk: str = "auto", arch: str | None = None, k_bias: bool = False,
           k_mean: str = "off", k_balance: bool = False, k_rope: str = "off") -> dict:
     """One record (JSON-ready apart from non-finite floats) for fmt at ctx cached tokens per sequence,
-    the last `queries` of them new (bottom-right causal among them). k_bias: a pre-bias residual K
+    the last `queries` of them new (bottom-right causal among them), on source's data (see _inputs). k_bias: a pre-bias residual K
     cache, given the data's K bias (see _inputs); k_mean: "page" for page means (an 8-bit K); k_balance:
     Q/K channel balancing of an 8-bit K, α calibrated from the first write; k_rope: "post" or "pre", the
     residual K under RoPE of post- or pre-RoPE keys (an 8-bit K; data with RoPE and a K bias: bias_rope)."""
@@ -64,11 +71,18 @@ def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, hea
 
         arch = device_arch()
     qk = resolve_qk(fmt, arch or "sm_90a", qk, heads // kv_heads * queries)
-    q, k, v, bias, theta, k_pre = _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, preset, seed)
+    if isinstance(source, Captured):
+        dims = source.dims
+        fixed = {"batch": batch, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+        wrong = [f"{name} {value} (the file's: {dims[name]})" for name, value in fixed.items() if value != dims[name]]
+        if wrong:
+            raise ValueError(f"source: {source.name} fixes batch, heads, kv_heads and head_dim; got {', '.join(wrong)}")
+    q, k, v, bias, theta, k_pre = _inputs(fmt, batch, heads, kv_heads, ctx, queries, head_dim, source, seed)
     if k_rope not in ("off", "post", "pre"):
         raise ValueError(f"k_rope: expected 'off', 'post' or 'pre', got {k_rope!r}")
     if k_rope != "off" and theta is None:
-        raise ValueError(f"k_rope: the data ({preset or 'N(0,1)'}) has no RoPE; the bias_rope preset has")
+        raise ValueError(f"k_rope: the data ({data_name(source) if source is not None else 'N(0,1)'}) has no RoPE; "
+                         "the bias_rope preset has")
     bias = bias if k_bias or k_rope != "off" else None
     balance = "calibrate" if k_balance else None
     rope = RoPE(theta=theta) if k_rope != "off" else None
@@ -104,7 +118,7 @@ def check(fmt: str, ctx: int, queries: int, *, backend: str, batch: int = 1, hea
     return {
         "kind": "decode", "format": fmt, "ctx": ctx, "queries": queries, "batch": batch, "heads": heads,
         "kv_heads": kv_heads, "head_dim": head_dim, "page_size": page_size, "scale": scale,
-        "data": preset or "normal", "backend": backend, "kernel": kernel, "qk": qk, "k_bias": bias is not None,
+        "data": data_name(source), "backend": backend, "kernel": kernel, "qk": qk, "k_bias": bias is not None,
         "k_mean": k_mean, "k_balance": balance is not None, "k_rope": k_rope,
         "input_dtype": recipe(fmt, "decode").input_dtypes[0], "seed": seed,
         "max_rel": err.max_rel, "rel_l2": err.rel_l2, "cos": err.cos, "nonfinite": err.nonfinite,
