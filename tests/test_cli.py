@@ -23,7 +23,7 @@ from qattn.engine.registry import RECIPES
 from qattn.engine.family import Tolerance
 from qattn.engine.registry import family_of
 from qattn.engine.spec import KernelSpec, builtin_spec
-from qattn.formats.dense.launch import launch_variants
+from qattn.formats.dense.launch import stride_variants
 from qattn.formats.decode.recipes import MAX_ROWS, resolve_qk
 from qattn.engine.cache import KernelCache
 from qattn.engine.compile import CompileError, find_tool
@@ -335,7 +335,7 @@ def test_compile_queries_builds_what_those_calls_run():
               for n in (1024, 32768)]
     i8_f8 = list(dict.fromkeys(routed[:4]))  # one kernel a call, no variant (sm_89: one for every count)
     assert specs[:len(i8_f8)] == i8_f8 and len(i8_f8) == 3
-    f16 = set(routed[4:]) | {v for s in routed[4:] for v in launch_variants(s)}  # and the variants on sm_90a
+    f16 = set(routed[4:]) | {v for s in routed[4:] for v in stride_variants(s)}  # and the variants on sm_90a
     assert set(specs[len(i8_f8):]) == f16
     default = compile_matrix("prefill", ["f16"], [128], None, None, None, True, "cuda", ["sm_90a"], False)
     assert default[0] not in specs and routed[4].family.values["mma_unit"] == "wgmma"
@@ -367,9 +367,8 @@ def test_compile_queries_builds_a_routed_kernel(monkeypatch):
     result = run("compile", "-f", "f16", "-d", "128", "--causal", "--queries", "1024", "--arch", "sm_90a")
     assert result.exit_code == 0, result.output
     routed = builtin_spec("f16", 128, True, 1024, "sm_90a")
-    # K/V rows by cp.async; Q rows too; the split last round's kernel on a unit table
-    assert built == [routed, *launch_variants(routed)] and len(built) == 4
-    assert routed.name in result.stdout and "4 of 4 compiled" in result.stdout
+    assert built == [routed, *stride_variants(routed)] and len(built) == 3  # K/V rows by cp.async; Q rows too
+    assert routed.name in result.stdout and "3 of 3 compiled" in result.stdout
     assert_usage_error(run("compile", "--queries", "1024", "--tile", "128x64", "--arch", "sm_90a"), "--queries")
     assert_usage_error(run("compile", "--queries", "1024", "--option", "persistent=on", "--arch", "sm_90a"),
                        "--queries")
@@ -377,9 +376,9 @@ def test_compile_queries_builds_a_routed_kernel(monkeypatch):
     assert_usage_error(run("compile", "--queries", "0", "--arch", "sm_90a"), "--queries")
 
 
-def test_launch_variants_hold_every_kernel_the_launcher_switches_to(monkeypatch):
+def test_stride_variants_hold_every_kernel_the_launcher_switches_to(monkeypatch):
     """Where the TMA cannot address a call's K/V or Q strides the dense launcher runs another spec
-    (kv_rows on, q_tma off): each such spec is among launch_variants, which `qattn compile` builds."""
+    (kv_rows on, q_tma off): each such spec is among stride_variants, which `qattn compile` builds."""
     from qattn.formats.dense import launch
 
     monkeypatch.setattr("qattn.engine.kernel.build_kernel", lambda spec, cache=None: SimpleNamespace(spec=spec))
@@ -387,13 +386,13 @@ def test_launch_variants_hold_every_kernel_the_launcher_switches_to(monkeypatch)
     assert dict(routed.options)["q_tma"] == "on" and routed.family.values["kv_rows"] == "off"
     k = np.broadcast_to(np.zeros((1, 1, 1024, 128), np.float16), (2, 2, 1024, 128))  # batch and heads at stride 0
     kernel, maps = launch._kv_maps(SimpleNamespace(spec=routed), k, k)
-    assert maps is None and kernel.spec in launch_variants(routed)
+    assert maps is None and kernel.spec in stride_variants(routed)
     q = np.zeros((2, 8, 1024, 130), np.float16)[..., :128]  # rows 260 bytes apart: not a multiple of 16
     for start in (routed, kernel.spec):
         switched, q_map = launch._rows_map(SimpleNamespace(spec=start), "q_tma", "q", q.shape, q.strides, "float16", 128)
-        assert switched.spec in [routed, *launch_variants(routed)] and q_map is None
+        assert switched.spec in [routed, *stride_variants(routed)] and q_map is None
     assert switched.spec == kernel.spec  # kv_rows on settles q_tma off already
-    assert launch_variants(builtin_spec("f16", 128, True, 100, "sm_90a")) == []  # mma.sync: no TMA
+    assert stride_variants(builtin_spec("f16", 128, True, 100, "sm_90a")) == []  # mma.sync: no TMA
 
 
 def test_compile_builds_the_modules_a_family_builds_beside_its_kernels(monkeypatch):
@@ -789,7 +788,7 @@ def test_template_options_select_a_kernel_variant():
     (["--option", "persistent"], "expected NAME=VALUE, e.g. persistent=on, got 'persistent'"),
     (["--option", "persistent=on", "--option", "persistent=off"], "persistent given twice"),
     (["--mma", "wgmma", "--option", "persistent=maybe"], "persistent: f16 takes one of off, on, got 'maybe'"),
-    (["--mma", "wgmma", "--option", "colour=blue"], "options: f16 takes kv_rows, pingpong, persistent, chain, out_tma, q_tma, tail, table, got colour"),
+    (["--mma", "wgmma", "--option", "colour=blue"], "options: f16 takes kv_rows, pingpong, persistent, chain, out_tma, q_tma, got colour"),
     (["--option", "persistent=on"], "f16 on mma.sync takes none, got persistent; its wgmma kernel does (mma='wgmma')"),
 ])
 def test_template_option_errors_name_the_option(args, message):

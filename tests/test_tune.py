@@ -20,7 +20,7 @@ from qattn.engine.family import Tolerance
 from qattn.engine.shape_class import ShapeClass, length_bucket
 from qattn.engine.spec import KernelSpec, builtin_spec, call_spec, call_specs, default_spec
 from qattn.engine.tile import Tile
-from qattn.formats.dense.launch import launch_variants
+from qattn.formats.dense.launch import stride_variants
 from qattn.tune.build import prebuild
 from qattn.tune.candidates import candidate_specs, tunable_formats, units
 from qattn.tune.case import Shape, output_problem
@@ -227,13 +227,13 @@ def test_call_specs_add_the_stored_winners_of_the_calls_bucket(on_h200, monkeypa
     """What `qattn compile --queries/--all` builds: the listed kernel of the count, and the winners `qattn tune`
     stored for such calls on this GPU (of the count's query bucket; every bucket's where no count is given)."""
     listed = builtin_spec("f16", 128, False, 4096, "sm_90a")
-    with_variants = [listed, *launch_variants(listed)]
+    with_variants = [listed, *stride_variants(listed)]
     assert call_specs("f16", 128, False, "sm_90a", 4096) == with_variants
     tuned.save([entry("m64n64w4s3"), entry("m128n128w8s2@wgmma+persistent", shape_class=LONG,
                                            candidates={"m128n128w8s2@wgmma+persistent": 0.5})])
     stored_4k = call_spec("f16", 128, False, 4096, "sm_90a", shape=MHA_4K)
     assert stored_4k.tile == Tile(64, 64, 4, 3)
-    assert call_specs("f16", 128, False, "sm_90a", 4096) == [listed, stored_4k, *launch_variants(listed)]
+    assert call_specs("f16", 128, False, "sm_90a", 4096) == [listed, stored_4k, *stride_variants(listed)]
     every = call_specs("f16", 128, False, "sm_90a")
     assert {stored_4k, call_spec("f16", 128, False, 32768, "sm_90a", shape=LONG), listed} <= set(every)
     assert call_specs("f16", 128, False, "sm_90a", 100)[0].family.values["mma_unit"] == "mma.sync"

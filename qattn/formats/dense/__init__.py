@@ -3,7 +3,7 @@ from pathlib import Path
 
 from ...engine import registry
 from .emulate import EMULATORS
-from .launch import prefill, launch_variants
+from .launch import prefill, stride_variants
 from .recipes import LAUNCH_TILES, RECIPES
 
 FAMILY = registry.register(registry.FormatFamily(
@@ -13,5 +13,5 @@ FAMILY = registry.register(registry.FormatFamily(
     launchers={"prefill": prefill},
     emulators=EMULATORS,
     launch_tiles=LAUNCH_TILES,
-    variants=launch_variants,
+    variants=stride_variants,
 ))

@@ -1,13 +1,9 @@
 """The dense formats' launcher (f16, bf16, f32): check a call's arguments against the kernel's spec,
-allocate the outputs and launch. Errors name the argument and what was expected. A launch of chained items whose
-last round tail.plan_tail splits runs three kernels: the chained one on the full rounds, the same spec on a unit
-table (table "on") for the last round's pieces, and that module's merge."""
+allocate the outputs and launch. Errors name the argument and what was expected."""
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -18,24 +14,6 @@ from ...engine.memory import CallMemory, lse_output
 from ...engine.packed import NULL, Blob, PackedLaunch, Pointer, cached_plan, element_strides, programmatic
 from ...engine.tensormap import MAP_ALIGN, MAP_BYTES, MapEncoder, swizzled_rows
 from ...check.reference import check_shapes
-from .recipes import wgmma_chains
-from .tail import TailPlan, plan_tail
-
-MERGE_THREADS = 256  # the merge kernel's block (prefill_wgmma.cu.j2)
-
-
-@dataclass(frozen=True)
-class _SplitLaunch:
-    """A launch whose last round is split (tail.py): the main kernel up to plan.main_items, the table kernel on the
-    pieces, the merge; the device copies of the plan's tables; the workspace bytes of the pieces' rows and LSE."""
-
-    main: PackedLaunch
-    table: PackedLaunch
-    merge: PackedLaunch
-    tables: tuple  # the device arrays behind `pointers`
-    pointers: dict  # units, units_first, merges
-    part_rows_bytes: int
-    part_bytes: int
 
 
 @dataclass(frozen=True)
@@ -45,7 +23,6 @@ class _PrefillPlan:
     maps: tuple | None = None  # the K and V tensor maps' encoders (TMA kernels), by data pointer
     out_map: MapEncoder | None = None  # the output's (chained kernels' TMA stores), by data pointer
     q_map: MapEncoder | None = None  # Q's (chained kernels' Q boxes by TMA), by data pointer
-    split: Callable[[], _SplitLaunch] | None = None  # the launch with its last round split (made at its first call)
 
 
 def prefill(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, lse=None,
@@ -53,8 +30,7 @@ def prefill(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = F
     """out = softmax(q kᵀ·scale) v for one prefill kernel; returns out or (out, lse). The launch is
     planned once per signature (shapes, strides, dtypes, options; packed.cached_plan): a repeated
     call checks its pointers' alignment, allocates what the caller did not give (memory.CallMemory)
-    and launches. A launch with its last round split (tail.py) takes the pieces' rows from the workspace; a call
-    captured on a CuPy stream without one runs the launch unsplit."""
+    and launches. The dense kernels need no temporaries: workspace is accepted and unused."""
     example = q
     return_lse = return_lse or lse is not None
     q, k, v = (as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
@@ -80,14 +56,7 @@ def prefill(kernel, q, k, v, *, scale: float | None = None, return_lse: bool = F
             params["o_map"] = plan.out_map(out_arr.data.ptr)
         if plan.q_map is not None:
             params["q_map"] = plan.q_map(q.data.ptr)
-        split = plan.split() if plan.split is not None and memory.scratch_allowed else None
-        if split is None:
-            plan.launch(params, memory.stream_ptr)
-        else:
-            parts = memory.scratch(split.part_bytes)
-            params.update(split.pointers, part_o=parts.ptr, part_lse=parts.ptr + split.part_rows_bytes)
-            for launch in (split.main, split.table, split.merge):
-                launch(params, memory.stream_ptr)
+        plan.launch(params, memory.stream_ptr)
     return (out_result, lse_result) if return_lse else out_result
 
 
@@ -124,67 +93,26 @@ def _plan(kernel, q, k, v, out, scale, return_lse) -> _PrefillPlan:
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale: expected a positive finite number, got {scale}")
     wgmma = spec.family.values.get("mma_unit") == "wgmma"
-    kernel, maps = _kv_maps(kernel, k, v)
-    kernel, out_map = _rows_map(kernel, "out_tma", "out", q.shape, out_strides, q.dtype.name, 16)
-    kernel, q_map = _rows_map(kernel, "q_tma", "q", q.shape, q.strides, q.dtype.name, kernel.spec.tile.block_m)
-    spec = kernel.spec
-    chained = wgmma and wgmma_chains(spec.tile, d, dict(spec.options))
     args = (Pointer("q"), Pointer("k"), Pointer("v"), Pointer("out"), Pointer("lse") if return_lse else NULL,
             *element_strides(q.strides, q.itemsize), *element_strides(k.strides, q.itemsize),
             *element_strides(v.strides, q.itemsize), *element_strides(out_strides, q.itemsize), np.int64(lq),
             *((np.int32(b),) if wgmma else ()), np.int32(hq), np.int32(hq // hkv), np.int32(lq), np.int32(lk),
             np.float32(scale * math.log2(math.e)))
-    map_args = (Blob("k_map", MAP_BYTES, MAP_ALIGN), Blob("v_map", MAP_BYTES, MAP_ALIGN)) if maps is not None else ()
-    rows_args = tuple(Blob(name, MAP_BYTES, MAP_ALIGN) for name, m in (("o_map", out_map), ("q_map", q_map))
-                      if m is not None)
+    kernel, maps = _kv_maps(kernel, k, v)
+    if maps is not None:
+        args += (Blob("k_map", MAP_BYTES, MAP_ALIGN), Blob("v_map", MAP_BYTES, MAP_ALIGN))
+    kernel, out_map = _rows_map(kernel, "out_tma", "out", q.shape, out_strides, q.dtype.name, 16)
+    if out_map is not None:
+        args += (Blob("o_map", MAP_BYTES, MAP_ALIGN),)
+    kernel, q_map = _rows_map(kernel, "q_tma", "q", q.shape, q.strides, q.dtype.name, kernel.spec.tile.block_m)
+    if q_map is not None:
+        args += (Blob("q_map", MAP_BYTES, MAP_ALIGN),)
     qblocks = math.ceil(lq / spec.tile.block_m)
-    items = qblocks * hq * b
     # one consumer warpgroup's block runs two to an SM (prefill_wgmma.cu.j2, BLOCKS_PER_SM)
     per_sm = 2 if spec.tile.warps == 4 else 1
-    grid = work_grid(spec, items, q.device.id, per_sm) if wgmma else (qblocks, hq, b)
-
-    def main_launch(item_end):
-        return PackedLaunch(kernel.function(), grid, kernel.threads, kernel.shared_bytes,
-                            args + ((np.int32(item_end),) if chained else ()) + map_args + rows_args, programmatic(spec))
-
-    tail = None
-    if chained and dict(spec.options).get("tail") == "split":
-        tail = plan_tail(items=items, qblocks=qblocks, lq=lq, lk=lk, block_m=spec.tile.block_m,
-                         block_n=spec.tile.block_n, causal=spec.causal, grid=grid[0])
-    split = None if tail is None else functools.cache(functools.partial(
-        _split_launch, spec, tail, args, map_args, grid, functools.partial(main_launch, tail.main_items), out_strides,
-        q.itemsize, return_lse, (hq, hkv, lq)))
-    return _PrefillPlan(main_launch(items), (b, hq, lq), maps, out_map, q_map, split)
-
-
-def table_spec(spec):
-    """The kernel of a split launch's last round: spec's tile and options on a unit table (table "on")."""
-    return spec.with_(options={**dict(spec.options), "chain": "off", "table": "on"})
-
-
-def _split_launch(spec, tail: TailPlan, args, map_args, grid, main, out_strides, itemsize, return_lse, heads):
-    import cupy
-
-    from ...engine.kernel import build_kernel
-
-    hq, hkv, lq = heads
-    table = build_kernel(table_spec(spec))
-    tables = {name: cupy.asarray(array) for name, array in
-              (("units", tail.entries), ("units_first", tail.first), ("merges", tail.merges))}
-    table_launch = PackedLaunch(table.function(), grid, table.threads, table.shared_bytes,
-                                args + (Pointer("units"), Pointer("units_first"), Pointer("part_o"),
-                                        Pointer("part_lse")) + map_args, programmatic(spec))
-    rows = spec.tile.block_m * tail.slots
-    merges = len(tail.merges)
-    merge_grid = (math.ceil(merges * spec.tile.block_m * (spec.head_dim // 8) / MERGE_THREADS), 1, 1)
-    # launched in stream order (not programmatically): it follows both kernels, the table one not having waited
-    merge = PackedLaunch(table.function("_merge"), merge_grid, MERGE_THREADS, 0,
-                         (Pointer("part_o"), Pointer("part_lse"), Pointer("merges"), np.int32(merges), Pointer("out"),
-                          *element_strides(out_strides, itemsize), Pointer("lse") if return_lse else NULL,
-                          np.int64(lq), np.int32(hq), np.int32(hq // hkv), np.int32(lq)))
-    part_rows = rows * spec.head_dim * itemsize
-    return _SplitLaunch(main(), table_launch, merge, tuple(tables.values()),
-                        {name: array.data.ptr for name, array in tables.items()}, part_rows, part_rows + rows * 4)
+    grid = work_grid(spec, qblocks * hq * b, q.device.id, per_sm) if wgmma else (qblocks, hq, b)
+    launch = PackedLaunch(kernel.function(), grid, kernel.threads, kernel.shared_bytes, args, programmatic(spec))
+    return _PrefillPlan(launch, (b, hq, lq), maps, out_map, q_map)
 
 
 def _kv_maps(kernel, k, v):
@@ -214,16 +142,14 @@ def _tma_off_spec(spec, option):
     return spec.with_(options={**dict(spec.options), option: "off"})
 
 
-def launch_variants(spec) -> list:
+def stride_variants(spec) -> list:
     """The kernels a call may run in spec's place where the TMA cannot address its tensors' strides (K and V, then
-    the output, then Q: _kv_maps and _rows_map in turn), and beside each the kernel of a split last round (table_spec),
-    so that `qattn compile` builds them too."""
+    the output, then Q: _kv_maps and _rows_map in turn), so that `qattn compile` builds them too."""
     found = [spec]
     if spec.family.values.get("kv_rows") == "off":
         found.append(_kv_rows_spec(spec))
     for option in ("out_tma", "q_tma"):
         found += [_tma_off_spec(s, option) for s in found if dict(s.options).get(option) == "on"]
-    found += [table_spec(s) for s in found if dict(s.options).get("tail") == "split"]
     return list(dict.fromkeys(found))[1:]
 
 
