@@ -788,7 +788,7 @@ def test_template_options_select_a_kernel_variant():
     (["--option", "persistent"], "expected NAME=VALUE, e.g. persistent=on, got 'persistent'"),
     (["--option", "persistent=on", "--option", "persistent=off"], "persistent given twice"),
     (["--mma", "wgmma", "--option", "persistent=maybe"], "persistent: f16 takes one of off, on, got 'maybe'"),
-    (["--mma", "wgmma", "--option", "colour=blue"], "options: f16 takes kv_rows, pingpong, persistent, chain, out_tma, q_tma, got colour"),
+    (["--mma", "wgmma", "--option", "colour=blue"], "options: f16 takes kv_rows, pingpong, persistent, chain, out_tma, q_tma, tail, got colour"),
     (["--option", "persistent=on"], "f16 on mma.sync takes none, got persistent; its wgmma kernel does (mma='wgmma')"),
 ])
 def test_template_option_errors_name_the_option(args, message):

@@ -297,6 +297,7 @@ def test_persistent_blocks_give_the_same_bits(fmt, options, causal, head_dim, ti
     rows in two regions), with causal items that see no key (more queries than keys) between them."""
     import cupy
 
+    options = {**options, "tail": "off"}  # (a split last round's rows are rounded once more: test_split_last_round)
     one = _kernel(fmt, head_dim, causal, tile, options=options)
     many = _kernel(fmt, head_dim, causal, tile, options={**options, "persistent": "on"})
     rng = np.random.default_rng()
@@ -307,6 +308,61 @@ def test_persistent_blocks_give_the_same_bits(fmt, options, causal, head_dim, ti
         assert cupy.array_equal(a.view(cupy.uint16), ref.view(cupy.uint16)), (b, hq, lq, lk)
         assert cupy.array_equal(la, lref), (b, hq, lq, lk)
     _check(fmt, many, a, host, causal=causal, lse=la)
+
+
+def _split_rows(plan, qblocks, hq, bm):
+    """(batch, head, first row) of each item the plan split over blocks (work_item's order, causal pairs)."""
+    rows = []
+    for item in plan.merges[:, 0].tolist():
+        qi, bh = item % qblocks, item // qblocks
+        qblock = (qi // 2 if qi % 2 else qblocks - 1 - qi // 2) if plan.paired else qi
+        rows.append((bh // hq, bh % hq, qblock * bm))
+    return rows
+
+
+@pytest.mark.parametrize("fmt,head_dim,causal,shape", [
+    ("f16", 128, False, (1, 17, 17, 1000, 1000)),  # 136 items on 132 SMs: the last 4 items' tiles one to a block
+    ("bf16", 128, True, (2, 17, 1, 1024, 1100)),  # 136 pairs: the last 4 pairs' tiles shared
+    ("f16", 64, True, (1, 23, 1, 1500, 600)),  # more queries than keys: the top query blocks see none
+])
+def test_split_last_round(fmt, head_dim, causal, shape):
+    """The routed chained kernel with its last round split (tail "split": each block's pieces after its items, and
+    the merge) against the same launch whole (tail "off"): an item no piece split has the same bits; a split item's
+    rows (normalized per piece and merged) within a rounding of them; every row written into a NaN-poisoned out;
+    within the format's tolerance of FP64, with the LSE."""
+    import cupy
+
+    from qattn.engine.grid import sm_count
+    from qattn.formats.dense.tail import plan_tail
+
+    b, hq, hkv, lq, lk = shape
+    split = qattn.build("prefill", format=fmt, head_dim=head_dim, causal=causal, queries=lq)
+    spec = split.spec
+    if spec.arch != "sm_90a":
+        pytest.skip("wgmma needs sm_90a")
+    assert dict(spec.options)["tail"] == "split"
+    whole = qattn.build("prefill", format=fmt, head_dim=head_dim, causal=causal, mma="wgmma", tile=spec.tile,
+                        options={**dict(spec.options), "tail": "off"})
+    bm = spec.tile.block_m
+    qblocks = -(-lq // bm)
+    plan = plan_tail(items=qblocks * hq * b, qblocks=qblocks, lq=lq, lk=lk, block_m=bm, block_n=spec.tile.block_n,
+                     causal=causal, grid=sm_count(0))
+    assert plan is not None and len(plan.merges) > 0
+    rng = np.random.default_rng()
+    host, (q, k, v) = _host_inputs(rng, fmt, b, hq, hkv, lq, lk, head_dim)
+    out, lse = _poisoned(q.shape, q.dtype), cupy.full((b, hq, lq), cupy.nan, cupy.float32)
+    split(q, k, v, out=out, lse=lse)
+    ref, lref = whole(q, k, v, return_lse=True)
+    mask = np.zeros((b, hq, lq), bool)
+    for batch, head, row in _split_rows(plan, qblocks, hq, bm):
+        mask[batch, head, row:row + bm] = True
+    got, want = _f32(out), _f32(ref)
+    assert mask.any() and not mask.all()
+    assert np.array_equal(got[~mask], want[~mask]) and np.array_equal(_f32(lse)[~mask], _f32(lref)[~mask])
+    ulp = 2.0 ** (-8 if fmt == "bf16" else -11)
+    np.testing.assert_allclose(got[mask], want[mask], rtol=4 * ulp, atol=4 * ulp)
+    np.testing.assert_allclose(_f32(lse)[mask], _f32(lref)[mask], rtol=1e-6, atol=1e-6)
+    _check(fmt, split, out, host, causal=causal, lse=lse)
 
 
 @pytest.mark.parametrize("fmt,head_dim,causal", [("f16", 128, True), ("bf16", 128, False), ("f16", 64, False)])

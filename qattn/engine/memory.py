@@ -131,6 +131,11 @@ class CallMemory:
         array = cupy.empty(shape, dtype=dtype)
         return array, array
 
+    @property
+    def scratch_allowed(self) -> bool:
+        """Whether scratch() may hand out memory: not on a CuPy stream under capture without a workspace."""
+        return not self.capturing or self._workspace is not None or self._torch is not None
+
     def scratch(self, nbytes: int):
         """nbytes of temporaries (ALIGN-byte aligned) as a cupy.cuda.MemoryPointer that keeps its
         memory alive, or None for none."""

@@ -157,8 +157,9 @@ class KernelSpec:
 
 
 def _option_tag(name: str, value) -> str:
-    """An option in a spec name: page_size 32 -> p32, k_mean page -> kmean-page, k_rope post -> krope-post,
-    k_balance on -> kbal, an on/off option's "on" as its name without underscores (kv_rows -> kvrows, out_tma -> outtma),
+    """An option in a spec name: page_size 32 -> p32, k_mean page -> kmean-page, k_rope post -> krope-post, tail
+    split -> tail-split, k_balance on -> kbal, an on/off option's "on" as its name without underscores (kv_rows ->
+    kvrows, out_tma -> outtma),
     other values as they are (an option left "off" is left out, so that adding one renames no existing
     kernel)."""
     if name == "page_size":
@@ -167,7 +168,7 @@ def _option_tag(name: str, value) -> str:
         return "kbal"
     if name in ("kv_rows", "pingpong", "persistent", "chain", "out_tma", "q_tma", "v_tiles"):
         return name.replace("_", "")
-    if name in ("k_mean", "k_rope"):
+    if name in ("k_mean", "k_rope", "tail"):
         return f"{name.replace('_', '')}-{value}"
     return str(value)
 

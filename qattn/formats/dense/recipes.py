@@ -80,10 +80,15 @@ def wgmma_chains(tile: Tile, d: int, options: dict) -> bool:
 
 
 def _wgmma_settled(options: dict, tile: Tile, d: int) -> dict:
-    """The TMA options take effect only on chained items (wgmma_chains); out_tma's staged rows take the second Q
-    region, so beside it Q comes by the consumers' cp.async (q_tma "off")."""
+    """The TMA options and the split of the last round (tail) take effect only on chained items (wgmma_chains);
+    out_tma's staged rows take the second Q region, so beside it Q comes by the consumers' cp.async (q_tma "off")
+    (and the split is left out where its loop would spill)."""
     if not wgmma_chains(tile, d, options):
-        return {**options, "out_tma": "off", "q_tma": "off"}
+        return {**options, "out_tma": "off", "q_tma": "off", "tail": "off"}
+    if options["out_tma"] == "on" or (d == 128 and options["q_tma"] == "off"):
+        # the pieces' loop beside TMA stores, or beside d128's Q rows by the consumers, spills (ptxas 13.0: 52-60
+        # and 4 bytes)
+        options = {**options, "tail": "off"}
     if options["out_tma"] == "on":
         return {**options, "q_tma": "off"}
     return options
@@ -148,9 +153,12 @@ CUDA_WGMMA = Family(
     # a persistent block runs its items back to back, an item's last P V beside the next one's first Q Kᵀ, where
     # wgmma_chains says it can (elsewhere, as on a block an item, the kernel is the one without it); out_tma "on":
     # those chained blocks write each warp's output rows by a TMA store of a map of `out`; q_tma "on": their producer
-    # loads each item's Q rows as one TMA box (_wgmma_settled: where neither takes effect, the spec has it "off")
+    # loads each item's Q rows as one TMA box (_wgmma_settled: where neither takes effect, the spec has it "off");
+    # tail "split" (where items chain; "off" elsewhere): the launcher shares the grid's last round among the blocks by
+    # key tiles (formats/dense/tail.py), which take their pieces after their items, and merges the split items' rows
+    # (the same kernel either way: "off" names the launch without the split)
     options={"kv_rows": ("off", "on"), "pingpong": ("off", "on"), "persistent": ("off", "on"), "chain": ("off", "on"),
-             "out_tma": ("off", "on"), "q_tma": ("off", "on")},
+             "out_tma": ("off", "on"), "q_tma": ("off", "on"), "tail": ("split", "off")},
     # turns at d128: 1.00-1.03x without them non-causal, 1.00-1.03x causal at 4096+ rows (H200,
     # docs/notes/dense.md); at d64 they change nothing measurable, so d64 keeps the simpler schedule.
     # Q by the producer's TMA on chained items, time against the consumers' cp.async in the same runs (H100,
