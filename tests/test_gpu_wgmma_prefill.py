@@ -297,7 +297,6 @@ def test_persistent_blocks_give_the_same_bits(fmt, options, causal, head_dim, ti
     rows in two regions), with causal items that see no key (more queries than keys) between them."""
     import cupy
 
-    options = {**options, "tail": "off"}  # (a split last round's rows are rounded once more: test_split_last_round)
     one = _kernel(fmt, head_dim, causal, tile, options=options)
     many = _kernel(fmt, head_dim, causal, tile, options={**options, "persistent": "on"})
     rng = np.random.default_rng()
@@ -327,7 +326,7 @@ def _split_rows(plan, qblocks, hq, bm):
 ])
 def test_split_last_round(fmt, head_dim, causal, shape):
     """The routed chained kernel with its last round split (tail "split": each block's pieces after its items, and
-    the merge) against the same launch whole (tail "off"): an item no piece split has the same bits; a split item's
+    the merge) against the same launch whole (tail "off", the routed default): an item no piece split has the same bits; a split item's
     rows (normalized per piece and merged) within a rounding of them; every row written into a NaN-poisoned out;
     within the format's tolerance of FP64, with the LSE."""
     import cupy
@@ -336,13 +335,13 @@ def test_split_last_round(fmt, head_dim, causal, shape):
     from qattn.formats.dense.tail import plan_tail
 
     b, hq, hkv, lq, lk = shape
-    split = qattn.build("prefill", format=fmt, head_dim=head_dim, causal=causal, queries=lq)
-    spec = split.spec
-    if spec.arch != "sm_90a":
+    whole = qattn.build("prefill", format=fmt, head_dim=head_dim, causal=causal, queries=lq)
+    if whole.spec.arch != "sm_90a":
         pytest.skip("wgmma needs sm_90a")
-    assert dict(spec.options)["tail"] == "split"
-    whole = qattn.build("prefill", format=fmt, head_dim=head_dim, causal=causal, mma="wgmma", tile=spec.tile,
-                        options={**dict(spec.options), "tail": "off"})
+    split = qattn.build("prefill", format=fmt, head_dim=head_dim, causal=causal, mma="wgmma", tile=whole.spec.tile,
+                        options={**dict(whole.spec.options), "tail": "split"})
+    spec = split.spec
+    assert dict(spec.options)["tail"] == "split" and dict(whole.spec.options)["tail"] == "off"
     bm = spec.tile.block_m
     qblocks = -(-lq // bm)
     plan = plan_tail(items=qblocks * hq * b, qblocks=qblocks, lq=lq, lk=lk, block_m=bm, block_n=spec.tile.block_n,

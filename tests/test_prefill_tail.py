@@ -102,11 +102,12 @@ def test_no_split_where_it_would_not_save_time(items, qblocks, causal, grid):
 
 ROUTED = [call_spec(f, d, c, 1024, "sm_90a") for f, d, c in (("f16", 128, False), ("bf16", 128, True),
                                                             ("f16", 64, True))]
+SPLIT = [s.with_(options={**dict(s.options), "tail": "split"}) for s in ROUTED]
 
 
-@pytest.mark.parametrize("spec", ROUTED, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", SPLIT, ids=lambda s: s.name)
 def test_chained_kernels_take_their_pieces_after_their_items(spec):
-    """The routed chained kernels split their last round (tail "split", the default where items chain): an item
+    """The routed chained kernels with their last round split (tail "split"): an item
     bound, then a second loop over the block's pieces (one more first S, S-ahead step and last P V than the kernel
     with tail "off"), the launch of the merge allowed from the start, and the merge beside it, which waits for them.
     ptxas spills nothing in either entry and serializes no wgmma."""
@@ -141,5 +142,6 @@ def test_the_split_takes_no_effect_where_its_loop_would_not_fit():
         spec = KernelSpec(recipe="f16", head_dim=d, arch="sm_90a", mma="wgmma", options=options)
         assert dict(spec.options)["tail"] == "off" and "tail" not in spec.name, options
     for d in (64, 128):
-        spec = KernelSpec(recipe="f16", head_dim=d, arch="sm_90a", mma="wgmma", options=chained)
-        assert dict(spec.options)["tail"] == "split"
+        spec = KernelSpec(recipe="f16", head_dim=d, arch="sm_90a", mma="wgmma", options={**chained, "tail": "split"})
+        assert dict(spec.options)["tail"] == "split" and "tail-split" in spec.name
+        assert dict(spec.with_(options=chained).options)["tail"] == "off"  # the default

@@ -225,7 +225,7 @@ def test_chained_q_rows_by_tma_pass_a_map_of_q(monkeypatch):
     monkeypatch.setattr(launch, "work_grid", lambda spec, items, device, per_sm: (132, 1, 1))
     spec = KernelSpec(recipe="f16", head_dim=128, causal=True, arch="sm_90a", mma="wgmma",
                       options={"persistent": "on", "chain": "on"})
-    assert dict(spec.options)["q_tma"] == "on" and spec.name.endswith("_chain_qtma_tail-split_sm90a")
+    assert dict(spec.options)["q_tma"] == "on" and spec.name.endswith("_chain_qtma_sm90a")
     b, hq, lq, d = 2, 8, 333, 128
     q = _array((b, hq, lq, d), (lq * hq * d * 2, d * 2, hq * d * 2, 2))  # a BSHD view
     k = _array((b, 2, lq, d))

@@ -152,7 +152,7 @@ def test_i8_f16_scale_blocks_follow_the_kernel():
 # persistent blocks that run their items back to back (chain on, two consumer warpgroups, TMA K/V), Q rows by the
 # consumers' cp.async (q_tma, d128's default, has its own test)
 CHAINED = [KernelSpec(recipe=f, head_dim=d, causal=c, arch="sm_90a", mma="wgmma",
-                      options={"persistent": "on", "chain": "on", "q_tma": "off", "tail": "off"})
+                      options={"persistent": "on", "chain": "on", "q_tma": "off"})
            for f, d, c in (("f16", 128, False), ("bf16", 128, True), ("f16", 64, True))]
 
 
@@ -270,7 +270,7 @@ def test_chained_q_rows_by_the_producers_tma(spec):
     """q_tma "on": the producer loads each item's BM Q rows as one box of a third map into the item's region, and the
     consumers issue no cp.async; the products are the chained kernel's, and ptxas spills nothing."""
     on = spec.with_(options={**dict(spec.options), "q_tma": "on"})
-    assert (on == spec.with_(options={"persistent": "on", "chain": "on", "tail": "off"})) == (spec.head_dim == 128)  # d128: Q by TMA, its default
+    assert (on == spec.with_(options={"persistent": "on", "chain": "on"})) == (spec.head_dim == 128)  # d128's default
     binary = _compiled(on)
     entry = _attention_entry(on)
     check_spills(entry, entry_resources(binary.log, entry), attention=True)

@@ -16,7 +16,6 @@ BLOCK_M = (32, 64, 128, 192, 256)
 # their Q rows by TMA loads (kv_rows, the TMA kernel's fallback for strides it cannot read, is never faster and
 # stays out).
 SWEPT_OPTIONS = ("pingpong", "persistent", "chain", "out_tma", "q_tma")
-FOLLOWED_OPTIONS = ("tail",)  # not swept: each variant takes the family's default (tail "split" wherever items chain)
 BLOCK_N = (32, 64, 128)
 # From one warp per SM scheduler up, as every built-in default has; --warps names fewer.
 WARPS = (4, 8, 12, 16)
@@ -56,11 +55,8 @@ def option_variants(spec: KernelSpec) -> list[KernelSpec]:
     names = [n for n in SWEPT_OPTIONS if n in fam.options and not (n == "pingpong" and spec.tile.warps <= 4)]
     chains = fam.values.get("chains")
     variants = [spec]
-    # options the sweep leaves at their default (the split last round of chained items): spec's own may be the value
-    # the family settled where it took no effect
-    defaults = {n: fam.option_default(n, spec.head_dim) for n in FOLLOWED_OPTIONS if n in fam.options}
     for values in itertools.product(*(fam.options[n] for n in names)):
-        options = {**dict(spec.options), **defaults, **dict(zip(names, values))}
+        options = {**dict(spec.options), **dict(zip(names, values))}
         chained = bool(chains and chains(spec.tile, spec.head_dim, options))
         if options.get("chain") == "on" and not chained:
             continue

@@ -156,9 +156,8 @@ CUDA_WGMMA = Family(
     # loads each item's Q rows as one TMA box (_wgmma_settled: where neither takes effect, the spec has it "off");
     # tail "split" (where items chain; "off" elsewhere): the launcher shares the grid's last round among the blocks by
     # key tiles (formats/dense/tail.py), which take their pieces after their items, and merges the split items' rows
-    # (the same kernel either way: "off" names the launch without the split)
     options={"kv_rows": ("off", "on"), "pingpong": ("off", "on"), "persistent": ("off", "on"), "chain": ("off", "on"),
-             "out_tma": ("off", "on"), "q_tma": ("off", "on"), "tail": ("split", "off")},
+             "out_tma": ("off", "on"), "q_tma": ("off", "on"), "tail": ("off", "split")},
     # turns at d128: 1.00-1.03x without them non-causal, 1.00-1.03x causal at 4096+ rows (H200,
     # docs/notes/dense.md); at d64 they change nothing measurable, so d64 keeps the simpler schedule.
     # Q by the producer's TMA on chained items, time against the consumers' cp.async in the same runs (H100,
