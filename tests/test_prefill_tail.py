@@ -47,7 +47,9 @@ def test_every_key_tile_of_every_item_is_taken_once(batch, heads, lq, lk, causal
     qi = np.arange(items) % qblocks
     qblock = np.where(qi % 2, qi // 2, qblocks - 1 - qi // 2) if causal else qi
     assert tiles.tolist() == [-(-max(_keys_for_rows(int(b) * bm, lq, lk, bm, causal), 0) // bn) for b in qblock]
-    plan = plan_tail(items=items, qblocks=qblocks, lq=lq, lk=lk, block_m=bm, block_n=bn, causal=causal, grid=grid)
+    # (free pieces and merge: the table of every shape, whether or not the split would pay there)
+    plan = plan_tail(items=items, qblocks=qblocks, lq=lq, lk=lk, block_m=bm, block_n=bn, causal=causal, grid=grid,
+                     piece_tiles=0, merge_tiles=0)
     assert plan is not None
     seen = {}
     for block in range(grid):
@@ -77,11 +79,14 @@ def test_every_key_tile_of_every_item_is_taken_once(batch, heads, lq, lk, causal
 
 def test_the_last_round_is_shared_evenly():
     """B16 H32 L1024 on 132 SMs: 4096 items, 31 full rounds kept, the last 4 items' 32 tiles one to a block; causal,
-    2048 pairs, the last 68 pairs' 612 tiles in runs of 5 (three pieces a block at most)."""
+    2048 pairs, the last 68 pairs' 612 tiles in runs of 5 (three pieces a block at most), which the measured costs
+    of pieces and merge leave whole."""
     plan = plan_tail(items=4096, qblocks=8, lq=1024, lk=1024, block_m=128, block_n=128, causal=False, grid=132)
     assert plan.main_items == 4092 and len(plan.entries) == 32 and plan.slots == 32 and len(plan.merges) == 4
     assert plan.first.tolist() == list(range(33)) + [32] * 100
-    causal = plan_tail(items=4096, qblocks=8, lq=1024, lk=1024, block_m=128, block_n=128, causal=True, grid=132)
+    args = dict(items=4096, qblocks=8, lq=1024, lk=1024, block_m=128, block_n=128, causal=True, grid=132)
+    assert plan_tail(**args) is None  # at the measured costs its pieces cost what the last pair does
+    causal = plan_tail(**args, piece_tiles=0, merge_tiles=0)
     assert causal.main_items == 2 * 1980
     per_block = [causal.entries[a:b] for a, b in zip(causal.first[:-1], causal.first[1:])]
     spans = [int((e[:, 2] - e[:, 1]).sum()) for e in per_block]
@@ -93,6 +98,7 @@ def test_the_last_round_is_shared_evenly():
     (100, 1, False, 132),   # fewer units than blocks: one round
     (4000, 1, False, 132),  # items of one tile: a piece saves nothing
     (2 * 84, 12, True, 30),  # 24 of 30 blocks take a last pair: its pieces would cost as much
+    (32 * 32 * 4, 4, False, 132),  # B32 L512: items of 4 tiles (measured 2-4% slower split)
 ])
 def test_no_split_where_it_would_not_save_time(items, qblocks, causal, grid):
     lq = qblocks * 128

@@ -259,13 +259,16 @@ def test_candidates_are_the_valid_grid_tiles_on_each_unit_default_first():
     # with the options (the default): persistent blocks on and off on every wgmma tile, turns on and off
     # where a tile has two or more consumer warpgroups (d128's default takes them: "=off" is named), and chained
     # items where persistent blocks of two warpgroups keep the output rows' region (8 of them), each also with its
-    # rows by TMA stores and with its Q rows by the consumers' loads (d128's default: by the producer's TMA)
+    # rows by TMA stores and with its Q rows by the consumers' loads (d128's default: by the producer's TMA), and with
+    # the grid's last round split where its loop fits (Q by the producer's TMA: 8 more)
     names = {tuned.TunedKernel.of(s).name for s in wgmma}
-    assert len(wgmma) == 66 and len(specs) == 40 + 66
+    assert len(wgmma) == 74 and len(specs) == 40 + 74
     assert {"m128n128w8s2@wgmma", "m128n128w8s2@wgmma+persistent", "m128n128w8s2@wgmma+pingpong=off",
             "m128n128w8s2@wgmma+persistent+pingpong=off", "m64n64w4s2@wgmma+persistent",
             "m128n128w8s2@wgmma+chain+persistent", "m128n64w8s3@wgmma+chain+persistent+pingpong=off",
-            "m128n128w8s2@wgmma+chain+out_tma+persistent", "m128n128w8s2@wgmma+chain+persistent+q_tma=off"} <= names
+            "m128n128w8s2@wgmma+chain+out_tma+persistent", "m128n128w8s2@wgmma+chain+persistent+q_tma=off",
+            "m128n128w8s2@wgmma+chain+persistent+tail=split"} <= names
+    assert not any("tail" in n and ("out_tma" in n or "q_tma=off" in n) for n in names)
     # TMA stores and Q loads only where items chain, and not both
     assert not any(("out_tma" in n or "q_tma" in n) and "chain" not in n for n in names)
     assert not any("out_tma" in n and "q_tma" in n for n in names)

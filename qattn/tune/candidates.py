@@ -13,9 +13,9 @@ from ..engine.tile import Tile
 BLOCK_M = (32, 64, 128, 192, 256)
 # Template options a sweep also tries on every tile, where the unit's kernel family has them: the
 # wgmma kernels' turns between consumer warpgroups, persistent blocks, chained items, their rows by TMA stores and
-# their Q rows by TMA loads (kv_rows, the TMA kernel's fallback for strides it cannot read, is never faster and
-# stays out).
-SWEPT_OPTIONS = ("pingpong", "persistent", "chain", "out_tma", "q_tma")
+# their Q rows by TMA loads, and their grid's last round split by key tiles (kv_rows, the TMA kernel's fallback for
+# strides it cannot read, is never faster and stays out).
+SWEPT_OPTIONS = ("pingpong", "persistent", "chain", "out_tma", "q_tma", "tail")
 BLOCK_N = (32, 64, 128)
 # From one warp per SM scheduler up, as every built-in default has; --warps names fewer.
 WARPS = (4, 8, 12, 16)

@@ -16,10 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# A piece's fixed cost in key tiles (its Q rows, the first tile's S with no P V beside it, its rows out): where the
-# split saves less than the pieces and the merge cost, plan_tail keeps the last round whole.
-PIECE_TILES = 1.0
-MERGE_TILES = 1.0  # the merge, in key tiles of the main kernel's time
+# The fixed costs of a piece (its Q rows, a first S with no P V beside it, its rows out) and of the merge (its launch
+# and its wait for every block), in key tiles, as the H100 runs of docs/notes/dense.md put them: where the split
+# saves less than they cost, plan_tail keeps the last round whole (split, B32 L512 ran 2-4% slower, B16 L1024 1-3%
+# faster).
+PIECE_TILES = 3.0
+MERGE_TILES = 3.0
 
 
 @dataclass(frozen=True)
@@ -50,9 +52,9 @@ def item_tiles(items: int, qblocks: int, lq: int, lk: int, block_m: int, block_n
     return -(-np.maximum(keys, 0) // block_n)
 
 
-def plan_tail(*, items: int, qblocks: int, lq: int, lk: int, block_m: int, block_n: int, causal: bool,
-              grid: int) -> TailPlan | None:
-    """The split of the launch's last round, or None where it would not save time."""
+def plan_tail(*, items: int, qblocks: int, lq: int, lk: int, block_m: int, block_n: int, causal: bool, grid: int,
+              piece_tiles: float = PIECE_TILES, merge_tiles: float = MERGE_TILES) -> TailPlan | None:
+    """The split of the launch's last round, or None where it would not save time (at the given fixed costs)."""
     paired = causal  # persistent causal launches pair their items
     per_unit = 2 if paired else 1
     units = -(-items // per_unit)
@@ -64,14 +66,14 @@ def plan_tail(*, items: int, qblocks: int, lq: int, lk: int, block_m: int, block
     tail = np.arange(main_items, items)
     # the last round as it is: a unit's tiles and pieces on one block
     last = [tiles[u * per_unit:(u + 1) * per_unit] for u in range(units - rest, units)]
-    whole = max(int(unit.sum()) + PIECE_TILES * len(unit) for unit in last)
+    whole = max(int(unit.sum()) + piece_tiles * len(unit) for unit in last)
     total = int(tiles[tail].sum())
     if total == 0:
         return None
     share = math.ceil(total / grid)
     pieces = _pieces(tail, tiles[tail], share)
-    split = max(sum(end - start for _, start, end, _ in block) + PIECE_TILES * len(block) for block in pieces)
-    if split + MERGE_TILES >= whole:
+    split = max(sum(end - start for _, start, end, _ in block) + piece_tiles * len(block) for block in pieces)
+    if split + merge_tiles >= whole:
         return None
     return _table(main_items, paired, pieces, grid)
 
