@@ -39,22 +39,26 @@ def _spec_from(kind: str, fields: dict) -> KernelSpec:
     return KernelSpec(kind=kind, **fields)
 
 
-def build(kind: str = "prefill", *, queries: int | None = None, **spec) -> Kernel:
+def build(kind: str = "prefill", *, queries: int | None = None, heads: int | None = None, **spec) -> Kernel:
     """Build (or fetch from the cache) one kernel: build("prefill", format="f16", head_dim=128,
     causal=True, tile=(128, 64, 8, 2), arch="sm_90a"). The arch defaults to the current GPU's. With
     queries (prefill, no tile, mma or options named), the kernel listed for attention() calls of that many
-    query rows per sequence (on sm_90a it depends on them): what they run where `qattn tune` stored none."""
+    query rows per sequence (on sm_90a it depends on them), over `heads` sequence-heads (batch x query heads;
+    default: many): what they run where `qattn tune` stored none."""
+    if heads is not None and queries is None:
+        raise ValueError("heads: give queries too (the kernel a call runs depends on its rows first)")
     if queries is None:
         return build_kernel(_spec_from(kind, spec))
-    if not isinstance(queries, int) or isinstance(queries, bool) or queries < 1:
-        raise ValueError(f"queries: expected a positive integer, got {queries!r}")
+    for name, value in (("queries", queries), ("heads", heads)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name}: expected a positive integer, got {value!r}")
     if kind != "prefill":
         raise ValueError(f"queries: {kind} kernels do not depend on a call's query rows (a decode call's QK path does)")
     named = [name for name in ("tile", "mma", "options") if spec.get(name) is not None]
     if named:
         raise ValueError(f"queries: the kernel is named by {', '.join(named)}; give one or the other")
     base = _spec_from(kind, spec)  # validates the rest and settles the arch
-    return build_kernel(builtin_spec(base.recipe, base.head_dim, base.causal, queries, base.arch))
+    return build_kernel(builtin_spec(base.recipe, base.head_dim, base.causal, queries, base.arch, heads))
 
 
 def _check_options(options: dict, format: str | None, k) -> None:
@@ -111,10 +115,10 @@ def _shape_class(q, k) -> ShapeClass | None:
     return ShapeClass.of(int(q.shape[2]), int(k_shape[2]), int(q.shape[1]), int(k_shape[1]))
 
 
-def _launch_band(format: str, q, causal) -> int | None:
-    """Which of the format's query-count kernels (registry.launch_choice) a call's rows reach."""
+def _launch_band(format: str, q, causal) -> tuple | None:
+    """Which of the format's listed kernels (registry.launch_choice) a call's rows and sequence-heads reach."""
     try:
-        return registry.launch_band(format, int(q.shape[-1]), _queries(q), bool(causal))
+        return registry.launch_band(format, int(q.shape[-1]), _queries(q), bool(causal), _heads(q))
     except (KeyError, ValueError, TypeError):  # an unknown format: the spec's checks name it
         return None
 
@@ -122,6 +126,11 @@ def _launch_band(format: str, q, causal) -> int | None:
 def _queries(q) -> int:
     """Query rows per sequence of q [B, H, Lq, D] (0 for another rank, which the launcher's checks name)."""
     return int(q.shape[2]) if len(q.shape) == 4 else 0
+
+
+def _heads(q) -> int:
+    """Sequence-heads (batch x query heads) of q [B, H, Lq, D] (0 for another rank)."""
+    return int(q.shape[0]) * int(q.shape[1]) if len(q.shape) == 4 else 0
 
 
 def _call_kernel(format: str, q, k, causal, tile) -> Kernel:
@@ -135,7 +144,8 @@ def _call_kernel(format: str, q, k, causal, tile) -> Kernel:
         kernel, key = None, None
     if kernel is None:
         with q.device:
-            spec = call_spec(format, int(q.shape[-1]), causal, _queries(q), device_arch(), tile, shape=shape)
+            spec = call_spec(format, int(q.shape[-1]), causal, _queries(q), device_arch(), tile, shape=shape,
+                             heads=_heads(q))
             kernel = build_kernel(spec)
         if key is not None:
             _CALL_KERNELS[key] = kernel

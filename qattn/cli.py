@@ -381,7 +381,7 @@ def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page
     listed = () if spec.kind != "prefill" or named_tile or backend != "cuda" or spec.mma is not None else \
         registry.launch_choices(spec.recipe, spec.head_dim, spec.arch, spec.causal)
     if listed:  # what qattn.attention runs instead of the default shown here, by the call's query rows
-        report["launch_tiles"] = [{"tile": c.tile.name, "least_queries": c.least_queries,
+        report["launch_tiles"] = [{"tile": c.tile.name, "least_queries": c.least_queries, "least_heads": c.least_heads,
                                    "mma": c.mma or spec.family.values.get("mma_unit"), "options": dict(c.options)}
                                   for c in listed]
     if as_json:
@@ -394,9 +394,11 @@ def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page
     console.print(table)
     for i, choice in enumerate(listed):
         least, t, unit = choice.least_queries, choice.tile, choice.mma
-        upper = listed[i + 1].least_queries - 1 if i + 1 < len(listed) else None
+        upper = next((c.least_queries - 1 for c in listed[i + 1:] if c.least_queries > least), None)
         calls = ("calls" if least <= 1 else f"calls of at least {least} query rows") if upper is None else \
             f"calls of {least} to {upper} query rows"
+        if choice.least_heads > 1:
+            calls += f" over at least {choice.least_heads} sequence-heads (batch x heads)"
         on_unit = f" on {unit}" if unit else ""
         options = "".join(f", {name} {value}" for name, value in choice.options)
         console.print(f"note: on {spec.arch}, qattn.attention {calls} run {t.name}{on_unit}{options} instead "

@@ -155,7 +155,7 @@ def test_inspect_names_the_tile_kv8_calls_run():
     assert "qattn.attention calls of at least 256 query rows run m128n64w8s3 instead (inspect it with --queries 256)" \
         in text
     split = json.loads(run("inspect", "-f", "kv8-split", "-d", "128", "--arch", "sm_90a", "--json").stdout)
-    assert split["launch_tiles"] == [{"tile": "m128n64w8s3", "least_queries": 256, "mma": "mma.sync", "options": {}}]
+    assert split["launch_tiles"] == [{"tile": "m128n64w8s3", "least_queries": 256, "least_heads": 1, "mma": "mma.sync", "options": {}}]
     named = run("inspect", "-f", "kv8-split", "-d", "128", "--arch", "sm_90a", "--tile", "64x64", "--stages", "2")
     assert named.exit_code == 0 and "instead" not in named.output
     assert "launch_tiles" not in json.loads(run("inspect", "-f", "kv8-split", "-d", "128", "--arch", "sm_80", "--json").stdout)
@@ -167,7 +167,7 @@ def test_inspect_names_the_tile_kv8_calls_run():
                             "--json").stdout)
     assert routed["spec"]["tile"]["block_m"] == 128 and "launch_tiles" not in routed
     imma = json.loads(run("inspect", "-f", "kv8-imma", "-d", "128", "--arch", "sm_90a", "--json").stdout)
-    assert imma["launch_tiles"] == [{"tile": "m128n64w8s3", "least_queries": 256, "mma": "wgmma", "options": {}}]
+    assert imma["launch_tiles"] == [{"tile": "m128n64w8s3", "least_queries": 256, "least_heads": 1, "mma": "wgmma", "options": {}}]
     assert imma["spec"]["tile"]["stages"] == 3  # the tuned default: what shorter calls run
     wgmma = json.loads(run("inspect", "-f", "kv8-imma", "-d", "128", "--arch", "sm_90a", "--mma", "wgmma", "--json").stdout)
     assert "launch_tiles" not in wgmma and wgmma["instructions"]["warpgroup_mmas"]["placeholders"] == 0
@@ -179,10 +179,11 @@ def test_inspect_names_the_tile_kv8_calls_run():
     assert "calls of 512 to 4095 query rows run m128n128w8s2 on wgmma, persistent on, chain on instead" in text, text
     assert "calls of at least 4096 query rows run m128n128w8s2 on wgmma instead" in text
     causal = json.loads(run("inspect", "-f", "f16", "-d", "128", "--arch", "sm_90a", "--causal", "--json").stdout)
-    assert [(b["least_queries"], b["options"]) for b in causal["launch_tiles"]] == [(1024, {"persistent": "on", "chain": "on"})]
+    assert [(b["least_queries"], b["options"]) for b in causal["launch_tiles"]] == [
+        (768, {"persistent": "on"}), (1024, {"persistent": "on", "chain": "on"})]
 
 
-@pytest.mark.parametrize("queries", [1, 1023, 1024, 9000])
+@pytest.mark.parametrize("queries", [1, 767, 1023, 1024, 9000])
 def test_gen_and_inspect_take_the_kernel_calls_of_n_rows_run(queries):
     """--queries N shows what qattn.attention runs for calls of N query rows (the note's hint), options and all."""
     routed = builtin_spec("f16", 128, True, queries, "sm_90a")
@@ -191,7 +192,7 @@ def test_gen_and_inspect_take_the_kernel_calls_of_n_rows_run(queries):
     report = json.loads(run("inspect", "-f", "f16", "-d", "128", "--causal", "--queries", str(queries), "--arch",
                             "sm_90a", "--json").stdout)
     assert report["name"] == routed.name and "launch_tiles" not in report
-    assert ("wgmma" in routed.name) == (queries >= 1024)
+    assert ("wgmma" in routed.name) == (queries >= 768) and ("chain" in routed.name) == (queries >= 1024)
     assert_usage_error(run("gen", "--queries", "1024", "--stages", "3", "--arch", "sm_90a"), "--queries")
     assert_usage_error(run("inspect", "decode", "--queries", "1024", "--arch", "sm_90a"), "--queries")
 
@@ -610,10 +611,12 @@ def test_parity_plans_a_format_on_a_matrix_unit(monkeypatch):
     assert parity.cuda_spec("kv8-imma", 128, False, 64).family.values["mma_unit"] == "mma.sync"
     pinned = parity.cuda_spec("kv8-imma@mma.sync", 128, False, 2048)
     assert pinned.family.values["mma_unit"] == "mma.sync" and pinned.tile == pinned.family.default_tile(128, False, "sm_90a")
-    # f16 / bf16: the wgmma kernel by the query rows, as qattn.attention runs them (causal from 1024)
+    # f16 / bf16: the wgmma kernel by the query rows and sequence-heads, as qattn.attention runs them (causal d128
+    # from 768 rows, from 1024 below 64 sequence-heads)
     assert parity.cuda_spec("f16", 128, True, 32768).family.values["mma_unit"] == "wgmma"
     assert parity.cuda_spec("bf16", 64, False, 1024).family.values["mma_unit"] == "wgmma"
-    assert parity.cuda_spec("f16", 128, True, 1023).family.values["mma_unit"] == "mma.sync"
+    assert parity.cuda_spec("f16", 128, True, 767).family.values["mma_unit"] == "mma.sync"
+    assert parity.cuda_spec("f16", 128, True, 1023, heads=32).family.values["mma_unit"] == "mma.sync"
     assert parity.cuda_spec("f16@mma.sync", 128, False, 32768).family.values["mma_unit"] == "mma.sync"
 
 

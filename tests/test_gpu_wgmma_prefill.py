@@ -177,8 +177,9 @@ def test_agrees_with_mma_sync(fmt, head_dim, causal, monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_runs_wgmma_from_1024_query_rows(fmt, causal, monkeypatch):
     """qattn.attention on sm_90a: f16 / bf16 calls of 1024 query rows and more run the wgmma kernel
-    (recipes.LAUNCH_TILES), shorter ones the mma.sync default, but for non-causal d128 calls from 512
-    rows; persistent blocks for causal calls (at d64 below 4096 rows) and non-causal d64 ones, and
+    (recipes.LAUNCH_TILES), shorter ones the mma.sync default, but for non-causal d128 calls from 512 rows and, over
+    enough sequence-heads, causal d128 ones from 768 rows (persistent blocks without chaining below 1024) and causal
+    d64 ones from 768; persistent blocks for causal calls (at d64 below 4096 rows) and non-causal d64 ones, and
     non-causal d128 ones below 4096 rows; d64 on three consumer warpgroups but for causal calls below 4096
     rows; d256 on wgmma from 256 rows (causal persistent); the persistent blocks of two warpgroups chain their
     items; each within its format's tolerance of FP64, with a tail past the last block."""
@@ -189,22 +190,27 @@ def test_attention_runs_wgmma_from_1024_query_rows(fmt, causal, monkeypatch):
     monkeypatch.setattr(api, "_CALL_KERNELS", {})
     rng = np.random.default_rng()
     m128, m192 = Tile(128, 128, 8, 2), Tile(192, 128, 12, 2)
-    for lq, d, unit, blocks, tile in ((1024 + 77, 64, "wgmma", "on", m128 if causal else m192),
-                                      (4096 + 77, 64, "wgmma", "off" if causal else "on", m192),
-                                      (1000, 64, "mma.sync", None, None),
-                                      (600, 128, "mma.sync" if causal else "wgmma", None if causal else "on", None),
-                                      (1024 + 77, 128, "wgmma", "on", m128),
-                                      (4096 + 77, 128, "wgmma", "on" if causal else "off", m128),
-                                      (200, 256, "mma.sync", None, None),
-                                      (256 + 77, 256, "wgmma", "on" if causal else "off", Tile(128, 64, 8, 2))):
-        host, (q, k, v) = _host_inputs(rng, fmt, 1, 4, 2, lq, lq + 33, d)
+    # (query rows, head dim, batch of 4 heads each, unit, persistent, tile)
+    for lq, d, b, unit, blocks, tile in ((1024 + 77, 64, 1, "wgmma", "on", m128 if causal else m192),
+                                         (4096 + 77, 64, 1, "wgmma", "off" if causal else "on", m192),
+                                         (1000, 64, 1, "mma.sync", None, None),
+                                         (800, 64, 32, "wgmma" if causal else "mma.sync", "on" if causal else None,
+                                          m128 if causal else None),
+                                         (600, 128, 1, "mma.sync" if causal else "wgmma", None if causal else "on", None),
+                                         (800, 128, 1, "mma.sync" if causal else "wgmma", None if causal else "on", None),
+                                         (800, 128, 16, "wgmma", "on", m128),
+                                         (1024 + 77, 128, 1, "wgmma", "on", m128),
+                                         (4096 + 77, 128, 1, "wgmma", "on" if causal else "off", m128),
+                                         (200, 256, 1, "mma.sync", None, None),
+                                         (256 + 77, 256, 1, "wgmma", "on" if causal else "off", Tile(128, 64, 8, 2))):
+        host, (q, k, v) = _host_inputs(rng, fmt, b, 4, 2, lq, lq + 33, d)
         before = set(api._CALL_KERNELS)
         out = qattn.attention(q, k, v, format=fmt, causal=causal)
         (kernel,) = [api._CALL_KERNELS[key] for key in set(api._CALL_KERNELS) - before]
         assert kernel.spec.family.values["mma_unit"] == unit, kernel.spec.name
         assert dict(kernel.spec.options).get("persistent") == blocks, kernel.spec.name
         assert tile is None or kernel.spec.tile == tile, kernel.spec.name
-        chained = blocks == "on" and kernel.spec.tile == m128
+        chained = blocks == "on" and kernel.spec.tile == m128 and not (causal and d == 128 and lq < 1024)
         assert dict(kernel.spec.options).get("chain", "off") == ("on" if chained else "off"), kernel.spec.name
         _check(fmt, kernel, out, host, causal=causal)
 

@@ -286,8 +286,8 @@ def test_the_default_format_of_a_call_follows_the_query_dtype():
 
 def test_attention_takes_the_listed_wgmma_kernel_from_1024_query_rows(monkeypatch):
     """qattn.attention's kernel for f16 and bf16 on sm_90a (without a GPU: the build and the device
-    stood in): the mma.sync default below 1024 query rows a sequence, the wgmma kernel from there; a
-    named tile still decides; the per-call kernel cache tells the two apart by the rows' band."""
+    stood in): the mma.sync default below 1024 query rows a sequence (causal d128: 768), the wgmma kernel from
+    there; a named tile still decides; the per-call kernel cache tells the two apart by the rows' band."""
     import contextlib
     from types import SimpleNamespace
 
@@ -298,25 +298,39 @@ def test_attention_takes_the_listed_wgmma_kernel_from_1024_query_rows(monkeypatc
     monkeypatch.setattr(api, "build_kernel", lambda spec: SimpleNamespace(spec=spec))
     monkeypatch.setattr(api, "_CALL_KERNELS", {})
 
-    def q(rows, d=128):
-        return SimpleNamespace(shape=(2, 8, rows, d), data=SimpleNamespace(device_id=0),
+    def q(rows, d=128, batch=2):
+        return SimpleNamespace(shape=(batch, 8, rows, d), data=SimpleNamespace(device_id=0),
                                device=contextlib.nullcontext())
 
-    def unit(fmt, rows, d=128, tile=None, causal=False):
-        spec = api._call_kernel(fmt, q(rows, d), q(rows, d), causal, tile).spec
+    def unit(fmt, rows, d=128, tile=None, causal=False, batch=2):
+        spec = api._call_kernel(fmt, q(rows, d, batch), q(rows, d, batch), causal, tile).spec
         return spec.family.values.get("mma_unit"), spec.tile
 
-    def options(fmt, rows, d=128, causal=False):
-        return dict(api._call_kernel(fmt, q(rows, d), q(rows, d), causal, None).spec.options)
+    def options(fmt, rows, d=128, causal=False, batch=2):
+        return dict(api._call_kernel(fmt, q(rows, d, batch), q(rows, d, batch), causal, None).spec.options)
 
     for fmt in ("f16", "bf16"):
         for d in (64, 128):
-            assert unit(fmt, 1023, d, causal=True)[0] == "mma.sync"
+            assert unit(fmt, 1023, d, causal=True)[0] == "mma.sync"  # 16 sequence-heads
+            assert unit(fmt, 767, d, causal=True, batch=64)[0] == "mma.sync"
             assert unit(fmt, 1024, d, causal=True) == ("wgmma", Tile(128, 128, 8, 2))
+            assert options(fmt, 1024, d, causal=True)["chain"] == "on"
             assert unit(fmt, 32768, d, causal=True)[0] == "wgmma"
             assert unit(fmt, 300, d)[0] == "mma.sync"  # cached per band: the short call is not served wgmma
+        # calls of 512-1023 rows over enough sequence-heads (batch x heads): causal d128 from 768 rows and 64
+        # sequence-heads on persistent blocks, not chained; d64 chained, causal from 768 rows and 128 sequence-heads,
+        # non-causal from 512 rows and 512 sequence-heads
+        assert unit(fmt, 768, causal=True, batch=8) == ("wgmma", Tile(128, 128, 8, 2))
+        assert unit(fmt, 1023, causal=True, batch=7)[0] == "mma.sync"
+        assert options(fmt, 1023, causal=True, batch=8) == {**options(fmt, 1023, causal=True, batch=8), "persistent": "on"}
+        assert options(fmt, 1023, causal=True, batch=8).get("chain", "off") == "off"
+        assert unit(fmt, 768, 64, causal=True, batch=16) == ("wgmma", Tile(128, 128, 8, 2))
+        assert options(fmt, 768, 64, causal=True, batch=16)["chain"] == "on"
+        assert unit(fmt, 768, 64, causal=True, batch=15)[0] == "mma.sync"
+        assert unit(fmt, 512, 64, batch=64) == ("wgmma", Tile(128, 128, 8, 2))
+        assert unit(fmt, 1023, 64, batch=63)[0] == "mma.sync"
         # d64: wgmma from 1024 rows, causal or not; non-causal persistent blocks from 512 to 4095 rows at d128,
-        # from 1024 on at d64 on three consumer warpgroups; causal ones from 1024 rows at d128, and at d64 below
+        # from 1024 on at d64 on three consumer warpgroups; causal ones from 768 rows at d128, and at d64 below
         # 4096 rows, from where d64 runs three consumer warpgroups a block an item
         assert unit(fmt, 1023, 64)[0] == "mma.sync" and unit(fmt, 1024, 64)[0] == "wgmma"
         assert unit(fmt, 511, 128)[0] == "mma.sync"
@@ -420,18 +434,26 @@ def test_rocm_cupy_gets_a_clear_refusal(monkeypatch):
 
 
 def test_build_of_a_query_count_is_the_kernel_listed_for_it(monkeypatch):
-    """qattn.build(..., queries=N): the kernel calls of N query rows run where nothing is tuned (on sm_90a f16 from
-    1024 rows causal the persistent wgmma kernel, below that the mma.sync default); refused for decode kinds and
-    named kernels, and for anything but a positive count."""
+    """qattn.build(..., queries=N[, heads=H]): the kernel calls of N query rows (over H sequence-heads, default many)
+    run where nothing is tuned (on sm_90a f16 causal d128 the persistent wgmma kernel from 768 rows, from 1024 below
+    64 sequence-heads, below that the mma.sync default); refused for decode kinds and named kernels, and for anything
+    but positive counts."""
     import qattn
     from qattn.engine.spec import builtin_spec
 
     monkeypatch.setattr("qattn.api.build_kernel", lambda spec: spec)
-    for queries in (1, 1023, 1024, 50000):
+    for queries in (1, 767, 1023, 1024, 50000):
         built = qattn.build("prefill", format="f16", head_dim=128, causal=True, arch="sm_90a", queries=queries)
         assert built == builtin_spec("f16", 128, True, queries, "sm_90a")
-        assert (built.family.values["mma_unit"] == "wgmma") == (queries >= 1024)
+        assert (built.family.values["mma_unit"] == "wgmma") == (queries >= 768)
+        few = qattn.build("prefill", format="f16", head_dim=128, causal=True, arch="sm_90a", queries=queries, heads=32)
+        assert few == builtin_spec("f16", 128, True, queries, "sm_90a", heads=32)
+        assert (few.family.values["mma_unit"] == "wgmma") == (queries >= 1024)
     assert qattn.build("prefill", format="f16", arch="sm_90a") == KernelSpec(recipe="f16", arch="sm_90a")
+    with pytest.raises(ValueError, match="^heads: expected a positive integer"):
+        qattn.build("prefill", format="f16", arch="sm_90a", queries=64, heads=0)
+    with pytest.raises(ValueError, match="^heads: give queries too"):
+        qattn.build("prefill", format="f16", arch="sm_90a", heads=64)
     for bad, message in ((dict(queries=0), "positive integer"), (dict(queries=True), "positive integer"),
                          (dict(queries=64, tile=(64, 64, 4, 2)), "named by tile"),
                          (dict(queries=64, options={"persistent": "on"}), "named by options")):

@@ -203,7 +203,7 @@ def test_call_spec_runs_the_stored_winner_unless_a_tile_or_unit_is_named(on_h200
 
 def test_call_spec_order_named_then_stored_then_listed_then_default(on_h200):
     """Without a stored tile, f16 calls of enough rows run a listed wgmma kernel on sm_90a (causal from
-    1024 rows, with persistent blocks; non-causal d128 from 512, with persistent blocks below 4096) and fewer rows the
+    768 rows, with persistent blocks; non-causal d128 from 512, with persistent blocks below 4096) and fewer rows the
     mma.sync default; a tile stored for the call's shape class (measured on this GPU) comes before the
     list, a named unit or tile before both."""
     wgmma = call_spec("f16", 128, False, 4096, "sm_90a")
@@ -211,7 +211,7 @@ def test_call_spec_order_named_then_stored_then_listed_then_default(on_h200):
     assert dict(call_spec("f16", 128, False, 1024, "sm_90a").options)["persistent"] == "on"
     assert dict(call_spec("f16", 128, True, 1024, "sm_90a").options)["persistent"] == "on"
     assert dict(call_spec("f16", 128, False, 4096, "sm_90a").options)["persistent"] == "off"
-    short = call_spec("f16", 128, True, 1023, "sm_90a")
+    short = call_spec("f16", 128, True, 767, "sm_90a")
     assert short.family.values["mma_unit"] == "mma.sync" and short.tile == BUILTIN
     assert call_spec("f16", 128, False, 4096, "sm_80").family.values["mma_unit"] == "mma.sync"
     tuned.save([entry("m64n64w4s3", shape_class=LONG)])

@@ -56,7 +56,7 @@ def main() -> int:
 
     fmt, mma, options, tile = kernel_entry(args.entry)
     b, h, seq = args.shape
-    spec = call_spec(fmt, args.head_dim, args.causal, seq, device_arch(), mma=mma)
+    spec = call_spec(fmt, args.head_dim, args.causal, seq, device_arch(), mma=mma, heads=b * h)
     if options:
         spec = spec.with_(options={**dict(spec.options), **options})
     if tile is not None:

@@ -85,7 +85,7 @@ def bench_prefill(shapes, formats=("f16",), *, head_dim=128, causal=False, peers
         for entry in formats:
             fmt, mma, entry_options, entry_tile = kernel_entry(entry)
             try:  # the kernel qattn.attention runs for these rows (or the one on the named unit)
-                spec = call_spec(fmt, head_dim, causal, seq, device_arch(), mma=mma)
+                spec = call_spec(fmt, head_dim, causal, seq, device_arch(), mma=mma, heads=batch * heads)
                 if entry_options:
                     spec = spec.with_(options={**dict(spec.options), **entry_options})
             except ValueError as exc:  # this arch does not build the format on that unit, or that option

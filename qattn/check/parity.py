@@ -81,14 +81,14 @@ def make_inputs(fmt: str, shapes: tuple, seed, source: str | Captured | None = N
     return given, exact
 
 
-def cuda_spec(entry: str, head_dim: int, causal: bool, queries: int):
-    """The kernel a call of `queries` rows runs for entry, a format or FORMAT@UNIT (the format on
-    another matrix unit of the arch, its default tile and options there)."""
+def cuda_spec(entry: str, head_dim: int, causal: bool, queries: int, heads: int | None = None):
+    """The kernel a call of `queries` rows over `heads` sequence-heads runs for entry, a format or FORMAT@UNIT (the
+    format on another matrix unit of the arch, its default tile and options there)."""
     fmt, _, unit = entry.partition("@")
     spec = default_spec(fmt, head_dim, causal=causal)
     if unit:
         return spec.with_(mma=unit, tile=None, options={})
-    return call_spec(fmt, head_dim, causal, queries, spec.arch)  # the kernel a call of this many queries runs
+    return call_spec(fmt, head_dim, causal, queries, spec.arch, heads=heads)  # the kernel such a call runs
 
 
 def _run_cuda(entry, q, k, v, *, head_dim, causal, time_it, **options):
@@ -99,7 +99,7 @@ def _run_cuda(entry, q, k, v, *, head_dim, causal, time_it, **options):
     from ..engine.kernel import build_kernel
 
     fmt = entry.partition("@")[0]
-    kernel = build_kernel(cuda_spec(entry, head_dim, causal, q.shape[2]))
+    kernel = build_kernel(cuda_spec(entry, head_dim, causal, q.shape[2], q.shape[0] * q.shape[1]))
     q, k, v = (cupy.asarray(x) for x in (q, k, v))
     kernel_inputs = registry.family_of(fmt).kernel_inputs  # a cache is written once: attention alone is timed
     kv = kernel_inputs(k, v) if kernel_inputs is not None else (k, v)

@@ -90,16 +90,23 @@ class Family:
 
 
 class LaunchChoice(NamedTuple):
-    """A kernel that calls of at least least_queries query rows run instead of the default: its tile,
-    matrix unit (None: the arch's default unit) and template options ((name, value) pairs over the
-    spec's defaults); causal True or False: for those calls only (None: both). Of several choices
-    listed for a key, a call takes the one of the highest threshold it reaches (registry.launch_choice)."""
+    """A kernel that calls of at least least_queries query rows a sequence, over at least least_heads
+    sequence-heads (batch x query heads), run instead of the default: its tile, matrix unit (None: the arch's
+    default unit) and template options ((name, value) pairs over the spec's defaults); causal True or False: for
+    those calls only (None: both). Of several choices listed for a key, a call takes the one of the highest
+    thresholds it reaches (registry.launch_choice)."""
 
     least_queries: int
     tile: Tile
     mma: str | None = None
     options: tuple = ()
     causal: bool | None = None
+    least_heads: int = 1
+
+    def reached_by(self, queries: int, heads: int | None) -> bool:
+        """Whether a call of `queries` rows over `heads` sequence-heads (None: as many as any threshold asks)
+        runs this kernel rather than one of a lower threshold."""
+        return queries >= self.least_queries and (heads is None or heads >= self.least_heads)
 
 
 @dataclass(frozen=True)

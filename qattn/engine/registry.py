@@ -110,28 +110,36 @@ def family_for_cache(obj) -> FormatFamily | None:
 
 
 def launch_choices(fmt: str, head_dim: int, arch: str, causal: bool | None = None) -> tuple[LaunchChoice, ...]:
-    """The kernels the format's family lists for calls by their query count at (head_dim, arch), lowest
-    threshold first; with causal, those that apply to such calls."""
+    """The kernels the format's family lists for calls by their query rows (and sequence-heads) at (head_dim,
+    arch), lowest thresholds first; with causal, those that apply to such calls."""
     listed = family_of(fmt).launch_tiles.get((fmt, head_dim, arch), ())
     listed = (listed,) if isinstance(listed, LaunchChoice) else tuple(listed)
     return tuple(sorted((c for c in listed if causal is None or c.causal in (None, causal)),
-                        key=lambda c: c.least_queries))
+                        key=lambda c: (c.least_queries, c.least_heads)))
 
 
-def launch_choice(fmt: str, head_dim: int, arch: str, queries: int, causal: bool = False) -> LaunchChoice | None:
-    """What a call of `queries` query rows that names no tile or unit runs: of its family's listed
-    kernels for such calls, the one of the highest threshold the call reaches, else None (the arch's
-    default family and its default tile)."""
-    reached = [c for c in launch_choices(fmt, head_dim, arch, causal) if queries >= c.least_queries]
+def launch_choice(fmt: str, head_dim: int, arch: str, queries: int, causal: bool = False,
+                  heads: int | None = None) -> LaunchChoice | None:
+    """What a call of `queries` query rows a sequence over `heads` sequence-heads (batch x query heads; None: as
+    many as any threshold asks) that names no tile or unit runs: of its family's listed kernels for such calls,
+    the one of the highest thresholds the call reaches, else None (the arch's default family and its default
+    tile)."""
+    reached = [c for c in launch_choices(fmt, head_dim, arch, causal) if c.reached_by(queries, heads)]
     return reached[-1] if reached else None
 
 
-def launch_band(fmt: str, head_dim: int, queries: int, causal: bool = False) -> int:
-    """How many of the format's listed query thresholds at head_dim (on any arch) for such calls a
-    call of `queries` rows reaches: calls in one band run one kernel, so a cache of the kernel per
-    call can key on it."""
-    archs = {a for (f, d, a) in family_of(fmt).launch_tiles if f == fmt and d == head_dim}
-    return sum(queries >= c.least_queries for a in archs for c in launch_choices(fmt, head_dim, a, causal))
+def launch_band(fmt: str, head_dim: int, queries: int, causal: bool = False, heads: int | None = None) -> tuple:
+    """Which of the format's listed kernels at head_dim (on any arch) for such calls a call of `queries` rows over
+    `heads` sequence-heads reaches: calls in one band run one kernel, so a cache of the kernel per call can key on
+    it."""
+    archs = sorted({a for (f, d, a) in family_of(fmt).launch_tiles if f == fmt and d == head_dim})
+    return tuple(c.reached_by(queries, heads) for a in archs for c in launch_choices(fmt, head_dim, a, causal))
+
+
+def launch_heads(fmt: str, head_dim: int, arch: str, causal: bool | None = None) -> list[int | None]:
+    """The sequence-head counts at which the format's listed kernels at (head_dim, arch) differ (None: many):
+    with each, launch_choice names every kernel calls of some query count may run."""
+    return [None, *sorted({1} | {c.least_heads for c in launch_choices(fmt, head_dim, arch, causal)})]
 
 
 def formats_with_option(option: str) -> list[str]:

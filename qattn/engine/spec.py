@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, replace
 
 from . import tuned
 from .family import BACKENDS, KINDS, SMEM_PER_BLOCK
-from .registry import family_of, launch_choice, launch_choices, recipe
+from .registry import family_of, launch_choice, launch_choices, launch_heads, recipe
 from .shape_class import ShapeClass, length_bucket
 from .tile import Tile
 
@@ -184,25 +184,27 @@ def default_spec(format: str, head_dim: int, *, causal: bool = False, arch: str 
 
 
 def call_spec(format: str, head_dim: int, causal: bool, queries: int, arch: str, tile: Tile | None = None,
-              mma: str | None = None, shape: ShapeClass | None = None) -> KernelSpec:
-    """The kernel a call of `queries` query rows runs: the given tile and matrix unit (each None: the
-    arch's default); where neither is named, the tile `qattn tune` stored for this GPU (of shape's
-    class where shape is given: a measurement on this machine), else the kernel its family lists for
-    the query count (registry.launch_choice: measured on the arch's reference GPU), else the family's
-    default."""
+              mma: str | None = None, shape: ShapeClass | None = None, heads: int | None = None) -> KernelSpec:
+    """The kernel a call of `queries` query rows a sequence over `heads` sequence-heads (batch x query heads;
+    None: many) runs: the given tile and matrix unit (each None: the arch's default); where neither is named, the
+    tile `qattn tune` stored for this GPU (of shape's class where shape is given: a measurement on this machine),
+    else the kernel its family lists for the call (registry.launch_choice: measured on the arch's reference GPU),
+    else the family's default."""
     _check_cuda_kernel(format)
     spec = KernelSpec(kind="prefill", recipe=format, head_dim=head_dim, causal=causal, arch=arch, mma=mma,
                       **({"tile": tile} if tile is not None else {}))
     if tile is not None or mma is not None:
         return spec
-    return _tuned_spec(spec, shape) or builtin_spec(format, head_dim, causal, queries, arch)
+    return _tuned_spec(spec, shape) or builtin_spec(format, head_dim, causal, queries, arch, heads)
 
 
-def builtin_spec(format: str, head_dim: int, causal: bool, queries: int, arch: str) -> KernelSpec:
-    """The kernel a call of `queries` query rows runs where `qattn tune` stored nothing: the one its
-    family lists for the query count (registry.launch_choice), else the family's default."""
+def builtin_spec(format: str, head_dim: int, causal: bool, queries: int, arch: str,
+                 heads: int | None = None) -> KernelSpec:
+    """The kernel a call of `queries` query rows a sequence over `heads` sequence-heads (None: many) runs where
+    `qattn tune` stored nothing: the one its family lists for the call (registry.launch_choice), else the
+    family's default."""
     _check_cuda_kernel(format)
-    choice = launch_choice(format, head_dim, arch, queries, causal)
+    choice = launch_choice(format, head_dim, arch, queries, causal, heads)
     if choice is None:
         return KernelSpec(kind="prefill", recipe=format, head_dim=head_dim, causal=causal, arch=arch)
     return KernelSpec(kind="prefill", recipe=format, head_dim=head_dim, causal=causal, arch=arch, mma=choice.mma,
@@ -213,12 +215,13 @@ def call_specs(format: str, head_dim: int, causal: bool, arch: str, queries: int
     """The prefill kernels that calls naming no tile or unit run on arch, to build ahead of the first call
     (`qattn compile --queries/--all`, deployments with QATTN_NO_JIT=1): for calls of `queries` query rows per
     sequence the kernel listed for that count (builtin_spec), for queries None the family's default and every
-    kernel listed for a query count; and the kernels `qattn tune` stored for such calls on this machine's GPU
-    (a call runs its shape class's winner); and with each, the kernels its launcher runs in its place for
-    arguments whose strides the TMA cannot address (FormatFamily.variants)."""
+    kernel listed for a query count, each for calls of any number of sequence-heads; and the kernels `qattn tune`
+    stored for such calls on this machine's GPU (a call runs its shape class's winner); and with each, the kernels
+    its launcher runs in its place for arguments whose strides the TMA cannot address (FormatFamily.variants)."""
     counts = [queries] if queries is not None else [1] + [c.least_queries for c in
                                                             launch_choices(format, head_dim, arch, causal)]
-    specs = [builtin_spec(format, head_dim, causal, n, arch) for n in counts]
+    specs = [builtin_spec(format, head_dim, causal, n, arch, h) for n in counts
+             for h in launch_heads(format, head_dim, arch, causal)]
     base = KernelSpec(kind="prefill", recipe=format, head_dim=head_dim, causal=causal, arch=arch)
     bucket = None if queries is None else length_bucket(queries)
     specs += filter(None, (_with_stored(base, stored) for stored in tuned.stored(format, head_dim, causal, arch, bucket)))

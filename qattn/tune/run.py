@@ -37,14 +37,14 @@ def plan(formats, head_dims, causals, shapes, arch: str, *, block_shapes=None, w
          mma=None, options: bool = True) -> list[Job]:
     """The sweeps of a tune, every spec validated before any GPU work (errors name the argument). Each
     sweep's first candidate is the kernel its shape's calls run without a tuned table (builtin_spec: the
-    family's kernel for that many query rows, whatever the grid holds), so that no winner is stored that
+    family's kernel for that many query rows and sequence-heads, whatever the grid holds), so that no winner is stored that
     the sweep timed slower than what calls ran before."""
     jobs = []
     for fmt, d, causal in itertools.product(formats, head_dims, causals):
         grid = candidate_specs(fmt, d, causal, arch, block_shapes=block_shapes, warps=warps, stages=stages,
                                mma=mma, options=options)
         for shape in shapes:
-            builtin = builtin_spec(fmt, d, causal, shape.queries, arch)
+            builtin = builtin_spec(fmt, d, causal, shape.queries, arch, shape.batch * shape.heads)
             specs = (builtin, *(spec for spec in grid if spec != builtin))
             jobs.append(Job(fmt, d, causal, shape, specs, tuned.TunedKernel.of(builtin).name))
     return jobs

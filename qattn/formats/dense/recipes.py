@@ -180,7 +180,7 @@ CUDA_WGMMA = Family(
 # - causal calls from 1024 rows, their items in pairs of a heavy and a light query block (PAIRED in the
 #   template): d128 1.10x at B16 L1024, 1.09x at B8 L2048, 1.06x at B4 L4096, 1.00x at B2 L8192 and B1
 #   L32768; d64 1.06x at B16 L1024, 1.04x at B8 L2048 and B4 L8192.
-# d64 at 512 rows keeps mma.sync (0.96x).
+# d64 at 512 rows keeps mma.sync (0.96x) on a block an item (chained items with many sequence-heads: below).
 # At d64 three consumer warpgroups (m192n128w12s2: 192 query rows a block, one K/V tile read for
 # three warpgroups' products) against m128n128w8s2, same run, x cuDNN: non-causal, persistent, 1.09 against
 # 0.94 at B4 L8192, 1.00 against 0.92 at B8 L2048, 0.90 against 0.89 at B16 L1024; causal, a block an item,
@@ -199,13 +199,25 @@ D64_THREE_WARPGROUPS = Tile(192, 128, 12, 2)
 # same runs, H100: d128 non-causal 0.93x the time at B32 L512, 0.93-0.96x at B16 L1024, 0.97x at B8 L2048; causal
 # 0.98-0.99x at B16 L1024, 0.98x at B8 L2048 and B4 L4096, 0.96-0.98x at B2 L8192, 0.99-1.00x at B1 L32768 (bf16
 # and f16 alike); d64 causal 0.92x at B16 L1024, 0.96x at B8 L2048.
+# Calls of 512-1023 rows with enough sequence-heads (batch x query heads) to fill the persistent grid, time over the
+# mma.sync kernel's (H100, same runs, H32, f16; bf16 alike where measured):
+# - causal d128, persistent blocks without chaining: 0.84 at B2 L768, 0.91 at B4, 0.86 at B8, 0.75 at B16 (chained:
+#   0.80 at B16); at L512 mixed (0.87 at B8, 1.02 at B16, 0.90 at B32, 1.16 at B4, 1.40 at B1): from 768 rows and
+#   64 sequence-heads;
+# - non-causal d64, chained m128: 0.85 at B16 L512, 0.81-0.87 at B32 L512, 0.82 at B16 L768, 0.91 at B8 L768, but
+#   1.11 at B8 L512, 1.35 at B4 L512, 1.26 at B2 L768: from 512 rows and 512 sequence-heads;
+# - causal d64, chained m128: 0.96 at B4 L768, 0.91 at B8, 0.91 at B16, but 1.22 at B2 L768 and 1.10-1.34 at L512
+#   below B32: from 768 rows and 128 sequence-heads.
 _PERSISTENT = (("persistent", "on"),)
 _CHAINED = (("persistent", "on"), ("chain", "on"))
 WGMMA_BANDS = {
-    128: (LaunchChoice(WGMMA_QUERIES, Tile(128, 128, 8, 2), "wgmma", _CHAINED, causal=True),
+    128: (LaunchChoice(768, Tile(128, 128, 8, 2), "wgmma", _PERSISTENT, causal=True, least_heads=64),
+          LaunchChoice(WGMMA_QUERIES, Tile(128, 128, 8, 2), "wgmma", _CHAINED, causal=True),
           LaunchChoice(512, Tile(128, 128, 8, 2), "wgmma", _CHAINED, causal=False),
           LaunchChoice(4096, Tile(128, 128, 8, 2), "wgmma", causal=False)),
-    64: (LaunchChoice(WGMMA_QUERIES, Tile(128, 128, 8, 2), "wgmma", _CHAINED, causal=True),
+    64: (LaunchChoice(768, Tile(128, 128, 8, 2), "wgmma", _CHAINED, causal=True, least_heads=128),
+         LaunchChoice(512, Tile(128, 128, 8, 2), "wgmma", _CHAINED, causal=False, least_heads=512),
+         LaunchChoice(WGMMA_QUERIES, Tile(128, 128, 8, 2), "wgmma", _CHAINED, causal=True),
          LaunchChoice(4096, D64_THREE_WARPGROUPS, "wgmma", causal=True),
          LaunchChoice(WGMMA_QUERIES, D64_THREE_WARPGROUPS, "wgmma", _PERSISTENT, causal=False)),
     256: (LaunchChoice(D256_WGMMA_QUERIES, Tile(128, 64, 8, 2), "wgmma", _PERSISTENT, causal=True),
