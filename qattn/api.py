@@ -110,9 +110,9 @@ def _shape_class(q, k) -> ShapeClass | None:
     """The call's shape class, which picks a tile `qattn tune` stored for it (None for malformed
     shapes, which the launcher's checks then name)."""
     k_shape = tuple(getattr(k, "shape", ()))
-    if len(k_shape) != 4 or min(q.shape[1:3]) < 1 or min(k_shape[1:3]) < 1 or q.shape[1] % k_shape[1]:
+    if len(k_shape) != 4 or min(q.shape[:3]) < 1 or min(k_shape[1:3]) < 1 or q.shape[1] % k_shape[1]:
         return None
-    return ShapeClass.of(int(q.shape[2]), int(k_shape[2]), int(q.shape[1]), int(k_shape[1]))
+    return ShapeClass.of(int(q.shape[2]), int(k_shape[2]), int(q.shape[1]), int(k_shape[1]), batch=int(q.shape[0]))
 
 
 def _launch_band(format: str, q, causal) -> tuple | None:

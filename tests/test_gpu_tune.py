@@ -64,4 +64,4 @@ def test_correct_candidates_pass_the_check(fmt):
     names = {tuned.TunedKernel.of(spec).name for spec in jobs[0].specs}  # each unit the arch has for fmt
     assert {"m64n64w4s2", "m64n64w4s3"} <= names
     assert not entry.rejected and set(entry.candidates) == names, entry
-    assert entry.shape_class == ShapeClass("<=1K", "1K-4K", True)
+    assert entry.shape_class == ShapeClass("<=1K", "1K-4K", True, "<64")

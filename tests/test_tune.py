@@ -10,14 +10,16 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+import qattn.api
 import qattn.tune.command
 import qattn.tune.run
 import qattn.tune.sweep
 from qattn.cli import main
+from qattn.engine import registry
 from qattn.engine import spec as spec_module
 from qattn.engine import tuned
 from qattn.engine.family import Tolerance
-from qattn.engine.shape_class import ShapeClass, length_bucket
+from qattn.engine.shape_class import SEQUENCE_HEAD_EDGES, ShapeClass, length_bucket, sequence_heads_bucket
 from qattn.engine.spec import KernelSpec, builtin_spec, call_spec, call_specs, default_spec
 from qattn.engine.tile import Tile
 from qattn.formats.dense.launch import stride_variants
@@ -29,8 +31,8 @@ from qattn.tune.sweep import Rejected, sweep
 from qattn.version import __version__
 
 H200 = tuned.Device("NVIDIA H200", "570.124.06")
-MHA_4K = ShapeClass("1K-4K", "1K-4K", False)
-LONG = ShapeClass(">16K", ">16K", False)
+MHA_4K = ShapeClass("1K-4K", "1K-4K", False, "128-511")  # entry()'s shape: B4 H32
+LONG = ShapeClass(">16K", ">16K", False, "<64")
 BUILTIN = KernelSpec(recipe="f16", head_dim=128, arch="sm_90a").tile  # the family's default, m128n64w4s2
 
 
@@ -128,6 +130,14 @@ def test_a_damaged_entry_is_skipped_with_a_warning(on_h200, cache_dir):
     assert len(caught) == len(bad)
 
 
+def test_an_entry_stored_without_sequence_heads_takes_them_from_its_shape(on_h200, cache_dir):
+    old = {k: v for k, v in entry().as_json().items() if k != "sequence_heads"}
+    cache_dir.mkdir(parents=True)
+    (cache_dir / "tuned.json").write_text(json.dumps({"schema": 1, "entries": [old, dict(old, shape={"batch": 1})]}))
+    with pytest.warns(UserWarning, match="ignoring entry 1 .*KeyError"):  # no heads in its shape: nothing to derive
+        assert tuned.load() == [entry()]
+
+
 def test_best_overall_is_the_least_geometric_mean_slowdown():
     short = entry("m64n64w4s3", candidates={"m64n64w4s3": 1.0, "m128n64w4s2": 1.30, "m128n32w4s2": 1.05})
     long = entry("m128n64w4s2", shape_class=LONG,
@@ -147,7 +157,9 @@ def test_best_overall_without_a_common_candidate_takes_the_latest_sweep():
 def test_a_shape_class_looks_up_its_own_winner_only(on_h200):
     tuned.save([entry("m64n64w4s3"), entry("m128n32w4s2", shape_class=LONG)])
     assert tuned.lookup("f16", 128, False, "sm_90a", LONG) == tuned.TunedKernel(Tile(128, 32, 4, 2))
-    assert tuned.lookup("f16", 128, False, "sm_90a", ShapeClass("<=1K", "<=1K", True)) is None
+    assert tuned.lookup("f16", 128, False, "sm_90a", ShapeClass("<=1K", "<=1K", True, "128-511")) is None
+    # the same lengths over fewer sequence-heads are another class: B1 calls do not run a winner timed at B4
+    assert tuned.lookup("f16", 128, False, "sm_90a", ShapeClass("1K-4K", "1K-4K", False, "<64")) is None
 
 
 # ---- shape classes --------------------------------------------------------------------------------
@@ -157,14 +169,41 @@ def test_length_buckets_are_inclusive_above():
         ["<=1K", "<=1K", "1K-4K", "1K-4K", "4K-16K", "4K-16K", ">16K", ">16K"]
 
 
+def test_sequence_heads_buckets_start_at_their_edges():
+    assert [sequence_heads_bucket(n) for n in (1, 63, 64, 127, 128, 511, 512, 65536)] == \
+        ["<64", "<64", "64-127", "64-127", "128-511", "128-511", ">=512", ">=512"]
+
+
 def test_shape_class_of_a_call():
-    assert ShapeClass.of(4096, 4096, 32, 32) == MHA_4K
-    assert ShapeClass.of(128, 32768, 32, 8) == ShapeClass("<=1K", ">16K", True)
-    assert ShapeClass.of(128, 32768, 32, 8).name == "Lq <=1K, Lk >16K, GQA"
+    assert ShapeClass.of(4096, 4096, 32, 32, batch=4) == MHA_4K
+    assert ShapeClass.of(128, 32768, 32, 8, batch=1) == ShapeClass("<=1K", ">16K", True, "<64")
+    assert ShapeClass.of(128, 32768, 32, 8, batch=16).name == "Lq <=1K, Lk >16K, GQA, >=512 seq-heads"
     with pytest.raises(ValueError, match="^heads: 32 is not a multiple of kv_heads 5"):
-        ShapeClass.of(1, 1, 32, 5)
+        ShapeClass.of(1, 1, 32, 5, batch=1)
     with pytest.raises(ValueError, match="^queries: expected a positive integer"):
-        ShapeClass.of(0, 1, 1, 1)
+        ShapeClass.of(0, 1, 1, 1, batch=1)
+    with pytest.raises(ValueError, match="^batch: expected a positive integer"):
+        ShapeClass.of(1, 1, 1, 1, batch=0)
+    with pytest.raises(ValueError, match="^shape_class.sequence_heads: expected one of <64, 64-127"):
+        ShapeClass("<=1K", "<=1K", False, "64")
+
+
+def test_the_call_shape_class_counts_batch_times_query_heads():
+    q, k = np.empty((2, 32, 700, 128)), np.empty((2, 8, 700, 128))
+    assert qattn.api._shape_class(q, k) == ShapeClass("<=1K", "<=1K", True, "64-127")
+    assert qattn.api._shape_class(q[:1], k[:1]).sequence_heads == "<64"
+    assert qattn.api._shape_class(np.empty((0, 32, 700, 128)), k) is None  # an empty batch: the launcher's checks
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_no_shape_class_spans_a_change_of_the_builtin_routes(causal):
+    """Every sequence-head count at which a listed kernel starts is a bucket edge, so the calls of one class
+    (one stored winner) are the calls the built-in routes send to one kernel, length buckets aside."""
+    counts = {c.least_heads for fmt in registry.RECIPES for head_dim in (64, 128, 256) for arch in ("sm_80", "sm_90a")
+              if registry.RECIPES[fmt].kind == "prefill" and "cuda" in registry.RECIPES[fmt].families
+              for c in registry.launch_choices(fmt, head_dim, arch, causal)}
+    assert counts - {1} <= set(SEQUENCE_HEAD_EDGES)
+    assert counts - {1}, "the routes list kernels by sequence-heads: this test checks their counts"
 
 
 # ---- default spec selection -----------------------------------------------------------------------
@@ -426,7 +465,8 @@ def test_run_stores_each_winner_under_its_key(on_h200, monkeypatch):
     entries = run(jobs, rounds=2, case=fake_case(ms, wrong={"m64n64w4s3"}), timer=fake_timer, progress=lines.append)
     # four grid tiles and the kernel both shapes' calls run untuned compiled once; each sweep checks five
     assert len(lines) == steps(jobs, 2) == 5 + 2 * (5 + 2)
-    assert [e.shape_class for e in entries] == [MHA_4K, ShapeClass("<=1K", ">16K", True)]
+    assert [e.shape_class for e in entries] == [ShapeClass("1K-4K", "1K-4K", False, "<64"),
+                                                 ShapeClass("<=1K", ">16K", True, "<64")]
     assert tuned.load() == entries
     stored = entries[0]
     assert (stored.device, stored.arch, stored.format, stored.head_dim, stored.causal) == (H200, "sm_90a", "f16", 128,
@@ -570,9 +610,11 @@ def test_tune_on_a_fake_gpu_prints_and_stores_the_winners(on_h200, monkeypatch, 
     assert "m64n64w4s2@wgmma" in result.output and "1.21x" in result.output  # 0.85 / 0.7
     (stored,) = tuned.load()
     assert stored.kernel == tuned.TunedKernel(Tile(64, 64, 4, 2), "wgmma") and len(stored.candidates) == 7
-    chosen = default_spec("f16", 128, shape=MHA_4K)
+    timed = ShapeClass("1K-4K", "1K-4K", False, "64-127")  # 2x2048 at 32 heads
+    chosen = default_spec("f16", 128, shape=timed)
     assert chosen.family.values["mma_unit"] == "wgmma" and chosen.tile == Tile(64, 64, 4, 2)
-    assert call_spec("f16", 128, False, 2048, "sm_90a", shape=MHA_4K) == chosen
+    assert call_spec("f16", 128, False, 2048, "sm_90a", shape=timed) == chosen
+    assert call_spec("f16", 128, False, 2048, "sm_90a", shape=MHA_4K) != chosen  # B4: not the class timed
     # and each tile with its options (the default): persistent blocks win, stored by name, and run
     result = cli(*args)
     assert result.exit_code == 0, result.output
@@ -580,7 +622,7 @@ def test_tune_on_a_fake_gpu_prints_and_stores_the_winners(on_h200, monkeypatch, 
     (stored,) = tuned.load()
     assert stored.kernel == tuned.TunedKernel(Tile(64, 64, 4, 3), "wgmma", (("persistent", "on"),))
     assert len(stored.candidates) == 9
-    chosen = call_spec("f16", 128, False, 2048, "sm_90a", shape=MHA_4K)
+    chosen = call_spec("f16", 128, False, 2048, "sm_90a", shape=timed)
     assert dict(chosen.options)["persistent"] == "on" and chosen.tile == Tile(64, 64, 4, 3)
     assert tuned.TunedKernel.of(chosen) == stored.kernel
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..version import __version__
 from .cache import default_root
-from .shape_class import ShapeClass
+from .shape_class import ShapeClass, sequence_heads_bucket
 from .tile import Tile
 
 FILE_NAME = "tuned.json"
@@ -143,6 +143,7 @@ class TunedEntry:
         return {"gpu": self.device.gpu, "driver": self.device.driver, "qattn": self.device.qattn, "arch": self.arch,
                 "format": self.format, "head_dim": self.head_dim, "causal": self.causal,
                 "queries": self.shape_class.queries, "keys": self.shape_class.keys, "gqa": self.shape_class.gqa,
+                "sequence_heads": self.shape_class.sequence_heads,
                 "tile": self.kernel.name, "ms": self.ms, "default_tile": self.default_tile, "shape": self.shape,
                 "candidates": self.candidates, "rejected": self.rejected, "tuned_at": self.tuned_at}
 
@@ -154,12 +155,20 @@ class TunedEntry:
             raise ValueError("candidates: times must be positive")
         entry = cls(Device(str(d["gpu"]), str(d["driver"]), str(d["qattn"])), str(d["arch"]), str(d["format"]),
                     _integer(d["head_dim"]), _boolean(d["causal"]),
-                    ShapeClass(d["queries"], d["keys"], d["gqa"]), TunedKernel.from_name(d["tile"]), candidates,
+                    ShapeClass(d["queries"], d["keys"], d["gqa"], _sequence_heads(d)), TunedKernel.from_name(d["tile"]),
+                    candidates,
                     dict(d["shape"]), dict(d.get("rejected", {})), str(d.get("default_tile", "")),
                     str(d.get("tuned_at", "")))
         if entry.kernel.name not in candidates:
             raise ValueError(f"tile: {entry.kernel.name} is not among the candidates timed")
         return entry
+
+
+def _sequence_heads(d: dict) -> str:
+    """An entry's sequence-heads bucket; entries stored before classes had one take it from the shape timed."""
+    if "sequence_heads" in d:
+        return d["sequence_heads"]
+    return sequence_heads_bucket(_integer(d["shape"]["batch"]) * _integer(d["shape"]["heads"]))
 
 
 def _integer(value) -> int:

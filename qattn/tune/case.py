@@ -29,7 +29,7 @@ class Shape:
 
     @property
     def shape_class(self) -> ShapeClass:
-        return ShapeClass.of(self.queries, self.keys, self.heads, self.kv_heads)
+        return ShapeClass.of(self.queries, self.keys, self.heads, self.kv_heads, batch=self.batch)
 
     @property
     def label(self) -> str:

@@ -11,7 +11,7 @@ from click.core import ParameterSource
 from ..cli_support import (HELP, _console, _fmt, _json_path, _note, _parse_decode_shapes, _Progress, _table,
                            user_errors, write_json)
 from ..engine import tuned
-from ..engine.shape_class import LENGTH_BUCKETS
+from ..engine.shape_class import LENGTH_BUCKETS, SEQUENCE_HEAD_BUCKETS
 from ..engine.spec import device_arch
 from ..engine.tile import Tile
 from ..version import __version__
@@ -51,8 +51,9 @@ def _parse_block_shapes(ctx, param, values):
                                                           "[default: both]")
 @click.option("--shape", "shapes", multiple=True, callback=_parse_decode_shapes, metavar="BATCHxCTX",
               help="a shape to time: BATCH sequences of CTX keys, as many queries (--queries: fewer); its shape "
-                   f"class (Lq and Lk in {', '.join(LENGTH_BUCKETS)}; MHA or GQA) is what the winner is stored "
-                   f"under; repeatable [default: {DEFAULT_SHAPE[0]}x{DEFAULT_SHAPE[1]}]")
+                   f"class (Lq and Lk in {', '.join(LENGTH_BUCKETS)}; MHA or GQA; BATCH x --heads sequence-heads in "
+                   f"{', '.join(SEQUENCE_HEAD_BUCKETS)}) is what the winner is stored under; repeatable "
+                   f"[default: {DEFAULT_SHAPE[0]}x{DEFAULT_SHAPE[1]}]")
 @click.option("--queries", type=click.IntRange(min=1), help="query rows per sequence [default: CTX]")
 @click.option("--heads", type=click.IntRange(min=1), default=32, show_default=True, help="query heads")
 @click.option("--kv-heads", type=click.IntRange(min=1), help="KV heads (GQA; must divide --heads) [default: --heads]")
@@ -165,9 +166,7 @@ def _vs_default(e: tuned.TunedEntry) -> str:
 
 
 def _order(e: tuned.TunedEntry) -> tuple:
-    c = e.shape_class
-    return (e.device.gpu, e.device.driver, e.device.qattn, e.arch, e.format, e.head_dim, e.causal,
-            LENGTH_BUCKETS.index(c.queries), LENGTH_BUCKETS.index(c.keys), c.gqa)
+    return (e.device.gpu, e.device.driver, e.device.qattn, e.arch, e.format, e.head_dim, e.causal, *e.shape_class.order)
 
 
 def _used(entry: tuned.TunedEntry, device: tuned.Device | None) -> str:
