@@ -27,7 +27,7 @@ def cache_dir(tmp_path, monkeypatch):
 def test_tune_then_attention_runs_the_winner(monkeypatch):
     import cupy
 
-    builtin = tuned.TunedKernel.of(builtin_spec("f16", 64, False, 512, device_arch())).name
+    builtin = tuned.TunedKernel.of(builtin_spec("f16", 64, False, 512, device_arch(), heads=4)).name  # B1 x 4 heads
     # two tiles beside the kernel such calls run untuned (always a candidate): whichever wins, calls run it
     result = CliRunner().invoke(main, ["tune", "-f", "f16", "-d", "64", "--no-causal", "--shape", "1x512",
                                        "--heads", "4", "--tile", "64x64", "--warps", "4", "--stages", "2",
