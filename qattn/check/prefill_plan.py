@@ -26,10 +26,10 @@ ERROR_HEADS = 8  # its query heads at most (whole GQA groups)
 # Whole calls on the H200 against torch SDPA's cuDNN backend in the same run, as cuDNN's time over the
 # format's (> 1: faster than cuDNN), by (head dim, causal) and then query rows per sequence. BENCHMARKS.md:
 # D128 from "every format at the contract shapes on the H200" (2026-12-06, night: single calls from an idle GPU);
-# the int8-QK formats at D64 from "every format beside SageAttention 1.0.6 and SageAttention2 (2026-12-04, later)";
-# f16, bf16 and i8-f16 at D64 from "D64 on three consumer warpgroups (2026-12-04, night)", the kernels those calls
-# run since, but for two routes no H200 run has timed yet: causal D64 i8-f16 from 8192 rows and D64 i8-f8 from
-# 2048 on three K/V slots (0.89x -> 0.98-1.00x and 0.99x -> 0.97-1.03x on the H100; the H100 table has them).
+# D64 at 2048 and 8192 rows from "the H200's plan rows" (2026-12-07: the routed kernels of that day, three K/V
+# slots for i8-f8 and for causal i8-f16 from 8192 rows included); D64 at 1024 and 4096 rows from "D64 on three
+# consumer warpgroups" (2026-12-04, night) and, for i8-f8, "every format beside SageAttention 1.0.6 and
+# SageAttention2" (2026-12-04, later).
 # i8-i8 from "i8-f16 and i8-i8 beside i8-f8" (2026-12-02: the code of that day; no later run timed it).
 _H200 = {
     (128, False): {1024: {"f16": 0.98, "bf16": 0.99, "i8-f16": 0.76, "i8-f8": 0.66},
@@ -41,13 +41,13 @@ _H200 = {
                   4096: {"f16": 1.05, "bf16": 1.06, "i8-f16": 0.96, "i8-f8": 0.96, "i8-i8": 0.49},
                   32768: {"f16": 1.07, "bf16": 1.11, "i8-f16": 1.23, "i8-f8": 1.45, "i8-i8": 0.61}},
     (64, False): {1024: {"f16": 0.89, "bf16": 0.91, "i8-f8": 0.64},
-                  2048: {"f16": 1.02, "bf16": 1.00, "i8-f16": 0.84, "i8-f8": 0.79},
+                  2048: {"f16": 1.01, "bf16": 1.03, "i8-f16": 0.85, "i8-f8": 0.75},
                   4096: {"f16": 1.04, "bf16": 1.08},
-                  8192: {"f16": 1.07, "bf16": 1.12, "i8-f16": 1.14, "i8-f8": 0.99, "i8-i8": 0.52}},
+                  8192: {"f16": 1.07, "bf16": 1.12, "i8-f16": 1.09, "i8-f8": 1.00, "i8-i8": 0.52}},
     (64, True): {1024: {"f16": 0.84, "bf16": 0.85, "i8-f8": 0.55},
-                 2048: {"f16": 0.91, "bf16": 0.91, "i8-f8": 0.67},
+                 2048: {"f16": 0.87, "bf16": 0.84, "i8-f16": 0.70, "i8-f8": 0.63},
                  4096: {"f16": 0.97, "bf16": 0.98},
-                 8192: {"f16": 1.04, "bf16": 1.04, "i8-f16": 0.89, "i8-f8": 0.90, "i8-i8": 0.53}},
+                 8192: {"f16": 1.03, "bf16": 1.06, "i8-f16": 1.03, "i8-f8": 0.93, "i8-i8": 0.53}},
 }
 
 

@@ -22,16 +22,12 @@ PLAN_FORMATS = ("f16-f16", "e4m3-e4m3", "i8-i8", "e4m3-f16", "f16-e4m3", "i8-f16
 FALLBACK = "f16-e4m3"  # K16/V8: no K transform, and V8's error is the format's own
 # Decode time relative to f16-f16, by the GPU it was measured on and candidate name (GQA 32/8, D128, pages of 32,
 # token scales, L2-warm, shuffled pages; the mean over 8x32768, 64x4096 and 1x131072 where not said).
-# H200: the transform path of e4m3-e4m3 and i8-i8 from BENCHMARKS.md, 2026-12-04, night, "K8/V8 on four warps on
-# pages of 32" over f16-f16 in "V^T in blocks of 4 slots" (two runs of the same session); of e4m3-f16 and f16-e4m3:
-# 2026-12-04, "Splits merged in thread-block clusters" (K8/V16 has run on two warps on pages of 32 since); the rest:
-# 2026-12-03, "the plan's table", the mean over those and 256x1024 (older kernels: the H100's row of the same day
-# reads i8-f16 0.776 and the 8-bit QK paths 0.82 where this one reads 0.89 and 0.97-0.98).
+# H200: every candidate in one run, 2026-12-07 ("decode's QK paths and formats on the H200").
 # H100 80GB HBM3: every candidate in one run, 2026-12-07 ("decode's QK paths and formats on the H100").
 RELATIVE_TIME = {
-    "H200": {"f16-f16": 1.0, "e4m3-e4m3": 0.551, "e4m3-e4m3/fp8": 0.637, "i8-i8": 0.558, "i8-i8/int8": 0.641,
-             "e4m3-f16": 0.791, "e4m3-f16/fp8": 0.974, "f16-e4m3": 0.791, "i8-f16": 0.891, "i8-f16/int8": 0.979,
-             "f16-i8": 0.792},
+    "H200": {"f16-f16": 1.0, "e4m3-e4m3": 0.558, "e4m3-e4m3/fp8": 0.590, "i8-i8": 0.564, "i8-i8/int8": 0.590,
+             "e4m3-f16": 0.785, "e4m3-f16/fp8": 0.860, "f16-e4m3": 0.787, "i8-f16": 0.788, "i8-f16/int8": 0.861,
+             "f16-i8": 0.789},
     "H100": {"f16-f16": 1.0, "e4m3-e4m3": 0.543, "e4m3-e4m3/fp8": 0.566, "i8-i8": 0.547, "i8-i8/int8": 0.566,
              "e4m3-f16": 0.774, "e4m3-f16/fp8": 0.817, "f16-e4m3": 0.777, "i8-f16": 0.776, "i8-f16/int8": 0.818,
              "f16-i8": 0.776},
