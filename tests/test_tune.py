@@ -195,15 +195,14 @@ def test_the_call_shape_class_counts_batch_times_query_heads():
     assert qattn.api._shape_class(np.empty((0, 32, 700, 128)), k) is None  # an empty batch: the launcher's checks
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_no_shape_class_spans_a_change_of_the_builtin_routes(causal):
+def test_no_shape_class_spans_a_change_of_the_builtin_routes():
     """Every sequence-head count at which a listed kernel starts is a bucket edge, so the calls of one class
     (one stored winner) are the calls the built-in routes send to one kernel, length buckets aside."""
-    counts = {c.least_heads for fmt in registry.RECIPES for head_dim in (64, 128, 256) for arch in ("sm_80", "sm_90a")
-              if registry.RECIPES[fmt].kind == "prefill" and "cuda" in registry.RECIPES[fmt].families
-              for c in registry.launch_choices(fmt, head_dim, arch, causal)}
-    assert counts - {1} <= set(SEQUENCE_HEAD_EDGES)
-    assert counts - {1}, "the routes list kernels by sequence-heads: this test checks their counts"
+    listed = [choice for family in registry.FAMILIES.values() for fmt, head_dim, arch in (family.launch_tiles or {})
+              for choice in registry.launch_choices(fmt, head_dim, arch)]
+    counts = {choice.least_heads for choice in listed} - {1}
+    assert counts, "the routes list kernels by sequence-heads: this test checks their counts"
+    assert counts <= set(SEQUENCE_HEAD_EDGES)
 
 
 # ---- default spec selection -----------------------------------------------------------------------
