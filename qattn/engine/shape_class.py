@@ -7,7 +7,7 @@ tile that wins moves with how many query blocks fill the GPU (Lq, and the sequen
 repeat over), how long each block's key loop runs against its prologue and epilogue (Lk), and GQA
 changes how often K/V tiles are re-read from L2. The sequence-head edges are the counts at which
 the kernels calls run without a tuned table change (`LaunchChoice.least_heads`, measured on the
-H100 between 512 and 1023 query rows; a test keeps every such count an edge), so that no class
+H100 and H200 between 512 and 1023 query rows; a test keeps every such count an edge), so that no class
 holds calls that the built-in routes send to different kernels.
 """
 from __future__ import annotations
