@@ -108,8 +108,13 @@ def _resolve_qk(fmt: str, backend: str, arch: str, options: dict) -> dict:
     return {**rest, "qk": path}
 
 
-def check_queries(kind: str, queries, tile=None, warps=None, stages=None, mma=None, options=None) -> None:
-    """--queries picks a prefill kernel by the calls' query rows: refused with a decode kind or a kernel named."""
+def check_queries(kind: str, queries, tile=None, warps=None, stages=None, mma=None, options=None,
+                  heads=None) -> None:
+    """--queries picks a prefill kernel by the calls' query rows (and --heads, their sequence-heads): refused with a
+    decode kind or a kernel named; --heads alone is refused too."""
+    if heads and not queries:
+        raise click.BadParameter("the kernel a call runs depends on its query rows first: give --queries too",
+                                 param_hint="'--heads'")
     if not queries:
         return
     if kind != "prefill":
@@ -124,17 +129,17 @@ def check_queries(kind: str, queries, tile=None, warps=None, stages=None, mma=No
 
 def make_spec(kind: str, fmt: str | None, head_dim: int, tile: str | None, warps: int | None, stages: int | None,
               causal: bool, backend: str, arch: str, mma: str | None = None, options: dict | None = None,
-              queries: int | None = None) -> KernelSpec:
+              queries: int | None = None, heads: int | None = None) -> KernelSpec:
     """A validated KernelSpec from command-line values. Without --tile the family's tuned tile is
     used; --warps and --stages override its warps and stages; with queries (CUDA prefill), the kernel
-    that calls of that many query rows run."""
-    check_queries(kind, queries, tile, warps, stages, mma, options)
+    that calls of that many query rows run over `heads` sequence-heads (None: many)."""
+    check_queries(kind, queries, tile, warps, stages, mma, options, heads)
     fmt = fmt or DEFAULT_FORMAT[kind]
     if queries and backend == "cuda":
         from .engine.spec import builtin_spec
 
         recipe(fmt, kind).family(backend)  # an unknown or kernel-less format is named first
-        return builtin_spec(fmt, head_dim, causal, queries, arch)
+        return builtin_spec(fmt, head_dim, causal, queries, arch, heads)
     if kind == "decode":
         options = _resolve_qk(fmt, backend, arch, options or {})
     spec = KernelSpec(kind=kind, recipe=fmt, head_dim=head_dim, causal=causal,
@@ -193,6 +198,9 @@ def spec_options(repeatable: bool = False):
                      help="prefill: the kernel that qattn.attention calls of N query rows per sequence run on the arch "
                           "(on sm_90a it depends on them; with compile, also any `qattn tune` stored for such calls on "
                           f"this GPU) instead of the family's default{many}"),
+        click.option("--heads", type=click.IntRange(min=1), metavar="N",
+                     help="prefill, with --queries: the calls' sequence-heads (batch x query heads), on which the "
+                          "kernel of 512-1023 rows depends on sm_90a [default: many]"),
         click.option("--arch", "arch", multiple=repeatable, metavar="ARCH",
                      help=f"target, e.g. sm_90a or gfx942 (default: the current GPU's, else "
                           f"{FALLBACK_ARCH['cuda']} / {FALLBACK_ARCH['hip']}){many}"),
@@ -307,13 +315,13 @@ def list_():
               help="write the source to FILE instead of printing it")
 @user_errors
 def gen(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, k_mean, k_balance, k_rope,
-        options, queries, arch, output):
+        options, queries, heads, arch, output):
     """Print the rendered kernel source of one spec (KIND: prefill or decode)."""
     from .engine.render import render
 
     spec = make_spec(kind, fmt, head_dim, tile, warps, stages, bool(causal), backend, arch or _default_arch(backend), mma,
                      {**template_options(kind, options),
-                      **decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope)}, queries)
+                      **decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope)}, queries, heads)
     source = render(spec)
     if output is None:
         click.echo(source, nl=False)
@@ -368,13 +376,13 @@ def _resource_rows(backend: str, res: dict) -> list[tuple[str, object]]:
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @user_errors
 def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, k_mean, k_balance, k_rope,
-            options, queries, arch, as_json):
+            options, queries, heads, arch, as_json):
     """Compile one spec and show its resources (CUDA: registers, shared memory, stack, spills,
     blocks/SM; HIP: VGPRs, SGPRs, LDS, scratch, spills, waves/SIMD) and its matrix and conversion
     instructions."""
     spec = make_spec(kind, fmt, head_dim, tile, warps, stages, bool(causal), backend, arch or _default_arch(backend), mma,
                      {**template_options(kind, options),
-                      **decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope)}, queries)
+                      **decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope)}, queries, heads)
     report = inspect_spec(spec)
     named_tile = tile is not None or warps is not None or stages is not None or bool(options) or bool(queries)
     # prefill only: a decode kernel's tile is fixed by its format
@@ -401,8 +409,9 @@ def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page
             calls += f" over at least {choice.least_heads} sequence-heads (batch x heads)"
         on_unit = f" on {unit}" if unit else ""
         options = "".join(f", {name} {value}" for name, value in choice.options)
+        heads = f" --heads {choice.least_heads}" if choice.least_heads > 1 else ""
         console.print(f"note: on {spec.arch}, qattn.attention {calls} run {t.name}{on_unit}{options} instead "
-                      f"(inspect it with --queries {max(least, 1)})")
+                      f"(inspect it with --queries {max(least, 1)}{heads})")
     if "scale_blocks" in report:
         blocks = report["scale_blocks"]
         rows = "one Q scale per query row" if blocks["q_rows"] == 1 else f"{blocks['q_rows']} query rows per Q scale"
@@ -425,15 +434,16 @@ def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page
 # ---- compile: a matrix of specs ---------------------------------------------------------------
 
 def compile_matrix(kind, formats, head_dims, tile, warps, stages, causal, backend, archs, every,
-                   mma=None, options=None, queries=()) -> list[KernelSpec]:
+                   mma=None, options=None, queries=(), heads=None) -> list[KernelSpec]:
     """The specs of `qattn compile`. With every (--all), an option left out means all its supported
     values (formats with a kernel, the family's head dims and archs, both causal settings of a prefill
     kernel), and a format that --all picked is built for those of the given head dims and archs it supports.
     Where no kernel is named (no tile, warps, stages, unit or template option), --all and --queries
     build what calls run (spec.call_specs): a CUDA prefill call's kernel depends on its query rows
-    per sequence, a decode call's QK path ("auto") on its rows per kv head."""
+    per sequence (and on sm_90a their sequence-heads, `heads`; None: every count), a decode call's QK path ("auto")
+    on its rows per kv head."""
     prefill_options = kind == "prefill" and options
-    check_queries(kind, queries, tile, warps, stages, mma, prefill_options)
+    check_queries(kind, queries, tile, warps, stages, mma, prefill_options, heads)
     routed = (every or queries) and not any((tile, warps, stages, mma, prefill_options))
     picked = every and not formats
     if not formats:
@@ -451,7 +461,7 @@ def compile_matrix(kind, formats, head_dims, tile, warps, stages, causal, backen
             targets = [a for a in targets if a in family.archs]
         for d, arch, c in itertools.product(dims, targets, causals):
             spec = make_spec(kind, fmt, d, tile, warps, stages, c, backend, arch, mma, options)
-            specs += _called_specs(spec, options, queries) if routed else [spec]
+            specs += _called_specs(spec, options, queries, heads) if routed else [spec]
     if not specs:
         given = {"--head-dim": ", ".join(map(str, head_dims)), "--arch": ", ".join(archs)}
         given = {option: values for option, values in given.items() if values}
@@ -461,16 +471,18 @@ def compile_matrix(kind, formats, head_dims, tile, warps, stages, causal, backen
     return list(dict.fromkeys(specs))
 
 
-def _called_specs(spec: KernelSpec, options: dict, queries) -> list[KernelSpec]:
+def _called_specs(spec: KernelSpec, options: dict, queries, heads=None) -> list[KernelSpec]:
     """What calls run in place of spec, the family's default kernel: on CUDA a prefill call's kernel for
-    its query rows (each of queries, or any count), a decode call's every QK path "auto" picks."""
+    its query rows (each of queries, or any count) and sequence-heads (heads, or any count), a decode call's every
+    QK path "auto" picks."""
     from .engine.spec import call_specs
     from .formats.decode.recipes import auto_paths
 
     if spec.backend != "cuda":
         return [spec]
     if spec.kind == "prefill":
-        return [s for n in queries or [None] for s in call_specs(spec.recipe, spec.head_dim, spec.causal, spec.arch, n)]
+        return [s for n in queries or [None]
+                for s in call_specs(spec.recipe, spec.head_dim, spec.causal, spec.arch, n, heads)]
     options = options or {}
     if options.get("qk", "auto") != "auto" or options.get("k_rope") == "pre":  # pre-RoPE keys: transform only
         return [spec]
@@ -505,7 +517,7 @@ def _first_error_line(exc: Exception) -> str:
                    "kernel is named, every kernel calls of any query count run")
 @user_errors
 def compile_(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page_size, scale, qk, k_mean, k_balance, k_rope,
-             options, queries, arch, every):
+             options, queries, heads, arch, every):
     """Compile a matrix of specs x archs into the kernel cache (no GPU needed); exit 1 if any fails.
 
     Deployments that run with QATTN_NO_JIT=1 build what their calls run: `--queries N` for calls of N query rows
@@ -514,7 +526,8 @@ def compile_(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, pag
 
     specs = compile_matrix(kind, list(fmt), list(head_dim), tile, warps, stages, causal, backend, list(arch), every, mma,
                            {**template_options(kind, options),
-                            **decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope)}, list(queries))
+                            **decode_options(kind, page_size, scale, qk, k_mean, k_balance, k_rope)}, list(queries),
+                           heads)
     def resources(spec):
         return build_kernel(spec).resources
 

@@ -197,6 +197,23 @@ def test_gen_and_inspect_take_the_kernel_calls_of_n_rows_run(queries):
     assert_usage_error(run("inspect", "decode", "--queries", "1024", "--arch", "sm_90a"), "--queries")
 
 
+def test_gen_and_inspect_take_the_kernel_of_a_calls_sequence_heads():
+    """--heads N with --queries: on sm_90a d64 non-causal calls of 512 rows run the chained wgmma kernel over 512
+    sequence-heads or more, the mma.sync kernel over fewer; without --heads, the kernel of many."""
+    few, many = (builtin_spec("f16", 64, False, 512, "sm_90a", heads) for heads in (4, 512))
+    assert few.name != many.name and "wgmma" in many.name and "wgmma" not in few.name
+    for heads, routed in (("4", few), ("511", few), ("512", many), (None, many)):
+        args = ("-f", "f16", "-d", "64", "--queries", "512", *(("--heads", heads) if heads else ()), "--arch", "sm_90a")
+        source = run("gen", *args)
+        assert source.exit_code == 0 and source.output.startswith(f"// {routed.name}:"), source.output[:300]
+        assert json.loads(run("inspect", *args, "--json").stdout)["name"] == routed.name
+    note = " ".join(run("inspect", "-f", "f16", "-d", "64", "--arch", "sm_90a").output.split())
+    assert "over at least 512 sequence-heads (batch x heads) run" in note and "--queries 512 --heads 512)" in note
+    for command in ("gen", "inspect", "compile"):
+        assert_usage_error(run(command, "--heads", "8", "--arch", "sm_90a"), "--heads")
+    assert_usage_error(run("inspect", "--queries", "512", "--heads", "0", "--arch", "sm_90a"), "--heads")
+
+
 def test_inspect_shows_the_format_blocks():
     """int8-QK kernels: the query rows per Q scale, keys per K scale block and K scale groups the
     emulator must be given to compute what the kernel computes (on sm_90a the wgmma kernels' per-row
@@ -375,6 +392,19 @@ def test_compile_queries_builds_a_routed_kernel(monkeypatch):
                        "--queries")
     assert_usage_error(run("compile", "decode", "--queries", "4", "--arch", "sm_90a"), "--queries")
     assert_usage_error(run("compile", "--queries", "0", "--arch", "sm_90a"), "--queries")
+
+
+def test_compile_queries_and_heads_builds_that_calls_kernel(monkeypatch):
+    built = []
+    resources = {"registers": 168, "dynamic_smem": 100_000, "spill_stores": 0, "spill_loads": 0}
+    monkeypatch.setattr("qattn.engine.kernel.build_kernel",
+                        lambda spec, cache=None: built.append(spec) or SimpleNamespace(resources=resources))
+    result = run("compile", "-f", "f16", "-d", "64", "--queries", "512", "--heads", "4", "--arch", "sm_90a")
+    assert result.exit_code == 0, result.output
+    assert built == [builtin_spec("f16", 64, False, 512, "sm_90a", 4)]  # mma.sync: no stride variants
+    built.clear()
+    assert run("compile", "-f", "f16", "-d", "64", "--queries", "512", "--arch", "sm_90a").exit_code == 0
+    assert {s.name for s in built} >= {builtin_spec("f16", 64, False, 512, "sm_90a", h).name for h in (4, 512)}
 
 
 def test_stride_variants_hold_every_kernel_the_launcher_switches_to(monkeypatch):

@@ -211,17 +211,19 @@ def builtin_spec(format: str, head_dim: int, causal: bool, queries: int, arch: s
                       tile=choice.tile, options=dict(choice.options))
 
 
-def call_specs(format: str, head_dim: int, causal: bool, arch: str, queries: int | None = None) -> list[KernelSpec]:
+def call_specs(format: str, head_dim: int, causal: bool, arch: str, queries: int | None = None,
+               heads: int | None = None) -> list[KernelSpec]:
     """The prefill kernels that calls naming no tile or unit run on arch, to build ahead of the first call
     (`qattn compile --queries/--all`, deployments with QATTN_NO_JIT=1): for calls of `queries` query rows per
     sequence the kernel listed for that count (builtin_spec), for queries None the family's default and every
-    kernel listed for a query count, each for calls of any number of sequence-heads; and the kernels `qattn tune`
-    stored for such calls on this machine's GPU (a call runs its shape class's winner); and with each, the kernels
-    its launcher runs in its place for arguments whose strides the TMA cannot address (FormatFamily.variants)."""
+    kernel listed for a query count, each for calls of `heads` sequence-heads (None: any number); and the
+    kernels `qattn tune` stored for such calls on this machine's GPU (a call runs its shape class's winner); and
+    with each, the kernels its launcher runs in its place for arguments whose strides the TMA cannot address
+    (FormatFamily.variants)."""
     counts = [queries] if queries is not None else [1] + [c.least_queries for c in
                                                             launch_choices(format, head_dim, arch, causal)]
     specs = [builtin_spec(format, head_dim, causal, n, arch, h) for n in counts
-             for h in launch_heads(format, head_dim, arch, causal)]
+             for h in ([heads] if heads is not None else launch_heads(format, head_dim, arch, causal))]
     base = KernelSpec(kind="prefill", recipe=format, head_dim=head_dim, causal=causal, arch=arch)
     bucket = None if queries is None else length_bucket(queries)
     specs += filter(None, (_with_stored(base, stored) for stored in tuned.stored(format, head_dim, causal, arch, bucket)))
