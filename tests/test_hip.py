@@ -59,4 +59,30 @@ def test_hip_tile_rules_are_checked():
     with pytest.raises(ValueError, match="arch"):
         KernelSpec("prefill", "f16", 64, None, False, "hip", "sm_90a")
     with pytest.raises(ValueError, match="no hip kernel"):
-        KernelSpec("prefill", "f32", 64, None, False, "hip", "gfx942")
+        KernelSpec("prefill", "kv8-f32", 64, None, False, "hip", "gfx942")
+    with pytest.raises(ValueError, match="LDS"):  # the CUDA kernel's d256 tile is over 64 KB
+        KernelSpec("prefill", "f32", 256, Tile(32, 32, 4, 1), False, "hip", "gfx942")
+
+
+F32_SPECS = [KernelSpec("prefill", "f32", d, None, causal, "hip", arch)
+             for arch in RECIPES["f32"].family("hip").archs for d in RECIPES["f32"].family("hip").head_dims
+             for causal in (False, True)]
+
+
+@pytest.mark.parametrize("spec", F32_SPECS, ids=[s.name for s in F32_SPECS])
+def test_hip_f32_is_the_cuda_kernel_on_fp32_alus(spec):
+    source = render(spec)
+    cuda_spec = KernelSpec("prefill", "f32", spec.head_dim, spec.tile, spec.causal, "cuda", "sm_80")
+    cuda = render(cuda_spec).replace(entry_name(cuda_spec), entry_name(spec))
+    # one body (templates/common/prefill_simt.j2) under each backend's header
+    assert source[source.index("namespace {"):] == cuda[cuda.index("namespace {"):]
+    binary = compile_hip_offline(source, spec.arch, spec.name)
+    asm = disassemble(binary.data, "hip")
+    assert entry_name(spec) in asm
+    assert not re.search(r"v_(mfma|wmma|dot)", asm)  # fp32 FMAs only, no matrix or dot units
+    # Q Kᵀ and P V: D / TPR FMA chains over each of a thread's BN / TPR keys and D / TPR channels (unrolled by 4)
+    assert len(re.findall(r"v_fmac?_f32", asm)) >= spec.head_dim // 4, spec.name
+    assert "v_div_fixup_f32" in asm  # acc / total: the IEEE division
+    assert "ds_bpermute_b32" in asm  # the row's max and sum over the threads that share it
+    res = binary.resources
+    assert res["scratch"] == 0 and res["vgpr_spills"] == 0, res

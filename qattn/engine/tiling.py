@@ -80,13 +80,13 @@ def tile_pitch(row_bytes: int) -> int:
 
 
 
-# The fp32 SIMT kernel (templates/cuda/prefill_simt.cu.j2, which kv8-f32 extends): threads per
+# The fp32 SIMT kernel (templates/common/prefill_simt.j2, for CUDA and HIP; kv8-f32 extends it): threads per
 # query row share it; Q, K, V and S tiles in shared memory.
 def simt_smem(tile: Tile, d: int) -> int:
     return 4 * (tile.block_m * (d + 1) + tile.block_n * (d + 1) + tile.block_n * d + tile.block_m * (tile.block_n + 1))
 
 
-def simt_problem(tile: Tile, d: int) -> str | None:
+def simt_problem(tile: Tile, d: int, backend: str = "cuda") -> str | None:
     threads = 32 * tile.warps
     if threads % tile.block_m:
         return f"32*warps ({threads}) must be a multiple of block_m ({tile.block_m})"
@@ -95,5 +95,5 @@ def simt_problem(tile: Tile, d: int) -> str | None:
         return f"threads per query row must be a power of two <= 32, got {per_row}"
     if tile.block_n % per_row or d % per_row:
         return f"block_n ({tile.block_n}) and head_dim ({d}) must be multiples of threads per row ({per_row})"
-    return unpipelined_problem(tile, "fp32 SIMT") or smem_problem(simt_smem(tile, d), "cuda")
+    return unpipelined_problem(tile, "fp32 SIMT") or smem_problem(simt_smem(tile, d), backend)
 

@@ -240,6 +240,19 @@ CUDA_SIMT = Family(
 )
 
 
+# The same fp32 SIMT kernel on HIP (templates/common/prefill_simt.j2): d256's Q, K, V and S tiles fit 64 KB of LDS
+# at 16 rows and 16 keys.
+HIP_SIMT = Family(
+    template="hip/prefill_simt.hip.j2",
+    head_dims=(32, 64, 96, 128, 256),
+    default_tiles={**{d: Tile(32, 32, 4, 1) for d in (32, 64, 96, 128)}, 256: Tile(16, 16, 4, 1)},
+    tile_problem=lambda tile, d: simt_problem(tile, d, "hip"),
+    smem_bytes=simt_smem,
+    archs=HIP_ARCHS,
+    align_bytes=4,
+)
+
+
 # ---- HIP matrix-core prefill (MFMA on CDNA, WMMA on RDNA; fp16 or bf16); 16 query rows per 32 lanes
 # `warps` counts 32-lane warps on every target, so a tile is the same work and the same block of
 # 32*warps threads everywhere: on RDNA (wave32) each wave owns 16 query rows; on CDNA (wave64)
@@ -280,5 +293,5 @@ RECIPES = (
            {"mma": "bf16", "cvt": "bf16x2"},
            {("cuda", "sm_90a"): (CUDA_MMA, CUDA_WGMMA)}),
     Recipe("f32", "fp32 SIMT FMAs throughout: the noise floor for the exact formats", ("float32",),
-           Tolerance(max_rel=1e-5, rel_l2=1e-5), {"cuda": CUDA_SIMT}),
+           Tolerance(max_rel=1e-5, rel_l2=1e-5), {"cuda": CUDA_SIMT, "hip": HIP_SIMT}),
 )
