@@ -43,13 +43,15 @@ def test_hip_compiles_to_matrix_instructions(spec):
     assert res["scratch"] == 0 and res["vgpr_spills"] == 0, res
 
 
-def test_hip_compile_error_names_spec_and_lines():
-    spec = KernelSpec("prefill", "f16", 64, None, False, "hip", "gfx942")
+@pytest.mark.parametrize("fmt, d, causal, arch", [("f16", 64, False, "gfx942"), ("i8-f8", 128, True, "gfx1201"),
+                                                  ("f32", 128, True, "gfx1100")])
+def test_hip_compile_error_names_spec_and_lines(fmt, d, causal, arch):
+    spec = KernelSpec("prefill", fmt, d, None, causal, "hip", arch)
     broken = render(spec).replace("block_sync();", "block_sync(;", 1)
     with pytest.raises(CompileError) as info:
         compile_hip_offline(broken, spec.arch, spec.name)
     text = str(info.value)
-    assert spec.name in text and "--offload-arch=gfx942" in text
+    assert spec.name in text and f"--offload-arch={arch}" in text
     assert re.search(r"^\s*\d+[ |:].*block_sync\(;", text, re.M), text[-2000:]
 
 
