@@ -81,8 +81,8 @@ def attention(q, k, v=None, *, format: str | None = None, causal: bool = False, 
     in fp32 when return_lse). With an int8 KV cache, attention(q, cache, ...) (a qattn.KVCacheInt8)
     runs a kv8 format: see qattn/formats/kv8/host.py for how it is chosen (format=, $QATTN_PREFILL_KV8).
     smoothing (int8-QK formats only): "mean" (default) subtracts K's channel mean before quantizing it;
-    "mean+balance" also balances Q's and K's channels (q·α, K̃/α: exact, for scale-type K outliers;
-    CUDA); None quantizes K as given. smooth_k: its deprecated alias (True: "mean", False: None).
+    "mean+balance" also balances Q's and K's channels (q·α, K̃/α: exact, for scale-type K outliers);
+    None quantizes K as given. smooth_k: its deprecated alias (True: "mean", False: None).
     lse: an fp32 [B, Hq, Lq] array to write the LSE to (implies return_lse). workspace: a
     qattn.Workspace for the call's temporaries (quantized operands, split-K partials). stream: where
     to launch (a CuPy or torch stream, or a pointer); default: the current stream of q's array type.

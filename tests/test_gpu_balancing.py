@@ -1,8 +1,9 @@
-"""Q/K channel balancing (smoothing="mean+balance") in the CUDA int8-QK kernels (issue 31).
+"""Q/K channel balancing (smoothing="mean+balance") in the int8-QK kernels (issue 31).
 
-CPU: the option's plumbing (smoothing, the deprecated smooth_k, errors) and a NumPy model of the
+CPU: the option's plumbing (smoothing, the deprecated smooth_k, errors), a NumPy model of the CUDA
 kernels' α arithmetic (balance_body: max|K̃| from K's column max and min, max|q̃| from Q's column
-absmax, the median by rank) against quant.balance_factors, bit for bit. GPU (marked gpu): every
+absmax, the median by rank) and the HIP host's (quant.balance_from_ranges) against
+quant.balance_factors, bit for bit. GPU (marked gpu): every
 int8-QK format with smoothing="mean+balance" against its emulator, α against balance_factors, and
 balancing against mean-only vs FP64 on the outliers_scale preset.
 
@@ -102,6 +103,37 @@ def test_kernel_alpha_keeps_nan_columns_at_one():
     assert got[0, 0, 7] == 1 and got[1, 0, 2] == 1
 
 
+@pytest.mark.parametrize("preset", ["normal", "outliers_scale", "rope_massive"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_hip_host_alpha_from_ranges_is_balance_factors(preset, dtype):
+    """The HIP host's α (quant.balance_from_ranges, run there on CuPy arrays: Q's column absmax times mul, K's
+    column max and min about K̄, never forming q̃ or K̃) is balance_factors' on q̃ and K − K̄, bit for bit,
+    with dead channels, and a NaN column not live."""
+    from qattn.engine.arrays import numpy_dtype
+
+    rng = np.random.default_rng(11)
+    q, k = (x.astype(numpy_dtype(dtype)) for x in _balance_inputs(rng, preset))
+    mul = np.float32(0.125 * quant.LOG2E)
+    balanced = []
+    for dead, nan in ((0, False), (3, False), (0, True)):
+        q_in, k_in = q.copy(), k.copy()
+        q_in[..., :dead] = 0
+        if nan:
+            q_in[0, 0, 3, 7] = np.nan
+            k_in[1, 0, 9, 2] = np.nan
+        k32 = np.asarray(k_in, F32)
+        k_smooth, k_mean = i8quant.smooth_k(k32)
+        q2 = np.asarray(q_in, F32) * mul
+        want = i8quant.balance_factors(q2, k_smooth)[..., 0, :]
+        got = i8quant.balance_from_ranges(q_in, k_in, k_mean[..., 0, :], mul)
+        assert got.dtype == F32
+        np.testing.assert_array_equal(got, want)
+        if nan:
+            assert got[0, 0, 7] == 1 and got[1, 0, 2] == 1
+        balanced.append(int((got != 1).sum()))
+    assert preset != "outliers_scale" or min(balanced) > 0, balanced  # its outlier channels are balanced
+
+
 # ---- CPU: the option ----------------------------------------------------------------------------
 
 @pytest.fixture
@@ -143,14 +175,6 @@ def test_smooth_k_warns_before_the_gpu(rng):
                for w in caught)
 
 
-def test_hip_refuses_balancing():
-    from types import SimpleNamespace
-
-    kernel = SimpleNamespace(spec=SimpleNamespace(backend="hip", name="qattn_prefill_i8_f8_x"))
-    with pytest.raises(ValueError, match="^smoothing: 'mean\\+balance' is built for CUDA kernels only"):
-        int8._check_backend_smoothing(kernel, "mean+balance")
-    for smoothing in ("mean", None):
-        int8._check_backend_smoothing(kernel, smoothing)
 
 
 def test_emulator_options_carry_the_smoothing():

@@ -94,6 +94,19 @@ def test_tile_rules(tile, reason):
 
 
 # ---- compiled code ----------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.head_dim == 128 and not s.causal], ids=lambda s: s.name)
+def test_balanced_quantization_divides_k_and_scales_q(spec):
+    """The _balance entries (smoothing="mean+balance") quantize (K − K̄) / α with IEEE divisions and q̃·α: more
+    divisions than the plain K entry, more products than the plain Q entry."""
+    _, asm = _compiled(spec)
+    funcs = functions_by_symbol(asm)
+    for sfx in ("f16", "bf16"):
+        plain_k, bal_k = (funcs[entry_name(spec) + f"_quant_k{b}_{sfx}"] for b in ("", "_balance"))
+        plain_q, bal_q = (funcs[entry_name(spec) + f"_quant_q{b}_{sfx}"] for b in ("", "_balance"))
+        assert bal_k.count("v_div_fixup_f32") > plain_k.count("v_div_fixup_f32"), sfx
+        assert len(re.findall(r"v_(pk_)?mul_f32", bal_q)) > len(re.findall(r"v_(pk_)?mul_f32", plain_q)), sfx
+
+
 
 @pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
 def test_compiles_to_matrix_instructions(spec):

@@ -143,10 +143,9 @@ def test_smooth_k_takes_a_bool(rng):
         qattn.attention(q, k, v, smooth_k=True)
 
 
-def test_the_default_smoothing_balances_from_32k_keys_on_cuda():
+def test_the_default_smoothing_balances_from_32k_keys():
     assert i8quant.default_smoothing(i8quant.BALANCE_FROM_KEYS) == "mean+balance"
     assert i8quant.default_smoothing(i8quant.BALANCE_FROM_KEYS - 1) == "mean"
-    assert i8quant.default_smoothing(1 << 20, backend="hip") == "mean"
     assert i8quant.smoothing_option(default="mean+balance") == "mean+balance"
     assert i8quant.smoothing_option(None, default="mean+balance") is None  # an explicit None stays
 

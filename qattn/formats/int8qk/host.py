@@ -18,10 +18,10 @@ of four K scales each (quant's "thread" groups):
 - K̄ = mean of K over keys (fp64 partial sums per chunk of keys, combined in a fixed order, rounded to fp32);
   K̃ = K − K̄; s_K = max|K̃| / 127 per block of block_n keys (or per group of them); K8 = rint(K̃ / s_K). With
   ``smoothing=None`` (emulate's option of the same name) K̄ is a buffer of zeros: K is quantized as
-  given, and the shift (q̃·K̄) is 0. With ``smoothing="mean+balance"`` (CUDA) Q's and K̃'s channels
+  given, and the shift (q̃·K̄) is 0. With ``smoothing="mean+balance"`` Q's and K̃'s channels
   are balanced first: q̃·α and K̃ / α are quantized, α [B, Hkv, D] as quant.balance_factors computes
   it with the "outliers" rule (from K's column max and min and Q's column absmax over each GQA
-  group); the shift stays q̃·K̄.
+  group: on CUDA by the module's kernels, on HIP by CuPy, quant.balance_from_ranges); the shift stays q̃·K̄.
 - q̃ = Q·(τ·log2 e) in fp32; s_Q = max|q̃| / 127 per block of block_m rows; Q8 = rint(q̃ / s_Q);
   optionally shift = q̃·K̄ per row (log2 domain), which the LSE needs.
 - V: fp16 rows (i8-f16; bf16 V is rounded to fp16 first; fp16 V passes through, and the wgmma kernel reads it by
@@ -52,7 +52,7 @@ from .launch import tile_keys as _tile_keys
 from ...engine.packed import Pointer
 from ...check import quant
 from ...check.reference import check_shapes
-from .quant import UNSET, default_smoothing, smoothing_option
+from .quant import UNSET, balance_from_ranges, default_smoothing, smoothing_option
 
 # Rows per block of the HIP kernel that rounds bf16 V to fp16 rows (v_to_half_body).
 V_ROWS = 64
@@ -70,7 +70,8 @@ def module_entries(fmt: str, backend: str | None = None) -> list[str]:
                   for step in ("stats", "quant_qkv", "stats_balance", "quant_qkv_balance")]
         names += ["_stats_finish", "_balance"]
     elif backend == "hip":
-        names += [f"_{step}_{sfx}" for sfx in _SUFFIX.values() for step in ("colstats", "quant_k")]
+        names += [f"_{step}_{sfx}" for sfx in _SUFFIX.values()
+                  for step in ("colstats", "quant_k", "quant_q_balance", "quant_k_balance")]
         if fmt != "i8-f16":
             names += [f"_quant_v_{sfx}" for sfx in _SUFFIX.values()]
         else:
@@ -274,25 +275,35 @@ def _colstats(kernel, x, *, want_sum: bool, want_max: bool, stream):
     return total, amax
 
 
-def _quantize_k(kernel, k, stream, smooth_k: bool):
+def _k_mean(kernel, k, stream, smooth_k: bool):
+    """K̄ [B, Hkv, D] fp32 (zeros without K smoothing: K − 0 = K exactly in the kernel, K quantized as given)."""
+    import cupy
+
+    b, hkv, lk, d = k.shape
+    if not smooth_k:
+        return cupy.zeros((b, hkv, d), dtype=cupy.float32)
+    total, _ = _colstats(kernel, k, want_sum=True, want_max=False, stream=stream)
+    return cupy.ascontiguousarray((total / lk).astype(cupy.float32))  # as quant.smooth_k: fp64 mean -> fp32
+
+
+def _quantize_k(kernel, k, k_mean, alpha, stream):
+    """K's codes and scales (of (K − K̄) / α where alpha, the balancing factors [B, Hkv, D], is given)."""
     import cupy
 
     b, hkv, lk, d = k.shape
     bn = kernel.spec.tile.block_n
-    if smooth_k:
-        total, _ = _colstats(kernel, k, want_sum=True, want_max=False, stream=stream)
-        k_mean = cupy.ascontiguousarray((total / lk).astype(cupy.float32))  # as quant.smooth_k: fp64 mean -> fp32
-    else:  # K − 0 = K exactly in the kernel: K quantized as given
-        k_mean = cupy.zeros((b, hkv, d), dtype=cupy.float32)
     k8 = cupy.empty((b, hkv, lk, d), dtype=cupy.int8)
     k_scale = cupy.empty((b, hkv, -(-lk // bn)), dtype=cupy.float32)
-    fn = kernel.function("_quant_k_" + _SUFFIX[k.dtype.name])
-    fn((-(-lk // bn), hkv, b), (QUANT_THREADS,), (k, *_strides(k), np.int32(lk), k_mean, k8, k_scale), stream=stream)
-    return k8, k_scale, k_mean
+    step = "_quant_k_balance_" if alpha is not None else "_quant_k_"
+    fn = kernel.function(step + _SUFFIX[k.dtype.name])
+    fn((-(-lk // bn), hkv, b), (QUANT_THREADS,),
+       (k, *_strides(k), np.int32(lk), k_mean, k8, k_scale) + ((alpha,) if alpha is not None else ()), stream=stream)
+    return k8, k_scale
 
 
-def _quantize_q(kernel, q, k_mean, scale, hkv, with_shift, stream, memory=None):
-    """Q's codes, scales and (with_shift) q̃·K̄; in one scratch of memory (a CallMemory) when given."""
+def _quantize_q(kernel, q, k_mean, scale, hkv, with_shift, stream, memory=None, alpha=None):
+    """Q's codes, scales and (with_shift) q̃·K̄; in one scratch of memory (a CallMemory) when given; of q̃·α where
+    alpha, the balancing factors [B, Hkv, D], is given (HIP)."""
     import cupy
 
     b, hq, lq, d = q.shape
@@ -308,10 +319,10 @@ def _quantize_q(kernel, q, k_mean, scale, hkv, with_shift, stream, memory=None):
         arrays = _carve(memory, shapes)
         stream = cupy_stream(memory.stream_ptr)
     mul = np.float32(scale * quant.LOG2E)  # as quant.fold_softmax_scale
-    fn = kernel.function("_quant_q_" + _SUFFIX[q.dtype.name])
+    fn = kernel.function(("_quant_q_balance_" if alpha is not None else "_quant_q_") + _SUFFIX[q.dtype.name])
     fn((-(-lq // q_quant_rows(kernel.spec)), hq, b), (QUANT_THREADS,),
        (q, *_strides(q), np.int32(lq), np.int32(hq // hkv), mul, k_mean, arrays["q8"], arrays["q_scale"],
-        arrays.get("shift", _null())), stream=stream)
+        arrays.get("shift", _null())) + ((alpha,) if alpha is not None else ()), stream=stream)
     return arrays["q8"], arrays["q_scale"], arrays.get("shift")
 
 
@@ -360,12 +371,6 @@ def smoothing_options(smoothing) -> dict:
     return {"smoothing": smoothing, **({"alpha_rule": "outliers"} if smoothing == "mean+balance" else {})}
 
 
-def _check_backend_smoothing(kernel, smoothing) -> None:
-    if smoothing == "mean+balance" and kernel.spec.backend != "cuda":
-        raise ValueError(f"smoothing: 'mean+balance' is built for CUDA kernels only, not {kernel.spec.name} "
-                         f"({kernel.spec.backend}); use 'mean' or None")
-
-
 def _checked_inputs(kernel, q, k, v, format: str | None = None):
     """q, k, v as CuPy arrays checked against an int8-QK kernel; returns them and their dims
     (B, Hq, Hkv, Lq, Lk, D)."""
@@ -403,7 +408,7 @@ def quantize(q, k, v, *, format: str | None = None, scale: float | None = None, 
     head dim is built) or kernel (its tile sets the scale blocks). with_shift keeps q̃·K̄, which
     attention_quantized needs to return the LSE. smoothing (as emulate's): "mean" (default) subtracts
     K̄; None skips it (K̄ = 0: K quantized as given, to measure what smoothing buys); "mean+balance"
-    (CUDA) also balances Q's and K̃'s channels (see the module docstring). smooth_k=True / False is its
+    also balances Q's and K̃'s channels (see the module docstring). smooth_k=True / False is its
     deprecated alias ("mean" / None).
     On CUDA the operands are views of one allocation: of workspace (a qattn.Workspace, e.g. inside a
     CUDA graph capture; the operands then last until the workspace's next use) when given."""
@@ -419,7 +424,6 @@ def quantize(q, k, v, *, format: str | None = None, scale: float | None = None, 
     q, k, v, dims = _checked_inputs(kernel, q, k, v, format)
     spec = kernel.spec
     scale = _check_scale(scale, dims[5])
-    _check_backend_smoothing(kernel, smoothing)
     alpha = None
     with on_device(q, stream):
         if spec.backend == "cuda":
@@ -433,8 +437,14 @@ def quantize(q, k, v, *, format: str | None = None, scale: float | None = None, 
             k_mean, v_op, alpha = small[0], ops.get("v_op", v), ops.get("alpha")
             v_scale, v_out_scale = (small[1], small[2]) if plan.v_stats else (None, None)
         else:
-            k8, k_scale, k_mean = _quantize_k(kernel, k, stream, smoothing is not None)
-            q8, q_scale, shift = _quantize_q(kernel, q, k_mean, scale, dims[2], with_shift, stream)
+            k_mean = _k_mean(kernel, k, stream, smoothing is not None)
+            if smoothing == "mean+balance":  # α by CuPy from Q's and K's column ranges
+                import cupy
+
+                alpha = cupy.ascontiguousarray(balance_from_ranges(q, k, k_mean, np.float32(scale * quant.LOG2E),
+                                                                   smoothing_options(smoothing)["alpha_rule"], cupy))
+            k8, k_scale = _quantize_k(kernel, k, k_mean, alpha, stream)
+            q8, q_scale, shift = _quantize_q(kernel, q, k_mean, scale, dims[2], with_shift, stream, alpha=alpha)
             v_op, v_scale, v_out_scale = _quantize_v(kernel, v, stream)
     q_rows, k_keys = scale_blocks(spec)
     return QuantizedQKV(format=spec.recipe, dtype=q.dtype.name, dims=dims, block_m=q_rows, block_n=k_keys,
@@ -544,12 +554,12 @@ def prefill_i8(kernel, q, k, v, *, scale: float | None = None, return_lse: bool 
                stream=None, smoothing=UNSET, smooth_k: bool | None = None, workspace=None):
     """The launcher of the int8-QK families (launch.LAUNCHERS["prefill_i8"]): quantize, then attend.
     smoothing: "mean", "mean+balance" or None, smooth_k its deprecated alias (see quantize); by default
-    "mean+balance" on CUDA from quant.BALANCE_FROM_KEYS keys on, "mean" below (quant.default_smoothing).
+    "mean+balance" from quant.BALANCE_FROM_KEYS keys on, "mean" below (quant.default_smoothing).
     On CUDA a call's launches are planned once per signature (shapes, strides, dtypes, options): a repeated call checks only
     its pointers' alignment and launches. The quantized operands are temporaries (memory.CallMemory:
     from workspace when given)."""
     return_lse = return_lse or lse is not None
-    smoothing = smoothing_option(smoothing, smooth_k, default_smoothing(_keys(k), kernel.spec.backend))
+    smoothing = smoothing_option(smoothing, smooth_k, default_smoothing(_keys(k)))
     if kernel.spec.backend != "cuda":
         example = q
         qkv = quantize(q, k, v, scale=scale, with_shift=return_lse, kernel=kernel, stream=stream, smoothing=smoothing)

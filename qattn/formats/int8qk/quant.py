@@ -31,7 +31,7 @@ GRANULARITIES = ("block", "warp", "thread")
 # also moves part of each K channel's range into Q (balance_factors), None quantizes K as given.
 SMOOTHINGS = ("mean", "mean+balance", None)
 DEFAULT_SMOOTHING = "mean"
-# An attention call's default from this many keys on (CUDA): balancing measured never worse on any
+# An attention call's default from this many keys on: balancing measured never worse on any
 # preset or the captured MiniLM tensors (ratio 1.00 where K has no outlier channel, 0.19-0.51 where it
 # has) and cost 0-3% of the call at 32K keys on the H200, 3-9% at 4K (BENCHMARKS.md).
 BALANCE_FROM_KEYS = 32768
@@ -55,10 +55,10 @@ def smooth_k(k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return k.astype(dtype) - mean, mean
 
 
-def default_smoothing(keys: int, backend: str = "cuda") -> str:
-    """The smoothing of an attention call that names none: "mean+balance" on CUDA from
-    BALANCE_FROM_KEYS keys on, "mean" otherwise."""
-    return "mean+balance" if backend == "cuda" and keys >= BALANCE_FROM_KEYS else DEFAULT_SMOOTHING
+def default_smoothing(keys: int) -> str:
+    """The smoothing of an attention call that names none: "mean+balance" from BALANCE_FROM_KEYS keys on,
+    "mean" below (on CUDA and HIP alike, so that a format's arithmetic does not depend on the backend)."""
+    return "mean+balance" if keys >= BALANCE_FROM_KEYS else DEFAULT_SMOOTHING
 
 
 def smoothing_option(smoothing=UNSET, smooth_k=None, default: str = DEFAULT_SMOOTHING):
@@ -87,22 +87,43 @@ def balance_factors(q: np.ndarray, k: np.ndarray, rule: str = DEFAULT_ALPHA_RULE
     it is shared with Q's own ranges instead of setting K's scale alone. A channel that is zero in q
     or in k contributes nothing to any score and keeps α = 1. q [B, Hq, Lq, D] (the softmax scale
     folded in or not: the normalization cancels it), k [B, Hkv, Lk, D] (after smoothing)."""
-    if rule not in ALPHA_RULES:
-        raise ValueError(f"rule: expected one of {ALPHA_RULES}, got {rule!r}")
     b, hkv, d = k.shape[0], k.shape[1], k.shape[-1]
     q_absmax = np.abs(np.asarray(q, np.float64)).reshape(b, hkv, -1, d).max(axis=2)  # [B, Hkv, D]
     k_absmax = np.abs(np.asarray(k, np.float64)).max(axis=-2)
+    return balance_from_absmax(q_absmax, k_absmax, rule)[..., None, :]
+
+
+def balance_from_absmax(q_absmax, k_absmax, rule: str = DEFAULT_ALPHA_RULE, xp=np):
+    """balance_factors' α [B, Hkv, D] float32 from each channel's absmax of q [B, Hkv, D] (over the kv head's
+    GQA group) and of k [B, Hkv, D]; NumPy or CuPy arrays (xp their module)."""
+    if rule not in ALPHA_RULES:
+        raise ValueError(f"rule: expected one of {ALPHA_RULES}, got {rule!r}")
+    q_absmax, k_absmax = q_absmax.astype(xp.float64), k_absmax.astype(xp.float64)
     live = (q_absmax > 0) & (k_absmax > 0)
-    alpha = np.where(live, np.sqrt(np.where(live, k_absmax, 1.0) / np.where(live, q_absmax, 1.0)), np.nan)
+    alpha = xp.where(live, xp.sqrt(xp.where(live, k_absmax, 1.0) / xp.where(live, q_absmax, 1.0)), xp.nan)
     with warnings.catch_warnings():  # a head with no live channel has no median: its α stays 1
         warnings.simplefilter("ignore", RuntimeWarning)
-        median = np.nanmedian(alpha, axis=-1, keepdims=True)
-    alpha = np.where(live, alpha / median, 1.0)
+        median = xp.nanmedian(alpha, axis=-1, keepdims=True)
+    alpha = xp.where(live, alpha / median, 1.0)
     if rule == "pow2":
-        alpha = np.exp2(np.rint(np.log2(alpha)))
+        alpha = xp.exp2(xp.rint(xp.log2(alpha)))
     elif rule == "outliers":
-        alpha = np.where((alpha > 1 / OUTLIER_ALPHA) & (alpha < OUTLIER_ALPHA), 1.0, alpha)
-    return alpha.astype(np.float32)[..., None, :]
+        alpha = xp.where((alpha > 1 / OUTLIER_ALPHA) & (alpha < OUTLIER_ALPHA), 1.0, alpha)
+    return alpha.astype(xp.float32)
+
+
+def balance_from_ranges(q, k, k_mean, mul, rule: str = DEFAULT_ALPHA_RULE, xp=np):
+    """balance_factors(RN(q·mul), K − K̄)[..., 0, :] from the raw fp16/bf16 q [B, Hq, Lq, D] and k [B, Hkv, Lk, D]
+    without forming either: x ↦ RN(x·mul) (mul > 0) and x ↦ RN(x − K̄) are monotonic, so max|q̃| = RN(max|q|·mul)
+    and max|K̃| = max(RN(max K − K̄), RN(K̄ − min K)) in fp32. k_mean: K̄ [B, Hkv, D] fp32; NumPy or CuPy arrays (xp
+    their module), as the HIP kernels' host computes α."""
+    b, hkv, d = k.shape[0], k.shape[1], k.shape[-1]
+    q, k = (x if x.dtype == xp.float16 else x.astype(xp.float32) for x in (q, k))  # bf16 widened (exact) to reduce
+    mul = xp.float32(mul)
+    q_absmax = xp.abs(q).max(axis=2).reshape(b, hkv, -1, d).max(axis=2).astype(xp.float32) * mul
+    k_mean = k_mean.astype(xp.float32)
+    k_absmax = xp.maximum(k.max(axis=2).astype(xp.float32) - k_mean, k_mean - k.min(axis=2).astype(xp.float32))
+    return balance_from_absmax(q_absmax, k_absmax, rule, xp)
 
 
 def smooth(q: np.ndarray, k: np.ndarray, smoothing=DEFAULT_SMOOTHING, alpha_rule: str = DEFAULT_ALPHA_RULE):
