@@ -1,0 +1,158 @@
+"""The HIP int8-QK quantization kernels (templates/hip/quantize_i8.h.j2), run on the CPU: the header rendered for
+an i8-f16 spec under a host stand-in for hip/common.h.j2 (each thread of a block a std::thread, the block
+barrier a std::barrier, the lane exchange through an array between two barriers, a wave of 64 lanes as on
+CDNA or of 32 as on RDNA), built by clang for the host and launched over the HIP host's grid. Q's and K's
+codes and scales, with K smoothing alone and with Q/K channel balancing (α from quant.balance_from_ranges, as
+the HIP host takes it), must equal the NumPy quantization of the emulator's q̃·α and (K − K̄) / α byte for
+byte; the shift q̃·K̄ must agree to fp32 rounding."""
+import ctypes
+
+import numpy as np
+import pytest
+
+from qattn.check import quant
+from qattn.engine.render import context, environment
+from qattn.engine.spec import KernelSpec
+from qattn.formats.int8qk import quant as i8quant
+
+from hip_offline import host_library, needs_clang
+
+pytestmark = needs_clang
+
+F32 = np.float32
+
+HOST_HEADER = r"""
+#include <barrier>
+#include <thread>
+#include <vector>
+#define __shared__ static
+#define QATTN_DEVICE static inline
+typedef long long i64;
+typedef unsigned u32;
+typedef unsigned short u16;
+typedef _Float16 f16;
+namespace {
+constexpr int D = {{ head_dim }};
+constexpr int BM = {{ block_m }};
+constexpr int BN = {{ block_n }};
+constexpr int WAVE = {{ wave }};
+}  // namespace
+struct HostThread { int tid, bx, by, bz; };
+static thread_local HostThread host_thread;
+static int host_grid_x, host_grid_y;
+static std::barrier<>* host_barrier;
+static unsigned host_lanes[1024];
+QATTN_DEVICE int thread_id() { return host_thread.tid; }
+QATTN_DEVICE int block_x() { return host_thread.bx; }
+QATTN_DEVICE int block_y() { return host_thread.by; }
+QATTN_DEVICE int block_z() { return host_thread.bz; }
+QATTN_DEVICE int grid_blocks_x() { return host_grid_x; }
+QATTN_DEVICE int grid_blocks_y() { return host_grid_y; }
+QATTN_DEVICE void block_sync() { host_barrier->arrive_and_wait(); }
+template <class T>
+QATTN_DEVICE T lane_xor(T x, int lane, int mask) {  // every thread of the block exchanges at once
+    host_lanes[thread_id()] = __builtin_bit_cast(unsigned, x);
+    block_sync();
+    const unsigned y = host_lanes[thread_id() - lane + (lane ^ mask)];
+    block_sync();
+    return __builtin_bit_cast(T, y);
+}
+"""
+
+DRIVER = r"""
+template <class Kernel>
+static void launch(int blocks_x, int heads, int batch, Kernel kernel) {
+    host_grid_x = blocks_x;
+    host_grid_y = heads;
+    for (int z = 0; z < batch; ++z)
+        for (int y = 0; y < heads; ++y)
+            for (int x = 0; x < blocks_x; ++x) {
+                std::barrier<> sync(QT);
+                host_barrier = &sync;
+                std::vector<std::thread> threads;
+                for (int t = 0; t < QT; ++t)
+                    threads.emplace_back([=] { host_thread = {t, x, y, z}; kernel(); });
+                for (auto& th : threads) th.join();
+            }
+}
+
+template <bool BALANCE>
+static void rows(bool is_k, const u16* x, const i64* st, int B, int H, int L, int group, float mul,
+                 const float* k_mean, signed char* codes, float* scales, float* shift, const float* alpha) {
+    if (is_k)
+        launch((L + BN - 1) / BN, H, B, [=] {
+            quant_rows_body<false, BN, true, BALANCE>(x, st[0], st[1], st[2], L, 1, 1.f, k_mean, codes, scales,
+                                                      nullptr, alpha);
+        });
+    else
+        launch((L + BM - 1) / BM, H, B, [=] {
+            quant_rows_body<false, BM, false, BALANCE>(x, st[0], st[1], st[2], L, group, mul, k_mean, codes, scales,
+                                                       shift, alpha);
+        });
+}
+
+// Q (is_k 0) or K (1) rows of fp16 x [B, H, L, D] into codes and block scales; alpha null: no balancing.
+extern "C" void quant_rows(int is_k, const u16* x, const i64* st, int B, int H, int L, int group, float mul,
+                           const float* k_mean, signed char* codes, float* scales, float* shift, const float* alpha) {
+    if (alpha != nullptr) rows<true>(is_k, x, st, B, H, L, group, mul, k_mean, codes, scales, shift, alpha);
+    else rows<false>(is_k, x, st, B, H, L, group, mul, k_mean, codes, scales, shift, alpha);
+}
+"""
+
+
+@pytest.fixture(scope="module", params=[64, 32], ids=["wave64", "wave32"])
+def host_quant(request, tmp_path_factory):
+    """The quantization header of the HIP i8-f16 d64 spec, built for the host with a wave of 64 or 32 lanes."""
+    spec = KernelSpec("prefill", "i8-f16", 64, None, False, "hip", "gfx942")
+    text = HOST_HEADER + '{% include "hip/quantize_i8.h.j2" %}' + DRIVER
+    source = environment().from_string(text).render(wave=request.param, **context(spec))
+    return spec, host_library(tmp_path_factory.mktemp(f"quant{request.param}"), source,
+                              ["-std=c++20", "-ffp-contract=off", "-pthread"])
+
+
+def _ptr(x):
+    return x.ctypes.data_as(ctypes.c_void_p) if x is not None else None
+
+
+def _run(lib, is_k, x, group, mul, k_mean, alpha, rows):
+    b, h, length, d = x.shape
+    nblocks = -(-length // rows)
+    codes = np.full(x.shape, 99, np.int8)  # poisoned
+    scales = np.full((b, h, nblocks), np.nan, F32)
+    shift = None if is_k else np.full((b, h, length), np.nan, F32)
+    strides = np.array([s // 2 for s in x.strides[:3]], np.int64)
+    lib.quant_rows(ctypes.c_int(is_k), _ptr(x), _ptr(strides), ctypes.c_int(b), ctypes.c_int(h), ctypes.c_int(length),
+                   ctypes.c_int(group), ctypes.c_float(mul), _ptr(k_mean), _ptr(codes), _ptr(scales), _ptr(shift),
+                   _ptr(alpha))
+    return codes, scales, shift
+
+
+@pytest.mark.parametrize("smoothing", ["mean", "mean+balance"])
+@pytest.mark.parametrize("preset", ["normal", "outliers_scale"])
+def test_hip_quantization_is_numpys(host_quant, smoothing, preset):
+    spec, lib = host_quant
+    from qattn import data
+
+    b, hq, hkv, lq, lk, d = 1, 4, 2, 150, 200, 64  # tails: 150 rows in blocks of 128, 200 keys in blocks of 64
+    x = data.preset(preset, ctx=lk, queries=lq, batch=b, heads=hq, kv_heads=hkv, head_dim=d, seed=7)
+    q, k = (np.ascontiguousarray(np.asarray(x[n], F32).astype(np.float16)) for n in "qk")
+    mul = F32(0.125 * quant.LOG2E)
+    q2 = np.asarray(q, F32) * mul
+    q_in, k_in, k_mean = i8quant.smooth(q2, np.asarray(k, F32), smoothing)
+    k_mean = np.ascontiguousarray(k_mean[..., 0, :])
+    alpha = None
+    if smoothing == "mean+balance":
+        alpha = np.ascontiguousarray(i8quant.balance_from_ranges(q, k, k_mean, mul))
+        if preset == "outliers_scale":
+            assert (alpha != 1).any()  # the balanced path is exercised
+    bm, bn = spec.tile.block_m, spec.tile.block_n
+    k8, k_scales, _ = _run(lib, 1, k, 1, F32(1), k_mean, alpha, bn)
+    q8, q_scales, shift = _run(lib, 0, q, hq // hkv, mul, k_mean, alpha, bm)
+    want_k = i8quant.quantize_int8(k_in, bn, operand="k")
+    want_q = i8quant.quantize_int8(q_in, bm, operand="q")
+    np.testing.assert_array_equal(k8, want_k.codes)
+    np.testing.assert_array_equal(q8, want_q.codes)
+    np.testing.assert_array_equal(k_scales, want_k.scale[:, :, ::bn, 0])
+    np.testing.assert_array_equal(q_scales, want_q.scale[:, :, ::bm, 0])
+    k_mean_q = np.repeat(k_mean, hq // hkv, axis=1)[:, :, None, :]
+    np.testing.assert_allclose(shift, (q2.astype(np.float64) * k_mean_q).sum(-1), rtol=1e-5, atol=1e-5)
