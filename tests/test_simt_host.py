@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from qattn.check import reference
-from qattn.engine.render import context, entry_name, environment
+from qattn.engine.render import context, environment
 from qattn.engine.spec import KernelSpec
 from qattn.engine.tile import Tile
 from qattn.formats.kv8.quant import quantize_kv_cache
