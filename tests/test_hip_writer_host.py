@@ -1,0 +1,182 @@
+"""The HIP decode module's cache writer (templates/hip/decode_write.hip.j2), run on the CPU: the writer rendered for
+a HIP decode spec under a host stand-in for hip/common.h.j2 and the constants decode_paged.hip.j2 gives it (each
+thread of a block a std::thread, the barrier a std::barrier, the lane exchange through an array between two
+barriers of its 32-lane group, waves of 64 or 32 lanes), built by clang for the host and launched over the writer's grid. The pools and
+scales it leaves must be what decode.quant.HostPagedCache stores for the same tokens, bit for bit: every K-V
+pairing of 16-bit, e4m3 and int8 sides, token and head scales, padding slots, fp16 and bf16 inputs with strides,
+a pre-bias residual K and an int8 K's channel balancing."""
+import ctypes
+
+import numpy as np
+import pytest
+
+from qattn.check.quant import E4M3
+from qattn.engine.arrays import numpy_dtype
+from qattn.engine.render import context, environment
+from qattn.engine.spec import KernelSpec
+from qattn.formats.decode.quant import HostPagedCache, balance_factors, balance_inverse, head_scales
+
+from hip_offline import host_library, needs_clang
+
+pytestmark = needs_clang
+
+HOST_HEADER = r"""
+#include <barrier>
+#include <memory>
+#include <thread>
+#include <vector>
+#define __global__
+#define __launch_bounds__(threads)
+#define __shared__ static
+#define QATTN_DEVICE static inline
+typedef long long i64;
+typedef unsigned u32;
+typedef unsigned short u16;
+typedef _Float16 f16;
+namespace {
+constexpr int D = {{ head_dim }};
+constexpr int PAGE = {{ page_size }};
+constexpr int WAVE = {{ wave }};
+constexpr int K_CODE = {{ {"16": 0, "e4m3": 1, "i8": 2}[k_code] }};
+constexpr int V_CODE = {{ {"16": 0, "e4m3": 1, "i8": 2}[v_code] }};
+constexpr int K_BYTES = K_CODE == 0 ? 2 : 1, V_BYTES = V_CODE == 0 ? 2 : 1;
+constexpr bool TOKEN_SCALES = {{ "true" if scale_mode == "token" else "false" }};
+}  // namespace
+// fp32 -> bf16, nearest even (a NaN stays a quiet NaN): the conversion clang calls on the host, which the GCC 12
+// runtime lacks; the GPU converts in its own instruction.
+extern "C" __bf16 __truncsfbf2(float f) {
+    const u32 u = __builtin_bit_cast(u32, f);
+    const u16 h = f != f ? static_cast<u16>((u >> 16) | 0x40u) : static_cast<u16>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    return __builtin_bit_cast(__bf16, h);
+}
+QATTN_DEVICE float nan_max(float a, float b) { return a != a || b != b ? __builtin_nanf("") : __builtin_fmaxf(a, b); }
+struct HostThread { int tid, bx, by; };
+static thread_local HostThread host_thread;
+static std::barrier<>* host_barrier;
+static std::barrier<>* host_group_barriers[32];  // one per 32 threads: the writer's groups take their own tokens
+static unsigned host_lanes[1024];
+QATTN_DEVICE int thread_id() { return host_thread.tid; }
+QATTN_DEVICE int block_x() { return host_thread.bx; }
+QATTN_DEVICE int block_y() { return host_thread.by; }
+QATTN_DEVICE void block_sync() { host_barrier->arrive_and_wait(); }
+template <class T>
+QATTN_DEVICE T lane_xor(T x, int lane, int mask) {  // within a group of 32 (masks below 32), all of it at once
+    std::barrier<>& group = *host_group_barriers[thread_id() / 32];
+    host_lanes[thread_id()] = __builtin_bit_cast(unsigned, x);
+    group.arrive_and_wait();
+    const unsigned y = host_lanes[thread_id() - lane + (lane ^ mask)];
+    group.arrive_and_wait();
+    return __builtin_bit_cast(T, y);
+}
+"""
+
+DRIVER = r"""
+// The writer's grid: blocks of WRITE_TOKENS tokens of one kv head, 32 * WRITE_GROUPS threads each.
+extern "C" void write_tokens(int bf16, const u16* k, const u16* v, const i64* slots, unsigned char* k_pool,
+                             unsigned char* v_pool, float* k_scale, float* v_scale, const float* k_head,
+                             const float* v_head, const float* k_bias, const float* k_unbalance, i64 k_t, i64 k_h,
+                             i64 v_t, i64 v_h, int T, int Hkv) {
+    constexpr int THREADS = 32 * WRITE_GROUPS;
+    for (int h = 0; h < Hkv; ++h)
+        for (int x = 0; x < (T + WRITE_TOKENS - 1) / WRITE_TOKENS; ++x) {
+            std::barrier<> sync(THREADS);
+            std::vector<std::unique_ptr<std::barrier<>>> groups;
+            for (int g = 0; g < WRITE_GROUPS; ++g) {
+                groups.push_back(std::make_unique<std::barrier<>>(32));
+                host_group_barriers[g] = groups.back().get();
+            }
+            host_barrier = &sync;
+            std::vector<std::thread> threads;
+            for (int t = 0; t < THREADS; ++t)
+                threads.emplace_back([=] {
+                    host_thread = {t, x, h};
+                    auto entry = bf16 ? {{ name }}_write_bf16_i64 : {{ name }}_write_f16_i64;
+                    entry(k, v, slots, k_pool, v_pool, k_scale, v_scale, k_head, v_head, k_bias, nullptr, nullptr,
+                          nullptr, nullptr, nullptr,{% if k_balance == "on" %} k_unbalance,{% endif %} k_t, k_h, v_t,
+                          v_h, T, Hkv);
+                });
+            for (auto& th : threads) th.join();
+        }
+}
+"""
+
+PAGES, PAGE_SIZE, KV_HEADS, T = 12, 16, 2, 40
+
+
+def _library(folder, spec: KernelSpec, wave: int):
+    text = HOST_HEADER + '{% include "hip/decode_write.hip.j2" %}' + DRIVER
+    source = environment().from_string(text).render(wave=wave, **context(spec))
+    return host_library(folder, source, ["-std=c++20", "-ffp-contract=off", "-pthread"])
+
+
+def _values(raw: np.ndarray, side: str) -> np.ndarray:
+    """A pool's stored values as the host model holds them (as PagedKVCache.host reads them)."""
+    if side in ("f16", "bf16"):
+        data = raw.view(np.uint16)
+        return (data.astype(np.uint32) << 16).view(np.float32) if side == "bf16" else \
+            data.view(np.float16).astype(np.float32)
+    return raw.view(E4M3 if side == "e4m3" else np.int8).astype(np.float32)
+
+
+def _ptr(x):
+    return None if x is None else x.ctypes.data_as(ctypes.c_void_p)
+
+
+CASES = [  # (format, scale mode, K term)
+    ("e4m3-e4m3", "token", None), ("i8-i8", "head", None), ("f16-i8", "token", None), ("e4m3-f16", "head", None),
+    ("bf16-e4m3", "token", None), ("i8-bf16", "token", "bias"), ("i8-i8", "token", "balance"),
+    ("e4m3-e4m3", "head", "bias"),
+]
+
+
+@pytest.mark.parametrize("wave", [64, 32])
+@pytest.mark.parametrize("fmt, scale, term", CASES, ids=[f"{c[0]}-{c[1]}-{c[2] or 'plain'}" for c in CASES])
+def test_hip_writer_stores_what_the_host_model_stores(tmp_path, wave, fmt, scale, term):
+    k_side, v_side = fmt.split("-")
+    options = {"page_size": PAGE_SIZE, "scale_mode": scale, **({"k_balance": "on"} if term == "balance" else {})}
+    spec = KernelSpec(kind="decode", recipe=fmt, head_dim=64, backend="hip", arch="gfx942", options=options)
+    lib = _library(tmp_path, spec, wave)
+    d = spec.head_dim
+    rng = np.random.default_rng(len(fmt) + wave)
+    dtype = numpy_dtype("bfloat16" if "bf16" in fmt else "float16")
+    # strided inputs: [T, Hkv, D] views of wider rows; a scale-type outlier channel and a large bias in K
+    wide_k = (rng.standard_normal((T, KV_HEADS + 1, d)) * 1.5).astype(np.float32)
+    wide_k[..., 5] *= 40
+    k = wide_k.astype(dtype)[:, :KV_HEADS]
+    v = rng.standard_normal((T, KV_HEADS, d)).astype(dtype)
+    slots = rng.permutation(PAGES * PAGE_SIZE)[:T].astype(np.int64)
+    slots[[3, 17]] = -1  # padding: written nowhere
+    bias = (rng.standard_normal((KV_HEADS, d)) * 8).astype(np.float32) if term == "bias" else None
+    alpha = balance_factors(np.asarray(k, np.float32)) if term == "balance" else None
+    given = {}
+    if scale == "head":  # the heads' scales, as a cache calibrates them from its first write
+        x = np.asarray(k, np.float32) - (0 if bias is None else bias[None])
+        for name, side, y in (("k_scale", k_side, x), ("v_scale", v_side, np.asarray(v, np.float32))):
+            if side in ("e4m3", "i8"):
+                given[name] = head_scales(y, side).astype(np.float32)
+    host = HostPagedCache.empty(fmt, PAGES, PAGE_SIZE, KV_HEADS, d, scale, k_bias=bias, k_balance=alpha, **given)
+    host.write(k, v, slots, scale=scale)
+
+    pools = {side_name: np.full((PAGES, KV_HEADS, PAGE_SIZE, d * (2 if side in ("f16", "bf16") else 1)), 0xA5,
+                                np.uint8) for side_name, side in (("k", k_side), ("v", v_side))}
+    token_scales = {name: np.full((PAGES, KV_HEADS, PAGE_SIZE), np.nan, np.float32) for name in ("k", "v")}
+    keep = slots >= 0
+    before = {name: pools[name].copy() for name in pools}
+    lib.write_tokens(ctypes.c_int(int(dtype.name == "bfloat16")), _ptr(k), _ptr(v), _ptr(slots), _ptr(pools["k"]),
+                     _ptr(pools["v"]), _ptr(token_scales["k"]), _ptr(token_scales["v"]), _ptr(given.get("k_scale")),
+                     _ptr(given.get("v_scale")), _ptr(bias),
+                     _ptr(None if alpha is None else np.ascontiguousarray(balance_inverse(alpha), np.float32)),
+                     ctypes.c_longlong(k.strides[0] // 2), ctypes.c_longlong(k.strides[1] // 2),
+                     ctypes.c_longlong(v.strides[0] // 2), ctypes.c_longlong(v.strides[1] // 2), ctypes.c_int(T),
+                     ctypes.c_int(KV_HEADS))
+    pages, offsets = slots[keep] // PAGE_SIZE, slots[keep] % PAGE_SIZE
+    for name, side in (("k", k_side), ("v", v_side)):
+        got = _values(pools[name], side)
+        np.testing.assert_array_equal(got[pages, :, offsets], getattr(host, name)[pages, :, offsets], err_msg=name)
+        untouched = np.ones(PAGES * PAGE_SIZE, bool)
+        untouched[slots[keep]] = False
+        pu, ou = np.nonzero(untouched.reshape(PAGES, PAGE_SIZE))
+        assert np.array_equal(pools[name][pu, :, ou], before[name][pu, :, ou]), name  # padding and other slots
+        if scale == "token" and side in ("e4m3", "i8"):
+            np.testing.assert_array_equal(token_scales[name][pages, :, offsets],
+                                          getattr(host, f"{name}_scale")[pages, :, offsets], err_msg=name)
