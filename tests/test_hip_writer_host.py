@@ -4,7 +4,8 @@ thread of a block a std::thread, the barrier a std::barrier, the lane exchange t
 barriers of its 32-lane group, waves of 64 or 32 lanes), built by clang for the host and launched over the writer's grid. The pools and
 scales it leaves must be what decode.quant.HostPagedCache stores for the same tokens, bit for bit: every K-V
 pairing of 16-bit, e4m3 and int8 sides, token and head scales, padding slots, fp16 and bf16 inputs with strides,
-a pre-bias residual K and an int8 K's channel balancing."""
+a pre-bias residual K and an int8 K's channel balancing; and with page means (k_mean "page"), over two writes, the
+page records, the running sums and the snapshot too."""
 import ctypes
 
 import numpy as np
@@ -49,6 +50,15 @@ extern "C" __bf16 __truncsfbf2(float f) {
     const u16 h = f != f ? static_cast<u16>((u >> 16) | 0x40u) : static_cast<u16>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
     return __builtin_bit_cast(__bf16, h);
 }
+// The page-mean writer's atomics, fences and grid sizes (work-items), on the host's.
+#define __HIP_MEMORY_SCOPE_WORKGROUP 0
+#define __HIP_MEMORY_SCOPE_AGENT 0
+#define __hip_atomic_fetch_add(p, v, order, scope) __atomic_fetch_add(p, v, order)
+#define __hip_atomic_load(p, order, scope) __atomic_load_n(p, order)
+#define __builtin_amdgcn_fence(order, scope) __atomic_thread_fence(order)
+static unsigned host_grid_size[2];
+#define __builtin_amdgcn_grid_size_x() host_grid_size[0]
+#define __builtin_amdgcn_grid_size_y() host_grid_size[1]
 QATTN_DEVICE float nan_max(float a, float b) { return a != a || b != b ? __builtin_nanf("") : __builtin_fmaxf(a, b); }
 struct HostThread { int tid, bx, by; };
 static thread_local HostThread host_thread;
@@ -74,9 +84,14 @@ DRIVER = r"""
 // The writer's grid: blocks of WRITE_TOKENS tokens of one kv head, 32 * WRITE_GROUPS threads each.
 extern "C" void write_tokens(int bf16, const u16* k, const u16* v, const i64* slots, unsigned char* k_pool,
                              unsigned char* v_pool, float* k_scale, float* v_scale, const float* k_head,
-                             const float* v_head, const float* k_bias, const float* k_unbalance, i64 k_t, i64 k_h,
-                             i64 v_t, i64 v_h, int T, int Hkv) {
+                             const float* v_head, const float* k_bias, const float* k_unbalance, u64* mean_sums,
+                             unsigned char* k_mean, float* k_mean_scale, i64 k_t, i64 k_h, i64 v_t, i64 v_h, int T,
+                             int Hkv, int pages) {
     constexpr int THREADS = 32 * WRITE_GROUPS;
+    unsigned char* mean_now = k_mean != nullptr ? k_mean + (i64)pages * Hkv * D : nullptr;  // the snapshot: last
+    float* mean_now_scale = k_mean_scale != nullptr ? k_mean_scale + (i64)pages * Hkv : nullptr;
+    host_grid_size[0] = (T + WRITE_TOKENS - 1) / WRITE_TOKENS * THREADS;
+    host_grid_size[1] = Hkv;
     for (int h = 0; h < Hkv; ++h)
         for (int x = 0; x < (T + WRITE_TOKENS - 1) / WRITE_TOKENS; ++x) {
             std::barrier<> sync(THREADS);
@@ -91,9 +106,9 @@ extern "C" void write_tokens(int bf16, const u16* k, const u16* v, const i64* sl
                 threads.emplace_back([=] {
                     host_thread = {t, x, h};
                     auto entry = bf16 ? {{ name }}_write_bf16_i64 : {{ name }}_write_f16_i64;
-                    entry(k, v, slots, k_pool, v_pool, k_scale, v_scale, k_head, v_head, k_bias, nullptr, nullptr,
-                          nullptr, nullptr, nullptr,{% if k_balance == "on" %} k_unbalance,{% endif %} k_t, k_h, v_t,
-                          v_h, T, Hkv);
+                    entry(k, v, slots, k_pool, v_pool, k_scale, v_scale, k_head, v_head, k_bias, mean_sums, k_mean,
+                          k_mean_scale, mean_now, mean_now_scale,{% if k_balance == "on" %} k_unbalance,{% endif %} k_t,
+                          k_h, v_t, v_h, T, Hkv);
                 });
             for (auto& th : threads) th.join();
         }
@@ -120,6 +135,12 @@ def _values(raw: np.ndarray, side: str) -> np.ndarray:
 
 def _ptr(x):
     return None if x is None else x.ctypes.data_as(ctypes.c_void_p)
+
+
+def _ints(k, v, tokens):
+    """The writer's trailing integers: K's and V's token and head strides (elements), tokens, kv heads, pages."""
+    return (*(ctypes.c_longlong(x.strides[i] // 2) for x in (k, v) for i in (0, 1)), ctypes.c_int(tokens),
+            ctypes.c_int(KV_HEADS), ctypes.c_int(PAGES))
 
 
 CASES = [  # (format, scale mode, K term)
@@ -166,9 +187,7 @@ def test_hip_writer_stores_what_the_host_model_stores(tmp_path, wave, fmt, scale
                      _ptr(pools["v"]), _ptr(token_scales["k"]), _ptr(token_scales["v"]), _ptr(given.get("k_scale")),
                      _ptr(given.get("v_scale")), _ptr(bias),
                      _ptr(None if alpha is None else np.ascontiguousarray(balance_inverse(alpha), np.float32)),
-                     ctypes.c_longlong(k.strides[0] // 2), ctypes.c_longlong(k.strides[1] // 2),
-                     ctypes.c_longlong(v.strides[0] // 2), ctypes.c_longlong(v.strides[1] // 2), ctypes.c_int(T),
-                     ctypes.c_int(KV_HEADS))
+                     None, None, None, *_ints(k, v, T))
     pages, offsets = slots[keep] // PAGE_SIZE, slots[keep] % PAGE_SIZE
     for name, side in (("k", k_side), ("v", v_side)):
         got = _values(pools[name], side)
@@ -180,3 +199,63 @@ def test_hip_writer_stores_what_the_host_model_stores(tmp_path, wave, fmt, scale
         if scale == "token" and side in ("e4m3", "i8"):
             np.testing.assert_array_equal(token_scales[name][pages, :, offsets],
                                           getattr(host, f"{name}_scale")[pages, :, offsets], err_msg=name)
+
+
+@pytest.mark.parametrize("wave", [64, 32])
+@pytest.mark.parametrize("fmt, scale, term", [("i8-i8", "token", None), ("e4m3-e4m3", "token", "bias"),
+                                              ("i8-f16", "token", "balance")], ids=lambda x: str(x))
+def test_hip_page_mean_writer_stores_what_the_host_model_stores(tmp_path, wave, fmt, scale, term):
+    """Two writes of two sequences in order (a prompt over several pages, then a step that ends one page and
+    starts the next) under a K mean that drifts: codes, scales, the pages' records, the running sums and the
+    snapshot bit for bit (integer sums: no order dependence, the last block re-encodes the snapshot)."""
+    options = {"page_size": PAGE_SIZE, "scale_mode": scale, "k_mean": "page",
+               **({"k_balance": "on"} if term == "balance" else {})}
+    spec = KernelSpec(kind="decode", recipe=fmt, head_dim=64, backend="hip", arch="gfx942", options=options)
+    lib = _library(tmp_path, spec, wave)
+    d = spec.head_dim
+    rng = np.random.default_rng(wave + len(fmt))
+    dtype = numpy_dtype("bfloat16" if "bf16" in fmt else "float16")
+    table = rng.permutation(PAGES)[:2 * (PAGES // 2)].reshape(2, -1)
+    bias = (rng.standard_normal((KV_HEADS, d)) * 8).astype(np.float32) if term == "bias" else None
+    host = None
+    v_bytes = 1 if fmt.split("-")[1] in ("e4m3", "i8") else 2  # an 8-bit K: one byte
+    pool = (PAGES, KV_HEADS, PAGE_SIZE)
+    buffers = {"sums": np.zeros(KV_HEADS * (d + 1) + 1, np.int64), "codes": np.zeros((PAGES + 1, KV_HEADS, d), np.int8),
+               "scale": np.zeros((PAGES + 1, KV_HEADS), np.float32), "k": np.zeros(pool + (d,), np.uint8),
+               "v": np.zeros(pool + (d * v_bytes,), np.uint8), "ks": np.zeros(pool, np.float32),
+               "vs": np.zeros(pool, np.float32)}
+    for step, (lo, hi) in enumerate(((0, 37), (37, 49))):  # positions [lo, hi) of both sequences
+        n = hi - lo
+        pos = np.arange(lo, hi)
+        slots = np.concatenate([table[b, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE for b in range(2)])
+        drift = (1 + step + pos / 10).astype(np.float32)[:, None, None]  # the channel mean moves over the sequence
+        k = np.concatenate([(rng.standard_normal((n, KV_HEADS, d)) + 3 * drift) for _ in range(2)]).astype(dtype)
+        v = rng.standard_normal((2 * n, KV_HEADS, d)).astype(dtype)
+        if host is None:  # the first write seeds the snapshot (on the GPU a few CuPy launches, PagedKVCache)
+            alpha = balance_factors(np.asarray(k, np.float32)) if term == "balance" else None
+            host = HostPagedCache.empty(fmt, PAGES, PAGE_SIZE, KV_HEADS, d, scale, k_bias=bias, k_mean="page",
+                                        k_balance=alpha)
+            host.k_mean.seed(np.asarray(k, np.float32) - (0 if bias is None else bias[None]), slots)
+            buffers["codes"][-1], buffers["scale"][-1] = host.k_mean.codes[-1], host.k_mean.scale[-1]
+        host.write(k, v, slots, scale=scale)
+        unbalance = None if alpha is None else np.ascontiguousarray(balance_inverse(alpha), np.float32)
+        lib.write_tokens(ctypes.c_int(int(dtype.name == "bfloat16")), _ptr(k), _ptr(v), _ptr(slots.astype(np.int64)),
+                         _ptr(buffers["k"]), _ptr(buffers["v"]), _ptr(buffers["ks"]), _ptr(buffers["vs"]), None, None,
+                         _ptr(bias), _ptr(unbalance), _ptr(buffers["sums"]), _ptr(buffers["codes"]),
+                         _ptr(buffers["scale"]), *_ints(k, v, 2 * n))
+        means = host.k_mean
+        sums = buffers["sums"][:-1].reshape(KV_HEADS, d + 1)
+        np.testing.assert_array_equal(sums[:, :-1], means.sums, err_msg=f"sums, write {step}")
+        np.testing.assert_array_equal(sums[:, -1], means.counts, err_msg=f"counts, write {step}")
+        assert buffers["sums"][-1] == 0  # the ticket, reset by the last block
+        np.testing.assert_array_equal(buffers["codes"], means.codes, err_msg=f"records, write {step}")
+        np.testing.assert_array_equal(buffers["scale"], means.scale, err_msg=f"record scales, write {step}")
+        assert np.count_nonzero(means.scale[:-1]) >= 4  # pages started by the writes took records
+        for name, side, scales in (("k", fmt.split("-")[0], "ks"), ("v", fmt.split("-")[1], "vs")):
+            stored = slots // PAGE_SIZE, slots % PAGE_SIZE
+            got = _values(buffers[name], side)
+            np.testing.assert_array_equal(got[stored[0], :, stored[1]], getattr(host, name)[stored[0], :, stored[1]],
+                                          err_msg=f"{name}, write {step}")
+            if side in ("e4m3", "i8"):
+                np.testing.assert_array_equal(buffers[scales][stored[0], :, stored[1]],
+                                              getattr(host, f"{name}_scale")[stored[0], :, stored[1]])
