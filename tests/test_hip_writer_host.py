@@ -4,7 +4,7 @@ thread of a block a std::thread, the barrier a std::barrier, the lane exchange t
 barriers of its 32-lane group, waves of 64 or 32 lanes), built by clang for the host and launched over the writer's grid. The pools and
 scales it leaves must be what decode.quant.HostPagedCache stores for the same tokens, bit for bit: every K-V
 pairing of 16-bit, e4m3 and int8 sides, token and head scales, padding slots, fp16 and bf16 inputs with strides,
-a pre-bias residual K and an int8 K's channel balancing; and with page means (k_mean "page"), over two writes, the
+a pre-bias residual K (post-RoPE too) and an int8 K's channel balancing; and with page means (k_mean "page"), over two writes, the
 page records, the running sums and the snapshot too."""
 import ctypes
 
@@ -85,7 +85,8 @@ DRIVER = r"""
 extern "C" void write_tokens(int bf16, const u16* k, const u16* v, const i64* slots, unsigned char* k_pool,
                              unsigned char* v_pool, float* k_scale, float* v_scale, const float* k_head,
                              const float* v_head, const float* k_bias, const float* k_unbalance, u64* mean_sums,
-                             unsigned char* k_mean, float* k_mean_scale, i64 k_t, i64 k_h, i64 v_t, i64 v_h, int T,
+                             unsigned char* k_mean, float* k_mean_scale, const u16* rope_table, const i64* positions,
+                             int rotary_dim, int gptj, int max_positions, i64 k_t, i64 k_h, i64 v_t, i64 v_h, int T,
                              int Hkv, int pages) {
     constexpr int THREADS = 32 * WRITE_GROUPS;
     unsigned char* mean_now = k_mean != nullptr ? k_mean + (i64)pages * Hkv * D : nullptr;  // the snapshot: last
@@ -107,8 +108,9 @@ extern "C" void write_tokens(int bf16, const u16* k, const u16* v, const i64* sl
                     host_thread = {t, x, h};
                     auto entry = bf16 ? {{ name }}_write_bf16_i64 : {{ name }}_write_f16_i64;
                     entry(k, v, slots, k_pool, v_pool, k_scale, v_scale, k_head, v_head, k_bias, mean_sums, k_mean,
-                          k_mean_scale, mean_now, mean_now_scale,{% if k_balance == "on" %} k_unbalance,{% endif %} k_t,
-                          k_h, v_t, v_h, T, Hkv);
+                          k_mean_scale, mean_now, mean_now_scale,{% if k_balance == "on" %} k_unbalance,{% endif %}
+                          {% if k_rope == "post" %} rope_table, positions, rotary_dim, gptj, max_positions,{% endif %}
+                          k_t, k_h, v_t, v_h, T, Hkv);
                 });
             for (auto& th : threads) th.join();
         }
@@ -135,6 +137,9 @@ def _values(raw: np.ndarray, side: str) -> np.ndarray:
 
 def _ptr(x):
     return None if x is None else x.ctypes.data_as(ctypes.c_void_p)
+
+
+NO_ROPE = (None, None, ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0))  # the RoPE table, positions and ints
 
 
 def _ints(k, v, tokens):
@@ -187,7 +192,7 @@ def test_hip_writer_stores_what_the_host_model_stores(tmp_path, wave, fmt, scale
                      _ptr(pools["v"]), _ptr(token_scales["k"]), _ptr(token_scales["v"]), _ptr(given.get("k_scale")),
                      _ptr(given.get("v_scale")), _ptr(bias),
                      _ptr(None if alpha is None else np.ascontiguousarray(balance_inverse(alpha), np.float32)),
-                     None, None, None, *_ints(k, v, T))
+                     None, None, None, *NO_ROPE, *_ints(k, v, T))
     pages, offsets = slots[keep] // PAGE_SIZE, slots[keep] % PAGE_SIZE
     for name, side in (("k", k_side), ("v", v_side)):
         got = _values(pools[name], side)
@@ -242,7 +247,7 @@ def test_hip_page_mean_writer_stores_what_the_host_model_stores(tmp_path, wave, 
         lib.write_tokens(ctypes.c_int(int(dtype.name == "bfloat16")), _ptr(k), _ptr(v), _ptr(slots.astype(np.int64)),
                          _ptr(buffers["k"]), _ptr(buffers["v"]), _ptr(buffers["ks"]), _ptr(buffers["vs"]), None, None,
                          _ptr(bias), _ptr(unbalance), _ptr(buffers["sums"]), _ptr(buffers["codes"]),
-                         _ptr(buffers["scale"]), *_ints(k, v, 2 * n))
+                         _ptr(buffers["scale"]), *NO_ROPE, *_ints(k, v, 2 * n))
         means = host.k_mean
         sums = buffers["sums"][:-1].reshape(KV_HEADS, d + 1)
         np.testing.assert_array_equal(sums[:, :-1], means.sums, err_msg=f"sums, write {step}")
@@ -259,3 +264,41 @@ def test_hip_page_mean_writer_stores_what_the_host_model_stores(tmp_path, wave, 
             if side in ("e4m3", "i8"):
                 np.testing.assert_array_equal(buffers[scales][stored[0], :, stored[1]],
                                               getattr(host, f"{name}_scale")[stored[0], :, stored[1]])
+
+
+@pytest.mark.parametrize("style, rotary_dim", [("neox", None), ("gptj", 32)])
+@pytest.mark.parametrize("fmt", ["i8-i8", "e4m3-f16"])
+def test_hip_rope_writer_stores_what_the_host_model_stores(tmp_path, fmt, style, rotary_dim):
+    """Post-RoPE keys (k_rope "post"): K - R_p b with R_p b from the fp16 table at each token's position (positions
+    past the table clamped to its last row), bit for bit the host model's, both pair layouts, a partial rotary."""
+    from qattn.formats.decode.rope import RoPE
+
+    spec = KernelSpec(kind="decode", recipe=fmt, head_dim=64, backend="hip", arch="gfx942",
+                      options={"page_size": PAGE_SIZE, "scale_mode": "token", "k_rope": "post"})
+    lib = _library(tmp_path, spec, 64)
+    d = spec.head_dim
+    rng = np.random.default_rng(len(style))
+    bias = (rng.standard_normal((KV_HEADS, d)) * 20).astype(np.float32)
+    rope = RoPE(theta=1e6, rotary_dim=rotary_dim, style=style, max_positions=300)
+    host = HostPagedCache.empty(fmt, PAGES, PAGE_SIZE, KV_HEADS, d, k_bias=bias, rope=rope)
+    k = (rng.standard_normal((T, KV_HEADS, d)) + bias[None]).astype(np.float16)
+    v = rng.standard_normal((T, KV_HEADS, d)).astype(np.float16)
+    slots = rng.permutation(PAGES * PAGE_SIZE)[:T].astype(np.int64)
+    positions = rng.integers(0, 400, T).astype(np.int64)  # some past the table's 300 rows
+    host.write(k, v, slots, positions=positions)
+    resolved = host.rope
+    table = np.ascontiguousarray(host.rope_table)
+    pool = (PAGES, KV_HEADS, PAGE_SIZE)
+    v_side = fmt.split("-")[1]
+    pools = {"k": np.zeros(pool + (d,), np.uint8), "v": np.zeros(pool + (d * (2 if v_side == "f16" else 1),), np.uint8)}
+    scales = {name: np.zeros(pool, np.float32) for name in ("k", "v")}
+    lib.write_tokens(ctypes.c_int(0), _ptr(k), _ptr(v), _ptr(slots), _ptr(pools["k"]), _ptr(pools["v"]),
+                     _ptr(scales["k"]), _ptr(scales["v"]), None, None, _ptr(bias), None, None, None, None,
+                     _ptr(table), _ptr(positions), ctypes.c_int(resolved.rotary_dim), ctypes.c_int(int(resolved.gptj)),
+                     ctypes.c_int(resolved.max_positions), *_ints(k, v, T))
+    pages, offsets = slots // PAGE_SIZE, slots % PAGE_SIZE
+    for name, side in (("k", fmt.split("-")[0]), ("v", v_side)):
+        np.testing.assert_array_equal(_values(pools[name], side)[pages, :, offsets], getattr(host, name)[pages, :, offsets],
+                                      err_msg=name)
+        if side in ("e4m3", "i8"):
+            np.testing.assert_array_equal(scales[name][pages, :, offsets], getattr(host, f"{name}_scale")[pages, :, offsets])
