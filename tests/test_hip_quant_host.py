@@ -4,7 +4,8 @@ barrier a std::barrier, the lane exchange through an array between two barriers,
 CDNA or of 32 as on RDNA), built by clang for the host and launched over the HIP host's grid. Q's and K's
 codes and scales, with K smoothing alone and with Q/K channel balancing (α from quant.balance_from_ranges, as
 the HIP host takes it), must equal the NumPy quantization of the emulator's q̃·α and (K − K̄) / α byte for
-byte; the shift q̃·K̄ must agree to fp32 rounding."""
+byte; the shift q̃·K̄ must agree to fp32 rounding. The column statistics (K's fp64 sums, V's absmax per chunk of
+keys) and bf16 V's fp16 rows are NumPy's too."""
 import ctypes
 
 import numpy as np
@@ -91,6 +92,28 @@ static void rows(bool is_k, const u16* x, const i64* st, int B, int H, int L, in
         });
 }
 
+// The column statistics of fp16 x [B, H, L, D] per chunk of keys: one thread a channel (D threads).
+extern "C" void colstats(const u16* x, const i64* st, int B, int H, int L, int chunk, double* part_sum, float* part_max) {
+    host_grid_x = (L + chunk - 1) / chunk;
+    host_grid_y = H;
+    for (int z = 0; z < B; ++z)
+        for (int y = 0; y < H; ++y)
+            for (int c = 0; c < host_grid_x; ++c) {
+                std::vector<std::thread> threads;
+                for (int t = 0; t < D; ++t)
+                    threads.emplace_back([=] {
+                        host_thread = {t, c, y, z};
+                        colstats_body<false>(x, st[0], st[1], st[2], L, chunk, part_sum, part_max);
+                    });
+                for (auto& th : threads) th.join();
+            }
+}
+
+// bf16 V [B, H, L, D] to fp16 rows, nearest even (the i8-f16 PV operand of bf16 inputs).
+extern "C" void v_to_half(const u16* x, const i64* st, int B, int H, int L, u16* y) {
+    launch((L + 63) / 64, H, B, [=] { v_to_half_body(x, st[0], st[1], st[2], L, y); });
+}
+
 // Q (is_k 0) or K (1) rows of fp16 x [B, H, L, D] into codes and block scales; alpha null: no balancing.
 extern "C" void quant_rows(int is_k, const u16* x, const i64* st, int B, int H, int L, int group, float mul,
                            const float* k_mean, signed char* codes, float* scales, float* shift, const float* alpha) {
@@ -156,3 +179,27 @@ def test_hip_quantization_is_numpys(host_quant, smoothing, preset):
     np.testing.assert_array_equal(q_scales, want_q.scale[:, :, ::bm, 0])
     k_mean_q = np.repeat(k_mean, hq // hkv, axis=1)[:, :, None, :]
     np.testing.assert_allclose(shift, (q2.astype(np.float64) * k_mean_q).sum(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_hip_column_statistics_and_fp16_rows(host_quant):
+    spec, lib = host_quant
+    rng = np.random.default_rng(3)
+    b, h, length, d, chunk = 2, 3, 300, spec.head_dim, 128  # a partial last chunk
+    x = (rng.standard_normal((b, h, length, d)) * 3).astype(np.float16)
+    strides = np.array([s // 2 for s in x.strides[:3]], np.int64)
+    n = -(-length // chunk)
+    part_sum = np.full((b, h, n, d), np.nan)
+    part_max = np.full((b, h, n, d), np.nan, F32)
+    lib.colstats(_ptr(x), _ptr(strides), ctypes.c_int(b), ctypes.c_int(h), ctypes.c_int(length), ctypes.c_int(chunk),
+                 _ptr(part_sum), _ptr(part_max))
+    for i in range(n):
+        rows = np.asarray(x[:, :, i * chunk:(i + 1) * chunk], np.float64)
+        np.testing.assert_array_equal(part_sum[:, :, i], np.cumsum(rows, axis=2)[:, :, -1])  # in key order
+        np.testing.assert_array_equal(part_max[:, :, i], np.abs(rows).max(axis=2).astype(F32))
+    from qattn.engine.arrays import numpy_dtype
+
+    bf = (rng.standard_normal((b, h, length, d)) * 7).astype(numpy_dtype("bfloat16"))
+    out = np.zeros((b, h, length, d), np.float16)
+    lib.v_to_half(_ptr(bf), _ptr(np.array([s // 2 for s in bf.strides[:3]], np.int64)), ctypes.c_int(b), ctypes.c_int(h),
+                  ctypes.c_int(length), _ptr(out))
+    np.testing.assert_array_equal(out, bf.astype(F32).astype(np.float16))
