@@ -58,3 +58,81 @@ def host_library(folder, text: str, flags: list[str]) -> ctypes.CDLL:
     if run.returncode != 0:
         pytest.skip(f"no host linker: {run.stderr[-500:]}")
     return ctypes.CDLL(str(lib))
+
+
+# A host stand-in for the block machinery a GPU kernel without matrix instructions uses, so that tests can run its
+# device code on the CPU (host_library): each thread of a block a std::thread, the block barrier a std::barrier, the
+# lane exchange (lane_xor, xor_lanes) through an array between two barriers of the thread's 32-lane group (a group
+# runs its own work, as a half wave64 or a wave32 does) or, for a mask of 32, of its 64-lane wave; host atomics and fences for the HIP ones, the grid's sizes;
+# launch(blocks_x, blocks_y, blocks_z, threads, kernel) runs the blocks one after another. Build with
+# HOST_FLAGS.
+HOST_BLOCKS = r"""
+#include <barrier>
+#include <cmath>
+#include <memory>
+#include <thread>
+#include <vector>
+#define __global__
+#define __launch_bounds__(threads)
+#define __shared__ static
+#define QATTN_DEVICE static inline
+#define __HIP_MEMORY_SCOPE_WORKGROUP 0
+#define __HIP_MEMORY_SCOPE_AGENT 0
+#define __hip_atomic_fetch_add(p, v, order, scope) __atomic_fetch_add(p, v, order)
+#define __hip_atomic_load(p, order, scope) __atomic_load_n(p, order)
+#define __builtin_amdgcn_fence(order, scope) __atomic_thread_fence(order)
+#define __builtin_amdgcn_grid_size_x() host_grid_size[0]
+#define __builtin_amdgcn_grid_size_y() host_grid_size[1]
+typedef long long i64;
+typedef unsigned u32;
+typedef unsigned short u16;
+typedef _Float16 f16;
+struct HostThread { int tid, bx, by, bz; };
+static thread_local HostThread host_thread;
+static int host_grid[3];
+static unsigned host_grid_size[2];  // work-items along x, y
+static std::barrier<>* host_block_barrier;
+static std::barrier<>* host_group_barriers[32];  // per 32 threads
+static std::barrier<>* host_wave64_barriers[16];  // per 64 threads: exchanges across a wave64's halves
+static unsigned host_lanes[1024];
+QATTN_DEVICE int thread_id() { return host_thread.tid; }
+QATTN_DEVICE int block_x() { return host_thread.bx; }
+QATTN_DEVICE int block_y() { return host_thread.by; }
+QATTN_DEVICE int block_z() { return host_thread.bz; }
+QATTN_DEVICE int grid_blocks_x() { return host_grid[0]; }
+QATTN_DEVICE int grid_blocks_y() { return host_grid[1]; }
+QATTN_DEVICE void block_sync() { host_block_barrier->arrive_and_wait(); }
+template <class T>
+QATTN_DEVICE T lane_xor(T x, int lane, int mask) {
+    std::barrier<>& group = mask < 32 ? *host_group_barriers[thread_id() / 32] : *host_wave64_barriers[thread_id() / 64];
+    host_lanes[thread_id()] = __builtin_bit_cast(unsigned, x);
+    group.arrive_and_wait();
+    const unsigned y = host_lanes[thread_id() - lane + (lane ^ mask)];
+    group.arrive_and_wait();
+    return __builtin_bit_cast(T, y);
+}
+QATTN_DEVICE float xor_lanes(float x, int mask) { return lane_xor(x, thread_id() % 32, mask); }
+template <class Kernel>
+static void launch(int blocks_x, int blocks_y, int blocks_z, int threads, Kernel kernel) {
+    host_grid[0] = blocks_x, host_grid[1] = blocks_y, host_grid[2] = blocks_z;
+    host_grid_size[0] = blocks_x * threads, host_grid_size[1] = blocks_y;
+    for (int z = 0; z < blocks_z; ++z)
+        for (int y = 0; y < blocks_y; ++y)
+            for (int x = 0; x < blocks_x; ++x) {
+                std::barrier<> block(threads);
+                std::vector<std::unique_ptr<std::barrier<>>> groups;
+                for (int width : {32, 64})
+                    for (int g = 0; g < (threads + width - 1) / width; ++g) {
+                        const int n = threads - width * g < width ? threads - width * g : width;
+                        groups.push_back(std::make_unique<std::barrier<>>(n));
+                        (width == 32 ? host_group_barriers : host_wave64_barriers)[g] = groups.back().get();
+                    }
+                host_block_barrier = &block;
+                std::vector<std::thread> team;
+                for (int t = 0; t < threads; ++t)
+                    team.emplace_back([=] { host_thread = {t, x, y, z}; kernel(); });
+                for (auto& member : team) member.join();
+            }
+}
+"""
+HOST_FLAGS = ["-std=c++20", "-ffp-contract=off", "-pthread"]

@@ -1,7 +1,6 @@
 """The HIP int8-QK quantization kernels (templates/hip/quantize_i8.h.j2), run on the CPU: the header rendered for
-an i8-f16 spec under a host stand-in for hip/common.h.j2 (each thread of a block a std::thread, the block
-barrier a std::barrier, the lane exchange through an array between two barriers, a wave of 64 lanes as on
-CDNA or of 32 as on RDNA), built by clang for the host and launched over the HIP host's grid. Q's and K's
+an i8-f16 spec under a host stand-in for hip/common.h.j2 (hip_offline.HOST_BLOCKS, a wave of 64 lanes as on CDNA
+or of 32 as on RDNA), built by clang for the host and launched over the HIP host's grid. Q's and K's
 codes and scales, with K smoothing alone and with Q/K channel balancing (α from quant.balance_from_ranges, as
 the HIP host takes it), must equal the NumPy quantization of the emulator's q̃·α and (K − K̄) / α byte for
 byte; the shift q̃·K̄ must agree to fp32 rounding. The column statistics (K's fp64 sums, V's absmax per chunk of
@@ -16,77 +15,32 @@ from qattn.engine.render import context, environment
 from qattn.engine.spec import KernelSpec
 from qattn.formats.int8qk import quant as i8quant
 
-from hip_offline import host_library, needs_clang
+from hip_offline import HOST_BLOCKS, HOST_FLAGS, host_library, needs_clang
 
 pytestmark = needs_clang
 
 F32 = np.float32
 
-HOST_HEADER = r"""
-#include <barrier>
-#include <thread>
-#include <vector>
-#define __shared__ static
-#define QATTN_DEVICE static inline
-typedef long long i64;
-typedef unsigned u32;
-typedef unsigned short u16;
-typedef _Float16 f16;
+HOST_HEADER = HOST_BLOCKS + r"""
 namespace {
 constexpr int D = {{ head_dim }};
 constexpr int BM = {{ block_m }};
 constexpr int BN = {{ block_n }};
 constexpr int WAVE = {{ wave }};
 }  // namespace
-struct HostThread { int tid, bx, by, bz; };
-static thread_local HostThread host_thread;
-static int host_grid_x, host_grid_y;
-static std::barrier<>* host_barrier;
-static unsigned host_lanes[1024];
-QATTN_DEVICE int thread_id() { return host_thread.tid; }
-QATTN_DEVICE int block_x() { return host_thread.bx; }
-QATTN_DEVICE int block_y() { return host_thread.by; }
-QATTN_DEVICE int block_z() { return host_thread.bz; }
-QATTN_DEVICE int grid_blocks_x() { return host_grid_x; }
-QATTN_DEVICE int grid_blocks_y() { return host_grid_y; }
-QATTN_DEVICE void block_sync() { host_barrier->arrive_and_wait(); }
-template <class T>
-QATTN_DEVICE T lane_xor(T x, int lane, int mask) {  // every thread of the block exchanges at once
-    host_lanes[thread_id()] = __builtin_bit_cast(unsigned, x);
-    block_sync();
-    const unsigned y = host_lanes[thread_id() - lane + (lane ^ mask)];
-    block_sync();
-    return __builtin_bit_cast(T, y);
-}
 """
 
 DRIVER = r"""
-template <class Kernel>
-static void launch(int blocks_x, int heads, int batch, Kernel kernel) {
-    host_grid_x = blocks_x;
-    host_grid_y = heads;
-    for (int z = 0; z < batch; ++z)
-        for (int y = 0; y < heads; ++y)
-            for (int x = 0; x < blocks_x; ++x) {
-                std::barrier<> sync(QT);
-                host_barrier = &sync;
-                std::vector<std::thread> threads;
-                for (int t = 0; t < QT; ++t)
-                    threads.emplace_back([=] { host_thread = {t, x, y, z}; kernel(); });
-                for (auto& th : threads) th.join();
-            }
-}
-
 template <bool BALANCE>
 static void rows(bool is_k, const u16* x, const i64* st, int B, int H, int L, int group, float mul,
                  const float* k_mean, signed char* codes, float* scales, float* shift, const float* alpha) {
     if (is_k)
-        launch((L + BN - 1) / BN, H, B, [=] {
+        launch((L + BN - 1) / BN, H, B, QT, [=] {
             quant_rows_body<false, BN, true, BALANCE>(x, st[0], st[1], st[2], L, 1, 1.f, k_mean, codes, scales,
                                                       nullptr, alpha);
         });
     else
-        launch((L + BM - 1) / BM, H, B, [=] {
+        launch((L + BM - 1) / BM, H, B, QT, [=] {
             quant_rows_body<false, BM, false, BALANCE>(x, st[0], st[1], st[2], L, group, mul, k_mean, codes, scales,
                                                        shift, alpha);
         });
@@ -94,24 +48,14 @@ static void rows(bool is_k, const u16* x, const i64* st, int B, int H, int L, in
 
 // The column statistics of fp16 x [B, H, L, D] per chunk of keys: one thread a channel (D threads).
 extern "C" void colstats(const u16* x, const i64* st, int B, int H, int L, int chunk, double* part_sum, float* part_max) {
-    host_grid_x = (L + chunk - 1) / chunk;
-    host_grid_y = H;
-    for (int z = 0; z < B; ++z)
-        for (int y = 0; y < H; ++y)
-            for (int c = 0; c < host_grid_x; ++c) {
-                std::vector<std::thread> threads;
-                for (int t = 0; t < D; ++t)
-                    threads.emplace_back([=] {
-                        host_thread = {t, c, y, z};
-                        colstats_body<false>(x, st[0], st[1], st[2], L, chunk, part_sum, part_max);
-                    });
-                for (auto& th : threads) th.join();
-            }
+    launch((L + chunk - 1) / chunk, H, B, D, [=] {
+        colstats_body<false>(x, st[0], st[1], st[2], L, chunk, part_sum, part_max);
+    });
 }
 
 // bf16 V [B, H, L, D] to fp16 rows, nearest even (the i8-f16 PV operand of bf16 inputs).
 extern "C" void v_to_half(const u16* x, const i64* st, int B, int H, int L, u16* y) {
-    launch((L + 63) / 64, H, B, [=] { v_to_half_body(x, st[0], st[1], st[2], L, y); });
+    launch((L + 63) / 64, H, B, QT, [=] { v_to_half_body(x, st[0], st[1], st[2], L, y); });
 }
 
 // Q (is_k 0) or K (1) rows of fp16 x [B, H, L, D] into codes and block scales; alpha null: no balancing.
@@ -129,8 +73,7 @@ def host_quant(request, tmp_path_factory):
     spec = KernelSpec("prefill", "i8-f16", 64, None, False, "hip", "gfx942")
     text = HOST_HEADER + '{% include "hip/quantize_i8.h.j2" %}' + DRIVER
     source = environment().from_string(text).render(wave=request.param, **context(spec))
-    return spec, host_library(tmp_path_factory.mktemp(f"quant{request.param}"), source,
-                              ["-std=c++20", "-ffp-contract=off", "-pthread"])
+    return spec, host_library(tmp_path_factory.mktemp(f"quant{request.param}"), source, HOST_FLAGS)
 
 
 def _ptr(x):

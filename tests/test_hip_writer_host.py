@@ -1,11 +1,10 @@
 """The HIP decode module's cache writer (templates/hip/decode_write.hip.j2), run on the CPU: the writer rendered for
-a HIP decode spec under a host stand-in for hip/common.h.j2 and the constants decode_paged.hip.j2 gives it (each
-thread of a block a std::thread, the barrier a std::barrier, the lane exchange through an array between two
-barriers of its 32-lane group, waves of 64 or 32 lanes), built by clang for the host and launched over the writer's grid. The pools and
-scales it leaves must be what decode.quant.HostPagedCache stores for the same tokens, bit for bit: every K-V
-pairing of 16-bit, e4m3 and int8 sides, token and head scales, padding slots, fp16 and bf16 inputs with strides,
-a pre-bias residual K (post-RoPE too) and an int8 K's channel balancing; and with page means (k_mean "page"), over two writes, the
-page records, the running sums and the snapshot too."""
+a HIP decode spec under a host stand-in for hip/common.h.j2 (hip_offline.HOST_BLOCKS) and the constants
+decode_paged.hip.j2 gives it (waves of 64 or 32 lanes), built by clang for the host and launched over the writer's
+grid. The pools and scales it leaves must be what decode.quant.HostPagedCache stores for the same tokens, bit for
+bit: every K-V pairing of 16-bit, e4m3 and int8 sides, token and head scales, padding slots, fp16 and bf16 inputs
+with strides, a pre-bias residual K (post-RoPE too) and an int8 K's channel balancing; and with page means
+(k_mean "page"), over two writes, the page records, the running sums and the snapshot too."""
 import ctypes
 
 import numpy as np
@@ -17,23 +16,11 @@ from qattn.engine.render import context, environment
 from qattn.engine.spec import KernelSpec
 from qattn.formats.decode.quant import HostPagedCache, balance_factors, balance_inverse, head_scales
 
-from hip_offline import host_library, needs_clang
+from hip_offline import HOST_BLOCKS, HOST_FLAGS, host_library, needs_clang
 
 pytestmark = needs_clang
 
-HOST_HEADER = r"""
-#include <barrier>
-#include <memory>
-#include <thread>
-#include <vector>
-#define __global__
-#define __launch_bounds__(threads)
-#define __shared__ static
-#define QATTN_DEVICE static inline
-typedef long long i64;
-typedef unsigned u32;
-typedef unsigned short u16;
-typedef _Float16 f16;
+HOST_HEADER = HOST_BLOCKS + r"""
 namespace {
 constexpr int D = {{ head_dim }};
 constexpr int PAGE = {{ page_size }};
@@ -50,34 +37,7 @@ extern "C" __bf16 __truncsfbf2(float f) {
     const u16 h = f != f ? static_cast<u16>((u >> 16) | 0x40u) : static_cast<u16>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
     return __builtin_bit_cast(__bf16, h);
 }
-// The page-mean writer's atomics, fences and grid sizes (work-items), on the host's.
-#define __HIP_MEMORY_SCOPE_WORKGROUP 0
-#define __HIP_MEMORY_SCOPE_AGENT 0
-#define __hip_atomic_fetch_add(p, v, order, scope) __atomic_fetch_add(p, v, order)
-#define __hip_atomic_load(p, order, scope) __atomic_load_n(p, order)
-#define __builtin_amdgcn_fence(order, scope) __atomic_thread_fence(order)
-static unsigned host_grid_size[2];
-#define __builtin_amdgcn_grid_size_x() host_grid_size[0]
-#define __builtin_amdgcn_grid_size_y() host_grid_size[1]
 QATTN_DEVICE float nan_max(float a, float b) { return a != a || b != b ? __builtin_nanf("") : __builtin_fmaxf(a, b); }
-struct HostThread { int tid, bx, by; };
-static thread_local HostThread host_thread;
-static std::barrier<>* host_barrier;
-static std::barrier<>* host_group_barriers[32];  // one per 32 threads: the writer's groups take their own tokens
-static unsigned host_lanes[1024];
-QATTN_DEVICE int thread_id() { return host_thread.tid; }
-QATTN_DEVICE int block_x() { return host_thread.bx; }
-QATTN_DEVICE int block_y() { return host_thread.by; }
-QATTN_DEVICE void block_sync() { host_barrier->arrive_and_wait(); }
-template <class T>
-QATTN_DEVICE T lane_xor(T x, int lane, int mask) {  // within a group of 32 (masks below 32), all of it at once
-    std::barrier<>& group = *host_group_barriers[thread_id() / 32];
-    host_lanes[thread_id()] = __builtin_bit_cast(unsigned, x);
-    group.arrive_and_wait();
-    const unsigned y = host_lanes[thread_id() - lane + (lane ^ mask)];
-    group.arrive_and_wait();
-    return __builtin_bit_cast(T, y);
-}
 """
 
 DRIVER = r"""
@@ -88,32 +48,15 @@ extern "C" void write_tokens(int bf16, const u16* k, const u16* v, const i64* sl
                              unsigned char* k_mean, float* k_mean_scale, const u16* rope_table, const i64* positions,
                              int rotary_dim, int gptj, int max_positions, i64 k_t, i64 k_h, i64 v_t, i64 v_h, int T,
                              int Hkv, int pages) {
-    constexpr int THREADS = 32 * WRITE_GROUPS;
     unsigned char* mean_now = k_mean != nullptr ? k_mean + (i64)pages * Hkv * D : nullptr;  // the snapshot: last
     float* mean_now_scale = k_mean_scale != nullptr ? k_mean_scale + (i64)pages * Hkv : nullptr;
-    host_grid_size[0] = (T + WRITE_TOKENS - 1) / WRITE_TOKENS * THREADS;
-    host_grid_size[1] = Hkv;
-    for (int h = 0; h < Hkv; ++h)
-        for (int x = 0; x < (T + WRITE_TOKENS - 1) / WRITE_TOKENS; ++x) {
-            std::barrier<> sync(THREADS);
-            std::vector<std::unique_ptr<std::barrier<>>> groups;
-            for (int g = 0; g < WRITE_GROUPS; ++g) {
-                groups.push_back(std::make_unique<std::barrier<>>(32));
-                host_group_barriers[g] = groups.back().get();
-            }
-            host_barrier = &sync;
-            std::vector<std::thread> threads;
-            for (int t = 0; t < THREADS; ++t)
-                threads.emplace_back([=] {
-                    host_thread = {t, x, h};
-                    auto entry = bf16 ? {{ name }}_write_bf16_i64 : {{ name }}_write_f16_i64;
-                    entry(k, v, slots, k_pool, v_pool, k_scale, v_scale, k_head, v_head, k_bias, mean_sums, k_mean,
-                          k_mean_scale, mean_now, mean_now_scale,{% if k_balance == "on" %} k_unbalance,{% endif %}
-                          {% if k_rope == "post" %} rope_table, positions, rotary_dim, gptj, max_positions,{% endif %}
-                          k_t, k_h, v_t, v_h, T, Hkv);
-                });
-            for (auto& th : threads) th.join();
-        }
+    launch((T + WRITE_TOKENS - 1) / WRITE_TOKENS, Hkv, 1, 32 * WRITE_GROUPS, [=] {
+        auto entry = bf16 ? {{ name }}_write_bf16_i64 : {{ name }}_write_f16_i64;
+        entry(k, v, slots, k_pool, v_pool, k_scale, v_scale, k_head, v_head, k_bias, mean_sums, k_mean, k_mean_scale,
+              mean_now, mean_now_scale,{% if k_balance == "on" %} k_unbalance,{% endif %}
+              {% if k_rope == "post" %} rope_table, positions, rotary_dim, gptj, max_positions,{% endif %}
+              k_t, k_h, v_t, v_h, T, Hkv);
+    });
 }
 """
 
@@ -123,7 +66,7 @@ PAGES, PAGE_SIZE, KV_HEADS, T = 12, 16, 2, 40
 def _library(folder, spec: KernelSpec, wave: int):
     text = HOST_HEADER + '{% include "hip/decode_write.hip.j2" %}' + DRIVER
     source = environment().from_string(text).render(wave=wave, **context(spec))
-    return host_library(folder, source, ["-std=c++20", "-ffp-contract=off", "-pthread"])
+    return host_library(folder, source, HOST_FLAGS)
 
 
 def _values(raw: np.ndarray, side: str) -> np.ndarray:

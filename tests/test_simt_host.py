@@ -1,7 +1,6 @@
 """The fp32 SIMT kernel body that CUDA and HIP share (templates/common/prefill_simt.j2), run on the CPU: the
-body of the f32 and kv8-f32 specs, rendered under a host header instead of a GPU one (each thread of a
-block a std::thread; block and warp barriers a std::barrier; the lane exchange through an array between
-two barriers), built by clang for the host without FMA contraction, and launched block by block over the
+body of the f32 and kv8-f32 specs, rendered under a host header instead of a GPU one (hip_offline.HOST_BLOCKS:
+each thread of a block a std::thread, barriers and the lane exchange in their place), built by clang for the host without FMA contraction, and launched block by block over the
 spec's grid. Its outputs and LSE are checked against the FP64 reference within the format's tolerance, on
 shapes with tails, GQA, causal rows and queries past the keys, so the kernels' arithmetic is checked here
 with no GPU at all (the GPU tests run the CUDA build; the HIP build is compiled offline only)."""
@@ -16,7 +15,7 @@ from qattn.engine.spec import KernelSpec
 from qattn.engine.tile import Tile
 from qattn.formats.kv8.quant import quantize_kv_cache
 
-from hip_offline import host_library, needs_clang
+from hip_offline import HOST_BLOCKS, HOST_FLAGS, host_library, needs_clang
 
 pytestmark = needs_clang
 
@@ -25,40 +24,16 @@ LOG2E = np.float32(np.log2(np.e))
 # What the shared body needs of a backend header, for the host: the indices (thread-local, set per thread),
 # the barriers, the lane exchange, IEEE fp32 (the file builds with -ffp-contract=off) and the softmax step
 # and LSE as the GPU headers compute them with full-precision exp2 and log2.
-HOST_HEADER = r"""
-#include <barrier>
-#include <cmath>
-#include <thread>
-#include <vector>
-#define __global__
+# What the shared body needs of a backend header beyond the host's block machinery (hip_offline.HOST_BLOCKS): the
+# block's shared memory (one array the body declares extern), IEEE fp32 (the file builds without FMA contraction), and the softmax step and LSE as the GPU
+# headers compute them, with full-precision exp2 and log2.
+HOST_HEADER = HOST_BLOCKS + r"""
+#undef __shared__
 #define __shared__
-#define __launch_bounds__(threads)
-#define QATTN_DEVICE static inline
 #define QATTN_NEG_INF (-INFINITY)
-typedef long long i64;
-typedef unsigned u32;
-typedef unsigned short u16;
 {% include "common/rows.h.j2" %}
-struct HostThread { int tid, bx, by, bz; };
-static thread_local HostThread host_thread;
-static int host_grid_x;
-static std::barrier<>* host_barrier;
-static float host_lanes[1024];
 extern "C" { alignas(16) float fsmem[65536 / 4]; }  // the block's shared memory (the kernel names it extern "C")
-QATTN_DEVICE int thread_id() { return host_thread.tid; }
-QATTN_DEVICE int block_x() { return host_thread.bx; }
-QATTN_DEVICE int block_y() { return host_thread.by; }
-QATTN_DEVICE int block_z() { return host_thread.bz; }
-QATTN_DEVICE int grid_blocks_x() { return host_grid_x; }
-QATTN_DEVICE void block_sync() { host_barrier->arrive_and_wait(); }
-QATTN_DEVICE void warp_sync() { host_barrier->arrive_and_wait(); }  // every thread of the body reaches it
-QATTN_DEVICE float xor_lanes(float x, int mask) {
-    host_lanes[thread_id()] = x;
-    block_sync();
-    const float y = host_lanes[thread_id() ^ mask];
-    block_sync();
-    return y;
-}
+QATTN_DEVICE void warp_sync() { block_sync(); }  // every thread of the body reaches it
 QATTN_DEVICE void grid_dependency_wait() {}
 QATTN_DEVICE float fmul_rn(float a, float b) { return a * b; }
 QATTN_DEVICE float fadd_rn(float a, float b) { return a + b; }
@@ -81,29 +56,10 @@ QATTN_DEVICE float lse_from(float row_max, float row_sum) {
 }
 """
 
-# Runs the kernel over its grid (query blocks, heads, batches), one block at a time; the entries take the kernel's
-# pointers, its element strides in one array (in the order of its arguments) and its scalars.
-DRIVER = r"""
-template <class Kernel>
-static void launch(int blocks_x, int heads, int batch, Kernel kernel) {
-    host_grid_x = blocks_x;
-    for (int z = 0; z < batch; ++z)
-        for (int y = 0; y < heads; ++y)
-            for (int x = 0; x < blocks_x; ++x) {
-                std::barrier<> sync(THREADS);
-                host_barrier = &sync;
-                std::vector<std::thread> threads;
-                for (int t = 0; t < THREADS; ++t)
-                    threads.emplace_back([=] { host_thread = {t, x, y, z}; kernel(); });
-                for (auto& th : threads) th.join();
-            }
-}
-"""
-
 F32_ENTRY = r"""
 extern "C" void run_f32(const float* q, const float* k, const float* v, float* o, float* lse, const i64* st,
                         int B, int Hq, int group, int Lq, int Lk, float scale_log2) {
-    launch((Lq + BM - 1) / BM, Hq, B, [=] {
+    launch((Lq + BM - 1) / BM, Hq, B, THREADS, [=] {
         {{ name }}(q, k, v, o, lse, st[0], st[1], st[2], st[3], st[4], st[5], st[6], st[7], st[8], st[9], st[10], st[11],
                    st[12], Hq, group, Lq, Lk, scale_log2);
     });
@@ -114,7 +70,7 @@ KV8_ENTRY = r"""
 extern "C" void run_kv8(const float* q, const signed char* kc, const float* ksc, const signed char* vc,
                         const float* vsc, float* o, float* lse, const i64* st, int B, int Hq, int group, int Lq,
                         int Lk, float scale_log2) {
-    launch((Lq + BM - 1) / BM, Hq, B, [=] {
+    launch((Lq + BM - 1) / BM, Hq, B, THREADS, [=] {
         {{ name }}(q, st[0], st[1], st[2], kc, st[3], st[4], st[5], ksc, st[6], st[7], vc, st[8], st[9], st[10], vsc,
                    st[11], st[12], o, st[13], st[14], st[15], lse, st[16], nullptr, Hq, group, Lq, Lk, scale_log2);
     });
@@ -127,8 +83,8 @@ def _library(folder, spec: KernelSpec):
     entry = F32_ENTRY if spec.recipe == "f32" else KV8_ENTRY
     text = ("{% extends template %}{% block prelude %}" + HOST_HEADER + "{% endblock %}")
     source = environment().from_string(text).render(template=spec.family.template, **context(spec))
-    source += environment().from_string(DRIVER + entry).render(**context(spec))
-    return host_library(folder, source, ["-std=c++20", "-ffp-contract=off", "-pthread"])
+    source += environment().from_string(entry).render(**context(spec))
+    return host_library(folder, source, HOST_FLAGS)
 
 
 def _ptr(x, ctype=ctypes.c_void_p):
