@@ -22,7 +22,8 @@ from qattn.engine.render import entry_name, main_entry_name, render
 from qattn.engine.spec import KernelSpec
 from qattn.formats.decode.recipes import HEAD_DIMS, HIP_QK_ARCHS, PAGE_SIZES, SCALE_MODES
 
-from hip_offline import MATRIX_OP, WAVE, built, cut_function, host_library, needs_clang, op_count, query_types
+from hip_offline import (HOST_BLOCKS, HOST_FLAGS, MATRIX_OP, WAVE, built, cut_function, host_library, needs_clang,
+                         op_count, query_types)
 
 pytestmark = needs_clang
 
@@ -230,3 +231,58 @@ def test_gfx942_k_remap_reads_half_the_ocp_value(host_encoders):
     ok = ~np.isnan(fn)
     np.testing.assert_array_equal(fnuz[ok], fn[ok] / 2)  # the product of two: 1/4, PRODUCT_UNIT puts it back
 
+
+
+# ---- the int8 QK path's query codes, run on the host ------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["gfx90a", "gfx1100"])  # a wave of 64 lanes, and of 32
+@pytest.mark.parametrize("balance", [False, True])
+def test_int8_query_codes_are_the_emulators(tmp_path, arch, balance):
+    """qk "int8": load_queries, cut from the rendered module and run on the host (hip_offline.HOST_BLOCKS), codes
+    each packed row (head in group x token) of q (times α with balancing) with its own scale, as the decode
+    emulator quantizes Q (quantize_tokens), and zeros the padding rows past the packed ones."""
+    from qattn.engine.render import context
+    from qattn.formats.decode.quant import quantize_tokens
+
+    options = {"page_size": 16, "scale_mode": "token", "qk": "int8", **({"k_balance": "on"} if balance else {})}
+    spec = KernelSpec(kind="decode", recipe="i8-i8", head_dim=64, backend="hip", arch=arch, options=options)
+    source = render(spec)
+    ctx = context(spec)
+    parts = [cut_function(source, signature) for signature in (
+        "QATTN_DEVICE float nan_max(float a, float b)", "QATTN_DEVICE u32 q_i8(float y)",
+        "QATTN_DEVICE u32 q_codes(float y0, float y1, float y2, float y3)", "QATTN_DEVICE void load_queries(")]
+    d, rows, threads = spec.head_dim, ctx["block_m"], ctx["threads"]
+    qrow = d + 16  # the 8-bit QK path's LDS row (decode_paged.hip.j2)
+    text = HOST_BLOCKS + f"""
+namespace {{
+constexpr int D = {d}, ROWS = {rows}, THREADS = {threads}, QROW = {qrow}, WAVE = {WAVE[arch]};
+constexpr float QMAX = 127.f;
+}}
+""" + "".join(parts[:3]) + "template <class T>\n" + parts[3] + f"""
+extern "C" void quantize(const f16* q, i64 q_h, i64 q_s, int packed, int Lq, unsigned char* Qs, float* scales,
+                         const float* alpha) {{
+    launch((packed + ROWS - 1) / ROWS, 1, 1, THREADS, [=] {{
+        load_queries<f16>(Qs + block_x() * ROWS * QROW, scales + block_x() * ROWS, q, q_h, q_s, block_x() * ROWS,
+                          packed, Lq, thread_id(){", alpha" if balance else ""});
+    }});
+}}
+"""
+    lib = host_library(tmp_path, text, HOST_FLAGS)
+    rng = np.random.default_rng(int(balance) + len(arch))
+    group, lq = 4, 13  # 52 packed rows: a partial second block
+    q = (rng.standard_normal((group, lq + 3, d)) * 2).astype(np.float16)[:, :lq]  # strided rows
+    q[1, 2, 9] *= 300  # one large channel
+    alpha = np.where(rng.random(d) < 0.2, 2.0 ** rng.integers(-3, 4, d), 1.0).astype(np.float32)
+    packed = group * lq
+    blocks = -(-packed // rows)
+    codes = np.full((blocks * rows, qrow), 0x5A, np.uint8)
+    scales = np.full(blocks * rows, np.nan, np.float32)
+    lib.quantize(q.ctypes.data_as(ctypes.c_void_p), ctypes.c_longlong(q.strides[0] // 2),
+                 ctypes.c_longlong(q.strides[1] // 2), ctypes.c_int(packed), ctypes.c_int(lq),
+                 codes.ctypes.data_as(ctypes.c_void_p), scales.ctypes.data_as(ctypes.c_void_p),
+                 alpha.ctypes.data_as(ctypes.c_void_p) if balance else None)
+    rows16 = q.reshape(packed, d)
+    want = quantize_tokens(rows16.astype(np.float32) * (alpha if balance else np.float32(1)), "i8")
+    np.testing.assert_array_equal(codes[:packed, :d].view(np.int8), want.codes)
+    np.testing.assert_array_equal(scales[:packed], want.scale)
+    assert not codes[packed:, :d].any() and np.all(scales[packed:] == 0)  # padding rows: zero codes and scales
