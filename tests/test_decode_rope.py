@@ -215,9 +215,9 @@ def test_rope_specs_name_and_refuse():
     off = KernelSpec(kind="decode", recipe="e4m3-e4m3", arch="sm_90a")
     assert "krope" not in off.name and "rope" not in render(off)
     hip = KernelSpec(kind="decode", recipe="i8-i8", backend="hip", arch="gfx942", options={"k_rope": "post"})
-    assert "_krope-post_" in hip.name  # post-RoPE keys build on HIP (tests/test_hip_decode_options.py); pre-RoPE not
-    with pytest.raises(ValueError, match="^k_rope: the HIP decode kernel does not turn a pre-RoPE cache's codes"):
-        KernelSpec(kind="decode", recipe="i8-i8", backend="hip", arch="gfx942", options={"k_rope": "pre"})
+    assert "_krope-post_" in hip.name  # RoPE keys build on HIP (tests/test_hip_decode_options.py)
+    assert "_krope-pre_transform_" in KernelSpec(kind="decode", recipe="i8-i8", backend="hip", arch="gfx942",
+                                                 options={"k_rope": "pre"}).name
     assert "_krope-pre_transform_" in KernelSpec(kind="decode", recipe="i8-i8", arch="sm_90a",
                                                  options={"k_rope": "pre", "qk": "transform"}).name
     for options, words in (({"qk": "int8"}, "^qk: the pre-RoPE residual K turns each key's codes on chip"),
@@ -225,6 +225,8 @@ def test_rope_specs_name_and_refuse():
                            ({"k_balance": "on"}, "^k_balance: the pre-RoPE residual K takes k_balance 'off'")):
         with pytest.raises(ValueError, match=words):
             KernelSpec(kind="decode", recipe="i8-i8", arch="sm_90a", options={"k_rope": "pre", **options})
+        with pytest.raises(ValueError, match=words):
+            KernelSpec(kind="decode", recipe="i8-i8", backend="hip", arch="gfx1201", options={"k_rope": "pre", **options})
 
 
 @pytest.mark.parametrize("fmt, arch, paths, spills", [("i8-i8", "sm_90a", ("transform", "int8"), 0),

@@ -62,14 +62,13 @@ def test_cases_cover_every_target_format_and_path():
     assert {s.head_dim for s in CASES} == set(HEAD_DIMS) and {dict(s.options)["page_size"] for s in CASES} == set(PAGE_SIZES)
 
 
-def test_options_build_on_hip_and_pre_rope_keys_stay_refused():
+def test_options_build_on_hip_and_rope_keys_stop_at_d128():
     spec = _spec("i8-i8", "gfx942", "int8", {**MEAN, **BALANCE})
     assert "_kmean-page_kbal_int8_gfx942" in spec.name
-    with pytest.raises(ValueError, match="^k_rope: the HIP decode kernel does not turn a pre-RoPE cache's codes on chip"):
-        _spec("i8-i8", "gfx942", "transform", {"k_rope": "pre"})
-    with pytest.raises(ValueError, match=r"^k_rope: the HIP decode kernel's post-RoPE term needs head_dim <= 128 "
-                                         r"\(LDS\), got 256"):
-        _spec("i8-i8", "gfx942", "int8", {"k_rope": "post"}, d=256)
+    for rope, qk in (("post", "int8"), ("pre", "transform")):
+        with pytest.raises(ValueError, match=rf"^k_rope: the HIP decode kernel's RoPE term needs head_dim <= 128 "
+                                             rf"\(LDS\), got 256; k_rope '{rope}' builds at d256 for CUDA"):
+            _spec("i8-i8", "gfx942", qk, {"k_rope": rope}, d=256)
     assert _spec("e4m3-e4m3", "gfx1201", "fp8", {"k_rope": "post"}).name.endswith("_krope-post_fp8_gfx1201")
     off = render(_spec("e4m3-e4m3", "gfx1201", "fp8", {}))
     # (the page-mean pointers stay in the entries' parameters, the CUDA kernel's, unused)
@@ -176,7 +175,8 @@ def _entry_params(source: str, entry: str) -> list[str]:
 
 @pytest.mark.parametrize("fmt, options", [("e4m3-e4m3", {**MEAN, **BALANCE}), ("i8-i8", MEAN), ("i8-f16", BALANCE),
                                           ("e4m3-f16", {}), ("f16-f16", None), ("bf16-e4m3", None),
-                                          ("e4m3-e4m3", ROPE), ("i8-bf16", {**ROPE, **BALANCE})])
+                                          ("e4m3-e4m3", ROPE), ("i8-bf16", {**ROPE, **BALANCE}),
+                                          ("i8-f16", {"k_rope": "pre"})])
 def test_entries_take_the_cuda_kernels_arguments(fmt, options):
     """Each entry of a HIP module (attention, merge, writer) takes the arguments of the CUDA module's entry of the
     same spec, by name and in order (the bias and page-mean pointers too, null where unused), so that one host
@@ -278,6 +278,8 @@ def test_pair_terms_round_each_product(host_rope):
     u = ((qa * ba).astype(np.float32) + (qz * bz).astype(np.float32)).astype(np.float32) * scale
     w = ((qz * ba).astype(np.float32) - (qa * bz).astype(np.float32)).astype(np.float32) * scale
     np.testing.assert_array_equal(got.view(np.uint32), np.stack([u, w], 1).astype(np.float32).view(np.uint32))
+
+
 def test_writer_zeroes_its_block_sums_before_any_group_adds():
     """The page-mean writer's LDS sums are zeroed, then a barrier, then the groups' atomics (a group that ran
     ahead would otherwise add onto sums another thread has not zeroed yet)."""

@@ -235,22 +235,22 @@ def _hip_problem(tile: Tile, d: int) -> str | None:
     return smem_problem(_hip_lds(tile, d), "hip")
 
 
-# The most head dim the HIP kernel's post-RoPE term fits at: its query rows' terms take 4 x 32 x D bytes of LDS
-# beside the transform path's tiles, over the 64 KiB at d256.
+# The most head dim the HIP kernel's RoPE term (post- and pre-RoPE keys) fits at: its query rows' terms take
+# 4 x 32 x D bytes of LDS beside the transform path's tiles, over the 64 KiB at d256.
 HIP_ROPE_HEAD_DIM = 128
 
 
 def _hip_qk_problem(fmt: str):
-    """The HIP family's option rule: an 8-bit QK path only where the target has its matrix op; post-RoPE keys
-    up to HIP_ROPE_HEAD_DIM, pre-RoPE ones not at all (page means and balancing build as on CUDA)."""
+    """The HIP family's option rule: an 8-bit QK path only where the target has its matrix op; RoPE keys up to
+    HIP_ROPE_HEAD_DIM, pre-RoPE ones under CUDA's rule too (page means and balancing build as on CUDA)."""
     def problem(options: dict, arch: str, head_dim: int) -> str | None:
         rope = options.get("k_rope", "off")
-        if rope == "pre":
-            return (f"k_rope: the HIP decode kernel does not turn a pre-RoPE cache's codes on chip; k_rope 'pre' builds "
-                    f"for CUDA, and {fmt} on {arch} takes k_rope 'off' or 'post'")
-        if rope == "post" and head_dim > HIP_ROPE_HEAD_DIM:
-            return (f"k_rope: the HIP decode kernel's post-RoPE term needs head_dim <= {HIP_ROPE_HEAD_DIM} (LDS), got "
-                    f"{head_dim}; k_rope 'post' builds at d{head_dim} for CUDA")
+        if rope != "off" and head_dim > HIP_ROPE_HEAD_DIM:
+            return (f"k_rope: the HIP decode kernel's RoPE term needs head_dim <= {HIP_ROPE_HEAD_DIM} (LDS), got "
+                    f"{head_dim}; k_rope '{rope}' builds at d{head_dim} for CUDA")
+        pre = _pre_rope_problem(options, arch, head_dim)
+        if pre:
+            return pre
         qk = options.get("qk", "transform")
         if qk == "transform" or arch in HIP_QK_ARCHS[qk]:
             return None
