@@ -61,20 +61,21 @@ def test_hip_tile_rules_are_checked():
     with pytest.raises(ValueError, match="arch"):
         KernelSpec("prefill", "f16", 64, None, False, "hip", "sm_90a")
     with pytest.raises(ValueError, match="no hip kernel"):
-        KernelSpec("prefill", "kv8-f32", 64, None, False, "hip", "gfx942")
+        KernelSpec("prefill", "kv8-imma", 64, None, False, "hip", "gfx942")
     with pytest.raises(ValueError, match="LDS"):  # the CUDA kernel's d256 tile is over 64 KB
         KernelSpec("prefill", "f32", 256, Tile(32, 32, 4, 1), False, "hip", "gfx942")
 
 
-F32_SPECS = [KernelSpec("prefill", "f32", d, None, causal, "hip", arch)
-             for arch in RECIPES["f32"].family("hip").archs for d in RECIPES["f32"].family("hip").head_dims
-             for causal in (False, True)]
+F32_SPECS = [KernelSpec("prefill", fmt, d, None, causal, "hip", arch)
+             for fmt in ("f32", "kv8-f32") for arch in RECIPES[fmt].family("hip").archs
+             for d in RECIPES[fmt].family("hip").head_dims for causal in (False, True)]
 
 
 @pytest.mark.parametrize("spec", F32_SPECS, ids=[s.name for s in F32_SPECS])
 def test_hip_f32_is_the_cuda_kernel_on_fp32_alus(spec):
+    """f32, and kv8-f32 (its K and V dequantized on the way into LDS): the CUDA kernel's body on fp32 FMAs."""
     source = render(spec)
-    cuda_spec = KernelSpec("prefill", "f32", spec.head_dim, spec.tile, spec.causal, "cuda", "sm_80")
+    cuda_spec = KernelSpec("prefill", spec.recipe, spec.head_dim, spec.tile, spec.causal, "cuda", "sm_80")
     cuda = render(cuda_spec).replace(entry_name(cuda_spec), entry_name(spec))
     # one body (templates/common/prefill_simt.j2) under each backend's header
     assert source[source.index("namespace {"):] == cuda[cuda.index("namespace {"):]
@@ -86,5 +87,7 @@ def test_hip_f32_is_the_cuda_kernel_on_fp32_alus(spec):
     assert len(re.findall(r"v_fmac?_f32", asm)) >= spec.head_dim // 4, spec.name
     assert "v_div_fixup_f32" in asm  # acc / total: the IEEE division
     assert "ds_bpermute_b32" in asm  # the row's max and sum over the threads that share it
+    # kv8-f32: each loaded word's four int8 codes sign-extended and converted (K and V: 8), none in f32
+    assert len(re.findall(r"v_cvt_f32_i32", asm)) == (8 if spec.recipe == "kv8-f32" else 0), spec.name
     res = binary.resources
     assert res["scratch"] == 0 and res["vgpr_spills"] == 0, res

@@ -87,7 +87,7 @@ def test_invalid_field_is_named(kwargs, field, mentions):
         assert word in msg, (word, msg)
 
 
-@pytest.mark.parametrize("name, backend", [("kv8-split", "hip"), ("kv8-imma", "hip"), ("kv8-f32", "hip")])
+@pytest.mark.parametrize("name, backend", [("kv8-split", "hip"), ("kv8-imma", "hip")])
 def test_format_without_kernel_on_backend(name, backend):
     arch = "sm_90a" if backend == "cuda" else "gfx942"
     with pytest.raises(ValueError, match=rf"format '{re.escape(name)}': no {backend} kernel"):

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ...engine.family import CUDA_ARCHS, Family, LaunchChoice, Recipe, Tolerance
+from ...engine.family import CUDA_ARCHS, HIP_ARCHS, Family, LaunchChoice, Recipe, Tolerance
 from ...engine.tiling import ring_problem, simt_problem, simt_smem, smem_problem, tile_pitch
 from ...engine.tile import Tile
 
 MMA_TEMPLATE = "cuda/prefill_kv8_mma.cu.j2"
-SIMT_TEMPLATE = "cuda/prefill_kv8_f32.cu.j2"
+SIMT_TEMPLATE = "common/prefill_kv8_f32.j2"  # extends the fp32 kernel of the backend (values["simt_base"])
 LAUNCHER = "prefill_kv8"  # the registry key of host.prefill_kv8
 STAT_ENTRY = "_stat"  # suffix of the statistics kernel in the tensor-core modules
 MERGE_ENTRY = "_merge"  # suffix of the kernel that merges the splits over keys
@@ -156,17 +156,19 @@ def imma_wgmma_family(**values) -> Family:
 IMMA_WGMMA = imma_wgmma_family()
 
 
-def _simt_family() -> Family:
-    """kv8-f32: the fp32 SIMT tiling rules of the f32 recipe (same shared-memory layout)."""
+def _simt_family(backend: str = "cuda") -> Family:
+    """kv8-f32: the fp32 SIMT kernel of the backend (the f32 recipe's tiling rules and shared-memory layout) with
+    K and V dequantized on their way into shared memory."""
     return Family(
         template=SIMT_TEMPLATE,
         head_dims=HEAD_DIMS,
         default_tiles={d: Tile(32, 32, 4, 1) for d in HEAD_DIMS},
-        tile_problem=simt_problem,
+        tile_problem=lambda tile, d: simt_problem(tile, d, backend),
         smem_bytes=simt_smem,
-        archs=CUDA_ARCHS,
+        archs=CUDA_ARCHS if backend == "cuda" else HIP_ARCHS,
         align_bytes=4,
         launcher=LAUNCHER,
+        values={"simt_base": "cuda/prefill_simt.cu.j2" if backend == "cuda" else "hip/prefill_simt.hip.j2"},
     )
 
 
@@ -181,7 +183,7 @@ FAMILIES: dict[str, Family] = {fmt: build() for fmt, build in FAMILY_BUILDERS.it
 _EXACT = Tolerance(max_rel=1e-5, rel_l2=1e-5)
 RECIPES = (
     Recipe("kv8-f32", "int8 KV cache dequantized to fp32, fp32 SIMT", ("float32",), _EXACT,
-           {"cuda": FAMILIES["kv8-f32"]}),
+           {"cuda": FAMILIES["kv8-f32"], "hip": _simt_family("hip")}),
     Recipe("kv8-split", "int8 KV cache, fp16 hi+lo split of the other operand, two fp16 MMAs", ("float32",), _EXACT,
            {"cuda": FAMILIES["kv8-split"]}),
     Recipe("kv8-imma", "int8 KV cache on int8 tensor cores, 24-bit 3-way split of the other operand", ("float32",),
