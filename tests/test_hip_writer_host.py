@@ -38,6 +38,11 @@ extern "C" __bf16 __truncsfbf2(float f) {
     return __builtin_bit_cast(__bf16, h);
 }
 QATTN_DEVICE float nan_max(float a, float b) { return a != a || b != b ? __builtin_nanf("") : __builtin_fmaxf(a, b); }
+template <bool BF16>
+QATTN_DEVICE float to_float(u16 x) {
+    if constexpr (BF16) return __builtin_bit_cast(float, static_cast<u32>(x) << 16);
+    return static_cast<float>(__builtin_bit_cast(f16, x));
+}
 """
 
 DRIVER = r"""
