@@ -135,4 +135,25 @@ static void launch(int blocks_x, int blocks_y, int blocks_z, int threads, Kernel
             }
 }
 """
+# The scalar names the GPU headers (cuda/common.cuh.j2, hip/common.h.j2) give code both backends share, on the host
+# (after HOST_BLOCKS): IEEE fp32 (HOST_FLAGS builds without FMA contraction), full-precision exp2, rint to nearest
+# even, the max and the scale rule that keep a NaN, fp16 and bf16 widened to fp32.
+HOST_SCALARS = r"""
+QATTN_DEVICE float fmul_rn(float a, float b) { return a * b; }
+QATTN_DEVICE float fadd_rn(float a, float b) { return a + b; }
+QATTN_DEVICE float fsub_rn(float a, float b) { return a - b; }
+QATTN_DEVICE float fdiv_rn(float a, float b) { return a / b; }
+QATTN_DEVICE float fma_f32(float a, float b, float c) { return std::fma(a, b, c); }
+QATTN_DEVICE float max_f32(float a, float b) { return std::fmax(a, b); }
+QATTN_DEVICE float exp2_f32(float x) { return std::exp2(x); }
+QATTN_DEVICE float abs_f32(float x) { return std::fabs(x); }
+QATTN_DEVICE int rint_i32(float x) { return static_cast<int>(std::nearbyint(x)); }
+QATTN_DEVICE float nan_max(float a, float b) { return a != a || b != b ? NAN : std::fmax(a, b); }
+QATTN_DEVICE float nan_unless_finite(float x) { return std::fabs(x) <= 3.40282347e38f ? x : NAN; }
+template <bool BF16>
+QATTN_DEVICE float to_float(u16 x) {
+    if constexpr (BF16) return __builtin_bit_cast(float, static_cast<u32>(x) << 16);
+    return static_cast<float>(__builtin_bit_cast(f16, x));
+}
+"""
 HOST_FLAGS = ["-std=c++20", "-ffp-contract=off", "-pthread"]

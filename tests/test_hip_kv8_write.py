@@ -16,7 +16,7 @@ from qattn.engine.render import environment
 from qattn.formats.kv8 import cache as kvcache
 from qattn.formats.kv8.quant import quantize_kv_cache
 
-from hip_offline import HOST_BLOCKS, HOST_FLAGS, host_library, needs_clang
+from hip_offline import HOST_BLOCKS, HOST_FLAGS, HOST_SCALARS, host_library, needs_clang
 
 pytestmark = needs_clang
 
@@ -45,25 +45,13 @@ def test_hip_writer_compiles(arch):
 
 # ---- run on the host ------------------------------------------------------------------------------------
 
-HOST_HEADER = HOST_BLOCKS + r"""
-#define QATTN_NEG_INF (-INFINITY)
+HOST_HEADER = HOST_BLOCKS + HOST_SCALARS + r"""
 {% include "common/rows.h.j2" %}
-// the names the writer takes from the HIP header, on the host (its _Float16 for fp16)
-template <bool BF16>
-QATTN_DEVICE float to_float(u16 x) {
-    if constexpr (BF16) return __builtin_bit_cast(float, static_cast<u32>(x) << 16);
-    return static_cast<float>(__builtin_bit_cast(f16, x));
-}
-QATTN_DEVICE float abs_f32(float x) { return std::fabs(x); }
-QATTN_DEVICE float fdiv_rn(float a, float b) { return a / b; }
-QATTN_DEVICE int rint_i32(float x) { return static_cast<int>(std::nearbyint(x)); }
-QATTN_DEVICE float nan_max(float a, float b) { return a != a || b != b ? NAN : std::fmax(a, b); }
-QATTN_DEVICE float nan_unless_finite(float x) { return std::fabs(x) <= 3.40282347e38f ? x : NAN; }
 """
 
 DRIVER = r"""
 extern "C" void quantize_rows(int kind, const void* x, const i64* x_st, signed char* codes, const i64* c_st, float* scales,
-                      float* k_scales, i64 s_b, i64 s_h, int B, int H, int n, int D, int offset) {
+                              float* k_scales, i64 s_b, i64 s_h, int B, int H, int n, int D, int offset) {
     const int rows = B * H * n;
     launch((rows + WARPS - 1) / WARPS, 1, 1, 32 * WARPS, [=] {
         auto entry = kind == 0 ? {{ name }}_f32 : kind == 1 ? {{ name }}_f16 : {{ name }}_bf16;

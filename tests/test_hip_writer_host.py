@@ -16,11 +16,11 @@ from qattn.engine.render import context, environment
 from qattn.engine.spec import KernelSpec
 from qattn.formats.decode.quant import HostPagedCache, balance_factors, balance_inverse, head_scales
 
-from hip_offline import HOST_BLOCKS, HOST_FLAGS, host_library, needs_clang
+from hip_offline import HOST_BLOCKS, HOST_FLAGS, HOST_SCALARS, host_library, needs_clang
 
 pytestmark = needs_clang
 
-HOST_HEADER = HOST_BLOCKS + r"""
+HOST_HEADER = HOST_BLOCKS + HOST_SCALARS + r"""
 namespace {
 constexpr int D = {{ head_dim }};
 constexpr int PAGE = {{ page_size }};
@@ -36,12 +36,6 @@ extern "C" __bf16 __truncsfbf2(float f) {
     const u32 u = __builtin_bit_cast(u32, f);
     const u16 h = f != f ? static_cast<u16>((u >> 16) | 0x40u) : static_cast<u16>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
     return __builtin_bit_cast(__bf16, h);
-}
-QATTN_DEVICE float nan_max(float a, float b) { return a != a || b != b ? __builtin_nanf("") : __builtin_fmaxf(a, b); }
-template <bool BF16>
-QATTN_DEVICE float to_float(u16 x) {
-    if constexpr (BF16) return __builtin_bit_cast(float, static_cast<u32>(x) << 16);
-    return static_cast<float>(__builtin_bit_cast(f16, x));
 }
 """
 

@@ -15,19 +15,16 @@ from qattn.engine.spec import KernelSpec
 from qattn.engine.tile import Tile
 from qattn.formats.kv8.quant import quantize_kv_cache
 
-from hip_offline import HOST_BLOCKS, HOST_FLAGS, host_library, needs_clang
+from hip_offline import HOST_BLOCKS, HOST_FLAGS, HOST_SCALARS, host_library, needs_clang
 
 pytestmark = needs_clang
 
 LOG2E = np.float32(np.log2(np.e))
 
-# What the shared body needs of a backend header, for the host: the indices (thread-local, set per thread),
-# the barriers, the lane exchange, IEEE fp32 (the file builds with -ffp-contract=off) and the softmax step
-# and LSE as the GPU headers compute them with full-precision exp2 and log2.
-# What the shared body needs of a backend header beyond the host's block machinery (hip_offline.HOST_BLOCKS): the
-# block's shared memory (one array the body declares extern), IEEE fp32 (the file builds without FMA contraction), and the softmax step and LSE as the GPU
-# headers compute them, with full-precision exp2 and log2.
-HOST_HEADER = HOST_BLOCKS + r"""
+# What the shared body needs of a backend header beyond the host's block machinery and scalars (hip_offline's
+# HOST_BLOCKS, HOST_SCALARS): the block's shared memory (one array the body declares extern), and the softmax step
+# and LSE as the GPU headers compute them, with full-precision exp2 and log2.
+HOST_HEADER = HOST_BLOCKS + HOST_SCALARS + r"""
 #undef __shared__
 #define __shared__
 #define QATTN_NEG_INF (-INFINITY)
@@ -35,13 +32,6 @@ HOST_HEADER = HOST_BLOCKS + r"""
 extern "C" { alignas(16) float fsmem[65536 / 4]; }  // the block's shared memory (the kernel names it extern "C")
 QATTN_DEVICE void warp_sync() { block_sync(); }  // every thread of the body reaches it
 QATTN_DEVICE void grid_dependency_wait() {}
-QATTN_DEVICE float fmul_rn(float a, float b) { return a * b; }
-QATTN_DEVICE float fadd_rn(float a, float b) { return a + b; }
-QATTN_DEVICE float fsub_rn(float a, float b) { return a - b; }
-QATTN_DEVICE float fdiv_rn(float a, float b) { return a / b; }
-QATTN_DEVICE float fma_f32(float a, float b, float c) { return std::fma(a, b, c); }
-QATTN_DEVICE float max_f32(float a, float b) { return std::fmax(a, b); }
-QATTN_DEVICE float exp2_f32(float x) { return std::exp2(x); }
 struct SoftmaxStep { float max, shift, rescale; };
 template <bool kFast>
 QATTN_DEVICE SoftmaxStep softmax_step(float running_max, float tile_max) {
