@@ -30,13 +30,6 @@ constexpr int V_CODE = {{ {"16": 0, "e4m3": 1, "i8": 2}[v_code] }};
 constexpr int K_BYTES = K_CODE == 0 ? 2 : 1, V_BYTES = V_CODE == 0 ? 2 : 1;
 constexpr bool TOKEN_SCALES = {{ "true" if scale_mode == "token" else "false" }};
 }  // namespace
-// fp32 -> bf16, nearest even (a NaN stays a quiet NaN): the conversion clang calls on the host, which the GCC 12
-// runtime lacks; the GPU converts in its own instruction.
-extern "C" __bf16 __truncsfbf2(float f) {
-    const u32 u = __builtin_bit_cast(u32, f);
-    const u16 h = f != f ? static_cast<u16>((u >> 16) | 0x40u) : static_cast<u16>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    return __builtin_bit_cast(__bf16, h);
-}
 """
 
 DRIVER = r"""

@@ -96,10 +96,12 @@ def _warp_state(qv, row_scale, row_bias, key_bias, k, ks, v, vs, groups, limits,
 
 
 def emulate(q, cache: HostPagedCache, block_table, seq_lens, *, splits: int = 1, keys_per_split: int | None = None,
-            warps: int = 4, scale: float | None = None, return_lse: bool = False, qk: str = "transform"):
+            warps: int = 4, warp_keys: int = GROUP, scale: float | None = None, return_lse: bool = False,
+            qk: str = "transform"):
     """What the decode kernel computes on QK path qk: out [B, Hq, Lq, D] in q's dtype (and the
     natural-log LSE [B, Hq, Lq] when return_lse). q holds fp16/bf16 values (any float array; it is
-    rounded to q.dtype's 16-bit type: float16 unless q is bfloat16)."""
+    rounded to q.dtype's 16-bit type: float16 unless q is bfloat16). A step takes warps x warp_keys keys,
+    warp_keys of them a warp (the CUDA kernels' 16; the HIP kernel runs one state over tiles of 32 keys)."""
     if qk != "transform" and QK_CODE.get(qk) != cache.fmt.split("-")[0]:
         raise ValueError(f"qk: {cache.fmt} has no {qk!r} path")
     if qk != "transform" and cache.pre_rope:
@@ -110,7 +112,7 @@ def emulate(q, cache: HostPagedCache, block_table, seq_lens, *, splits: int = 1,
     hkv = cache.k.shape[1]
     group = hq // hkv
     table, lens = np.asarray(block_table), np.asarray(seq_lens)
-    step = GROUP * warps
+    step = warp_keys * warps
     bound = table.shape[1] * cache.page_size
     kps = keys_per_split or -(-bound // splits // step) * step
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -154,7 +156,7 @@ def emulate(q, cache: HostPagedCache, block_table, seq_lens, *, splits: int = 1,
                 begin, end = s * kps, min(length, (s + 1) * kps)
                 warp_states = []
                 for w in range(warps):
-                    groups = [(j, min(j + GROUP, end)) for j in range(begin + GROUP * w, end, step)]
+                    groups = [(j, min(j + warp_keys, end)) for j in range(begin + warp_keys * w, end, step)]
                     warp_states.append(_warp_state(qv, row_scale, row_bias, key_bias, k_vals[h], ks, v_vals[h], vs,
                                                    groups, limits, half))
                 m, l, acc = _merge(warp_states)
