@@ -77,7 +77,7 @@ HOST_BLOCKS = r"""
 #define __global__
 #define __launch_bounds__(threads)
 #define __shared__ static
-#define QATTN_DEVICE static inline
+#define QATTN_DEVICE inline
 #define __HIP_MEMORY_SCOPE_WORKGROUP 0
 #define __HIP_MEMORY_SCOPE_AGENT 0
 #define __hip_atomic_fetch_add(p, v, order, scope) __atomic_fetch_add(p, v, order)
