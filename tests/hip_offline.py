@@ -176,6 +176,7 @@ HOST_HIP_COMMON = HOST_BLOCKS + HOST_SCALARS + r"""
 #define __{{ host_target }}__ 1
 #define QATTN_NEG_INF (-INFINITY)
 #define __builtin_amdgcn_readfirstlane(x) (x)
+#define __builtin_amdgcn_sched_barrier(mask) ((void)0)
 #define __builtin_amdgcn_wavefrontsize() WAVE
 typedef _Float16 f16x8 __attribute__((ext_vector_type(8)));
 {% include "common/rows.h.j2" %}
