@@ -169,17 +169,9 @@ HOST_FLAGS = ["-std=c++20", "-ffp-contract=off", "-pthread"]
 
 
 # ---- whole HIP kernels on the host ------------------------------------------------------------------------------
-# hip/common.h.j2 on the host, as the GPU target `target` (its macro defined, so target-gated code takes that
-# target's branch): the block machinery and scalars above, the softmax step and LSE with full-precision exp2 and log2,
-# and the few AMD builtins the kernels call outside the matrix headers.
-HOST_HIP_COMMON = HOST_BLOCKS + HOST_SCALARS + r"""
-#define __{{ host_target }}__ 1
-#define QATTN_NEG_INF (-INFINITY)
-#define __builtin_amdgcn_readfirstlane(x) (x)
-#define __builtin_amdgcn_sched_barrier(mask) ((void)0)
-#define __builtin_amdgcn_wavefrontsize() WAVE
-typedef _Float16 f16x8 __attribute__((ext_vector_type(8)));
-{% include "common/rows.h.j2" %}
+# The online-softmax step and the LSE as the GPU headers compute them, with full-precision exp2 and log2 (after
+# common/rows.h.j2 and QATTN_NEG_INF; a Jinja template: it takes ln2).
+HOST_SOFTMAX = r"""
 QATTN_DEVICE float fast_exp2(float x) { return std::exp2(x); }
 struct SoftmaxStep { float max, shift, rescale; };
 template <bool kFast = true>
@@ -193,7 +185,20 @@ QATTN_DEVICE SoftmaxStep softmax_step(float running_max, float tile_max) {
 QATTN_DEVICE float lse_from(float row_max, float row_sum) {
     return saw_keys(row_sum) ? (row_max + std::log2(row_sum)) * {{ ln2 }}f : QATTN_NEG_INF;
 }
-// The matrix ops (the builtins of hip/matrix16.h.j2 and hip/matrix8.h.j2 name them), defined after those headers.
+"""
+
+# hip/common.h.j2 on the host, as the GPU target `target` (its macro defined, so target-gated code takes that
+# target's branch): the block machinery and scalars above, the softmax step and LSE with full-precision exp2 and log2,
+# and the few AMD builtins the kernels call outside the matrix headers.
+HOST_HIP_COMMON = HOST_BLOCKS + HOST_SCALARS + r"""
+#define __{{ host_target }}__ 1
+#define QATTN_NEG_INF (-INFINITY)
+#define __builtin_amdgcn_readfirstlane(x) (x)
+#define __builtin_amdgcn_sched_barrier(mask) ((void)0)
+#define __builtin_amdgcn_wavefrontsize() WAVE
+typedef _Float16 f16x8 __attribute__((ext_vector_type(8)));
+{% include "common/rows.h.j2" %}
+""" + HOST_SOFTMAX + r"""// The matrix ops (the builtins of hip/matrix16.h.j2 and hip/matrix8.h.j2 name them), defined after those headers.
 template <int KIND, class A, class D>
 D host_mma(A a, A b, D d);
 QATTN_DEVICE int host_cvt_pk_fp8(float x0, float x1, int old, bool high);

@@ -15,7 +15,7 @@ from qattn.engine.spec import KernelSpec
 from qattn.engine.tile import Tile
 from qattn.formats.kv8.quant import quantize_kv_cache
 
-from hip_offline import HOST_BLOCKS, HOST_FLAGS, HOST_SCALARS, host_library, needs_clang
+from hip_offline import HOST_BLOCKS, HOST_FLAGS, HOST_SCALARS, HOST_SOFTMAX, host_library, needs_clang
 
 pytestmark = needs_clang
 
@@ -23,7 +23,7 @@ LOG2E = np.float32(np.log2(np.e))
 
 # What the shared body needs of a backend header beyond the host's block machinery and scalars (hip_offline's
 # HOST_BLOCKS, HOST_SCALARS): the block's shared memory (one array the body declares extern), and the softmax step
-# and LSE as the GPU headers compute them, with full-precision exp2 and log2.
+# and LSE (HOST_SOFTMAX).
 HOST_HEADER = HOST_BLOCKS + HOST_SCALARS + r"""
 #undef __shared__
 #define __shared__
@@ -32,19 +32,7 @@ HOST_HEADER = HOST_BLOCKS + HOST_SCALARS + r"""
 extern "C" { alignas(16) float fsmem[65536 / 4]; }  // the block's shared memory (the kernel names it extern "C")
 QATTN_DEVICE void warp_sync() { block_sync(); }  // every thread of the body reaches it
 QATTN_DEVICE void grid_dependency_wait() {}
-struct SoftmaxStep { float max, shift, rescale; };
-template <bool kFast>
-QATTN_DEVICE SoftmaxStep softmax_step(float running_max, float tile_max) {
-    SoftmaxStep s;
-    s.max = std::fmax(running_max, tile_max);
-    s.shift = s.max == QATTN_NEG_INF ? 0.f : s.max;
-    s.rescale = std::exp2(running_max - s.shift);
-    return s;
-}
-QATTN_DEVICE float lse_from(float row_max, float row_sum) {
-    return saw_keys(row_sum) ? (row_max + std::log2(row_sum)) * {{ ln2 }}f : QATTN_NEG_INF;
-}
-"""
+""" + HOST_SOFTMAX
 
 F32_ENTRY = r"""
 extern "C" void run_f32(const float* q, const float* k, const float* v, float* o, float* lse, const i64* st,
