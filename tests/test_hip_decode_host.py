@@ -2,9 +2,10 @@
 stand-ins for its headers (hip_offline.host_hip_environment: a thread per GPU thread, each matrix op summed from the
 wave's fragments as the target's layout places them, the target's own branches taken), built by clang for the host
 and launched over the kernel's grid, then the merge's where the keys are split. Its output and LSE must be the
-emulator's (decode.emulate) within the gate the GPU kernels meet, on MFMA's wave64 layout (gfx942), RDNA3's
-replicated one (gfx1100) and RDNA4's (gfx1201): the transform path and the 8-bit QK paths, GQA with several new
-tokens, tails, splits, token and head scales, a pre-bias residual K, balancing, page means, post- and pre-RoPE keys."""
+emulator's (decode.emulate) to the rounding of the last fp32 sums, on CDNA's wave64 layouts (gfx942; gfx90a's 8-bit
+op), RDNA3's replicated one (gfx1100) and RDNA4's (gfx1201): the transform path and the 8-bit QK paths, GQA with
+several new tokens, tails, splits, token and head scales, a pre-bias residual K, balancing, page means, post- and
+pre-RoPE keys."""
 import ctypes
 
 import ml_dtypes
@@ -108,6 +109,7 @@ CASES = [  # (target, format, qk, scale, options, splits)
     ("gfx942", "e4m3-f16", "fp8", "token", {"bias": True, "rope": "post"}, 1),
     ("gfx1201", "i8-i8", "transform", "token", {"bias": True, "rope": "pre"}, 2),
     ("gfx1100", "e4m3-bf16", "transform", "token", {"bias": True, "rope": "post"}, 1),
+    ("gfx90a", "i8-f16", "int8", "head", {"balance": True}, 2),
 ]
 
 

@@ -1,9 +1,9 @@
 """The HIP int8-QK prefill (int8qk's hip/prefill_i8.hip.j2) run on the CPU end to end, matrix ops included: the
 module's own steps in the order the HIP host runs them (qattn.formats.int8qk.host: K's column sums, K̄ finished in
 fp64, K's and Q's codes with the shift q̃·K̄, V's codes after its column maxima where PV is 8-bit), then the attention
-kernel, under the host stand-ins for its headers (hip_offline.host_hip_environment) on MFMA's wave64 layout (gfx942),
-RDNA3's (gfx1100) and RDNA4's (gfx1201). Output and LSE must be the emulator's (the same scale blocks, K smoothing)
-to the rounding of the last fp32 sums, with GQA, tails and causal rows."""
+kernel, under the host stand-ins for its headers (hip_offline.host_hip_environment) on CDNA's wave64 layouts (gfx942,
+gfx90a), RDNA3's (gfx1100) and RDNA4's (gfx1201). Output and LSE must be the emulator's (the same scale blocks, K
+smoothing) to the rounding of the last fp32 sums, with GQA, tails and causal rows."""
 import ctypes
 
 import ml_dtypes
@@ -60,6 +60,7 @@ CASES = [  # (target, format, input type, head dim, causal, Lq, Lk)
     ("gfx1100", "i8-i8", "bf16", 64, False, 45, 77),
     ("gfx1201", "i8-f8", "f16", 128, True, 66, 66),
     ("gfx942", "i8-f8", "bf16", 64, False, 40, 100),
+    ("gfx90a", "i8-i8", "f16", 64, True, 50, 70),
 ]
 
 
