@@ -46,7 +46,7 @@ extern "C" void run_{{ t }}(const void* q, const unsigned char* k_pool, const un
 {% endfor %}
 """
 
-PAGE, D, HKV, GROUP, LQ = 16, 64, 2, 4, 3
+HKV, GROUP, LQ = 2, 4, 3
 LENGTHS = (45, 70)  # tails on the 32-key tiles, and the lengths' own causal rows
 
 
@@ -68,38 +68,38 @@ def _ptr(x):
     return None if x is None else x.ctypes.data_as(ctypes.c_void_p)
 
 
-def _cache(fmt, scale, options, rng):
-    """A host cache of the two sequences (pages shuffled) and its block table."""
+def _cache(fmt, scale, options, rng, page, d):
+    """A host cache of the two sequences (pages of `page` tokens, shuffled) and its block table."""
     k_side = fmt.split("-")[0]
     eight = k_side in ("e4m3", "i8")
-    bias = (rng.standard_normal((HKV, D)) * 6).astype(np.float32) if options.get("bias") else None
+    bias = (rng.standard_normal((HKV, d)) * 6).astype(np.float32) if options.get("bias") else None
     rope = RoPE(theta=1e4, rotary_dim=32 if options.get("rope") == "pre" else None, style="neox") \
         if options.get("rope") else None
-    pages = sum(-(-n // PAGE) for n in LENGTHS) + 1
-    cache = HostPagedCache.empty(fmt, pages, PAGE, HKV, D, scale=scale, k_bias=bias,
+    pages = sum(-(-n // page) for n in LENGTHS) + 1
+    cache = HostPagedCache.empty(fmt, pages, page, HKV, d, scale=scale, k_bias=bias,
                                  k_mean="page" if options.get("mean") else "off",
                                  k_balance="calibrate" if options.get("balance") else None, rope=rope,
                                  k_bias_layout="pre-rope" if options.get("rope") == "pre" else "post-rope")
     order = rng.permutation(pages)
-    table = np.full((len(LENGTHS), -(-max(LENGTHS) // PAGE)), -1, np.int32)
+    table = np.full((len(LENGTHS), -(-max(LENGTHS) // page)), -1, np.int32)
     used = 0
     for b, n in enumerate(LENGTHS):
-        count = -(-n // PAGE)
+        count = -(-n // page)
         table[b, :count] = order[used:used + count]
         used += count
-        k = rng.standard_normal((n, HKV, D)).astype(np.float32)
+        k = rng.standard_normal((n, HKV, d)).astype(np.float32)
         if eight:
             k[..., 7] *= 20  # an outlier channel for balancing and the scales
         if bias is not None:
             k += bias[None]
-        v = rng.standard_normal((n, HKV, D)).astype(np.float32)
-        slots = table[b, np.arange(n) // PAGE].astype(np.int64) * PAGE + np.arange(n) % PAGE
+        v = rng.standard_normal((n, HKV, d)).astype(np.float32)
+        slots = table[b, np.arange(n) // page].astype(np.int64) * page + np.arange(n) % page
         cache.write(k, v, slots, scale=scale, positions=np.arange(n) if rope is not None and not cache.pre_rope else None)
     table[table < 0] = order[-1]  # (slots past a sequence: any page)
     return cache, table
 
 
-CASES = [  # (target, format, qk, scale, options, splits)
+CASES = [  # (target, format, qk, scale, options (page: page size, default 16; d: head dim, default 64), splits)
     ("gfx942", "f16-f16", "transform", "token", {}, 1),
     ("gfx1100", "e4m3-e4m3", "transform", "token", {}, 2),
     ("gfx1201", "i8-bf16", "transform", "head", {"bias": True}, 1),
@@ -110,6 +110,8 @@ CASES = [  # (target, format, qk, scale, options, splits)
     ("gfx1201", "i8-i8", "transform", "token", {"bias": True, "rope": "pre"}, 2),
     ("gfx1100", "e4m3-bf16", "transform", "token", {"bias": True, "rope": "post"}, 1),
     ("gfx90a", "i8-f16", "int8", "head", {"balance": True}, 2),
+    ("gfx942", "i8-i8", "transform", "token", {"mean": True, "page": 64, "d": 128}, 2),  # a tile inside a page
+    ("gfx1201", "e4m3-f16", "fp8", "token", {"mean": True, "page": 32, "d": 128}, 1),
 ]
 
 
@@ -117,26 +119,27 @@ CASES = [  # (target, format, qk, scale, options, splits)
                          ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}-{'-'.join(c[4]) or 'plain'}-s{c[5]}" for c in CASES])
 def test_hip_decode_runs_as_its_emulator(tmp_path, target, fmt, qk, scale, options, splits):
     rng = np.random.default_rng(len(fmt) + splits + len(options))
-    cache, table = _cache(fmt, scale, options, rng)
+    page, d = options.get("page", 16), options.get("d", 64)
+    cache, table = _cache(fmt, scale, options, rng, page, d)
     k_side, v_side = fmt.split("-")
     eight = k_side in ("e4m3", "i8")
-    spec_options = {"page_size": PAGE, "scale_mode": scale}
+    spec_options = {"page_size": page, "scale_mode": scale}
     if eight:
         spec_options |= {"qk": qk, "k_mean": "page" if options.get("mean") else "off",
                          "k_balance": "on" if options.get("balance") else "off",
                          "k_rope": options.get("rope", "off")}
-    spec = KernelSpec(kind="decode", recipe=fmt, head_dim=D, backend="hip", arch=target, options=spec_options)
+    spec = KernelSpec(kind="decode", recipe=fmt, head_dim=d, backend="hip", arch=target, options=spec_options)
     lib = _library(tmp_path, spec)
     lens = np.array(LENGTHS, np.int32)
     b, hq = len(LENGTHS), HKV * GROUP
     half = ml_dtypes.bfloat16 if "bf16" in fmt else np.float16
     t = "bf16" if half is ml_dtypes.bfloat16 else "f16"
-    q = (rng.standard_normal((b, hq, LQ, D)) * 1.5).astype(half)
-    kps = -(-table.shape[1] * PAGE // splits // 32) * 32  # whole 32-key tiles a split
-    scale_log2 = np.float32(D ** -0.5 * np.log2(np.e))
-    out = np.full((b, hq, LQ, D), np.nan, half)
+    q = (rng.standard_normal((b, hq, LQ, d)) * 1.5).astype(half)
+    kps = -(-table.shape[1] * page // splits // 32) * 32  # whole 32-key tiles a split
+    scale_log2 = np.float32(d ** -0.5 * np.log2(np.e))
+    out = np.full((b, hq, LQ, d), np.nan, half)
     lse = np.full((b, hq, LQ), np.nan, np.float32)
-    ws_o = np.zeros((splits, b, hq, LQ, D), np.float32)
+    ws_o = np.zeros((splits, b, hq, LQ, d), np.float32)
     ws_ml = np.zeros((splits, b, hq, LQ, 2), np.float32)
     strides = np.array([x // 2 for x in q.strides[:3]] + [x // 2 for x in out.strides[:3]], np.int64)
 
@@ -145,7 +148,7 @@ def test_hip_decode_runs_as_its_emulator(tmp_path, target, fmt, qk, scale, optio
 
     rope = cache.rope
     row_bias = None if cache.k_bias is None else (cache.k_bias if rope is None else
-                                                  np.where(np.arange(D) < rope.rotary_dim, 0, cache.k_bias))
+                                                  np.where(np.arange(d) < rope.rotary_dim, 0, cache.k_bias))
     mean_codes = mean_scales = None
     if cache.k_mean is not None:
         mean_codes = np.ascontiguousarray(cache.k_mean.codes.astype(np.int8)).view(np.uint8)

@@ -2,7 +2,7 @@
 host stand-ins for its headers (hip_offline.host_hip_environment), on MFMA's wave64 layout (gfx942), RDNA3's
 replicated one (gfx1100) and RDNA4's (gfx1201): its output and LSE must be the emulator's (same key tiles, P rounded
 to the operand type) to the rounding of the last fp32 sums, with GQA, tails on both axes, causal rows with
-Lq < Lk, Lq > Lk (rows that see no key: zeros, LSE -inf) and head dims 64 and 96."""
+Lq < Lk, Lq > Lk (rows that see no key: zeros, LSE -inf) and head dims 32 to 256."""
 import ctypes
 
 import ml_dtypes
@@ -36,6 +36,9 @@ CASES = [  # (target, format, head dim, causal, Lq, Lk)
     ("gfx1100", "bf16", 64, False, 33, 47),
     ("gfx1201", "f16", 96, True, 90, 40),
     ("gfx1201", "bf16", 64, True, 61, 77),
+    ("gfx942", "f16", 32, True, 40, 100),
+    ("gfx1100", "bf16", 128, True, 70, 70),
+    ("gfx1201", "f16", 256, False, 37, 45),  # d256's own tile, m32n16w2s1
 ]
 
 
