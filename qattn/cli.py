@@ -419,6 +419,9 @@ def inspect(kind, fmt, head_dim, tile, warps, stages, causal, backend, mma, page
         options = ", ".join(f"{k}={v!r}" for k, v in blocks["emulator"].items())
         console.print(f"format blocks: {rows}, {blocks['k_keys']} keys per K scale block{groups} and softmax step "
                       f"(the emulator's {options})")
+    if "emulator" in report:
+        options = ", ".join(f"{k}={v!r}" for k, v in report["emulator"].items())
+        console.print(f"emulator: emulate({spec.recipe!r}, q, k, v, {options}) models this kernel")
     instr = report["instructions"]
     counts = _table(f"instructions, {_LISTING_NOTE[instr['listing']]}", "kind", "opcode", "count", right=("count",))
     for group in ("matrix", "convert"):

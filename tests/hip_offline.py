@@ -103,6 +103,7 @@ QATTN_DEVICE int block_y() { return host_thread.by; }
 QATTN_DEVICE int block_z() { return host_thread.bz; }
 QATTN_DEVICE int grid_blocks_x() { return host_grid[0]; }
 QATTN_DEVICE int grid_blocks_y() { return host_grid[1]; }
+QATTN_DEVICE int grid_blocks_z() { return host_grid[2]; }
 QATTN_DEVICE void block_sync() { host_block_barrier->arrive_and_wait(); }
 template <class T>
 QATTN_DEVICE T lane_xor(T x, int lane, int mask) {

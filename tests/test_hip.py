@@ -61,7 +61,7 @@ def test_hip_tile_rules_are_checked():
     with pytest.raises(ValueError, match="arch"):
         KernelSpec("prefill", "f16", 64, None, False, "hip", "sm_90a")
     with pytest.raises(ValueError, match="no hip kernel"):
-        KernelSpec("prefill", "kv8-imma", 64, None, False, "hip", "gfx942")
+        KernelSpec("prefill", "kv8-split", 64, None, False, "hip", "gfx942")
     with pytest.raises(ValueError, match="LDS"):  # the CUDA kernel's d256 tile is over 64 KB
         KernelSpec("prefill", "f32", 256, Tile(32, 32, 4, 1), False, "hip", "gfx942")
 

@@ -792,6 +792,10 @@ def test_default_format_and_env_override(monkeypatch):
         assert kv8.default_format(arch) == "kv8-imma"
         assert kv8.resolve_format(None, arch) == "kv8-imma" == kv8.resolve_format("kv8", arch)
     assert kv8.default_format("sm_75") == "kv8-f32"
+    for arch in ("gfx90a", "gfx942", "gfx1100", "gfx1201"):  # int8 MFMA / iu8 WMMA
+        assert kv8.default_format(arch) == "kv8-imma" == kv8.resolve_format(None, arch)
+    with pytest.raises(ValueError, match="arch: expected a CUDA arch such as sm_90a or a HIP target"):
+        kv8.default_format("gfx803")
     for value, fmt in (("imma", "kv8-imma"), ("split", "kv8-split"), ("f32", "kv8-f32"), (" Split ", "kv8-split")):
         monkeypatch.setenv(kv8.ENV_VAR, value)
         assert kv8.resolve_format(None, "sm_90a") == fmt == kv8.resolve_format("kv8", "sm_90a")

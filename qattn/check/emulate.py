@@ -187,7 +187,7 @@ def emulate(fmt: str, q, k, v, *, causal: bool = False, scale: float | None = No
     return_lse); same semantics as reference.attention, except that O is float32 (float16 / bfloat16
     for f16 / bf16) and LSE float32. Options are the recipe's (its family's emulate.py): the int8-QK
     recipes take block_m, q_granularity / k_granularity, warps, smoothing and alpha_rule (smooth_k, deprecated);
-    kv8-split fp16_shift. exp2_ulps (-2..2) moves every exponent of the softmax by that many float32
+    kv8-split fp16_shift, kv8-imma signed_low. exp2_ulps (-2..2) moves every exponent of the softmax by that many float32
     steps, to bracket a kernel's own rounding of it (exp2_moved)."""
     if not isinstance(exp2_ulps, (int, np.integer)) or isinstance(exp2_ulps, bool) or abs(exp2_ulps) > 2:
         raise ValueError(f"exp2_ulps: expected an integer from -2 to 2, got {exp2_ulps!r}")

@@ -203,8 +203,18 @@ def parse_clang_remarks(log: str) -> dict:
     return _first_numbers(log, _CLANG_REMARKS)
 
 
-def compile_hip_offline(source: str, arch: str, spec_name: str) -> Binary:
-    """clang (19 or newer) -> AMDGPU code object, no ROCm needed; for CI checks and `qattn compile`."""
+def hip_entry_resources(log: str, entry: str) -> dict:
+    """clang's resource remarks of one kernel of a module that holds several; {} when the log does not name it."""
+    m = re.search(rf"remark: Function Name: {re.escape(entry)}\b", log)
+    if m is None:
+        return {}
+    end = log.find("remark: Function Name:", m.end())
+    return parse_clang_remarks(log[m.start():end if end >= 0 else len(log)])
+
+
+def compile_hip_offline(source: str, arch: str, spec_name: str, entry: str | None = None) -> Binary:
+    """clang (19 or newer) -> AMDGPU code object, no ROCm needed; for CI checks and `qattn compile`. The resources
+    are those of `entry` (the module's main kernel) when given, else of the first kernel clang reports."""
     clang = find_tool("clang++-19", "clang++-20", "clang++")
     if clang is None:
         raise RuntimeError("backend hip: offline compiles need clang-19 "
@@ -217,7 +227,8 @@ def compile_hip_offline(source: str, arch: str, spec_name: str) -> Binary:
         log = run.stdout + run.stderr
         if run.returncode != 0 or not obj.exists():
             raise CompileError(spec_name, options, log.replace(str(src), spec_name + ".hip"), source)
-        return Binary(data=obj.read_bytes(), log=log, resources=parse_clang_remarks(log))
+        resources = (hip_entry_resources(log, entry) if entry else {}) or parse_clang_remarks(log)
+        return Binary(data=obj.read_bytes(), log=log, resources=resources)
 
 
 def disassemble(binary: bytes, backend: str) -> str | None:

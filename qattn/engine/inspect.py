@@ -92,7 +92,7 @@ def inspect_spec(spec: KernelSpec) -> dict:
     if spec.backend == "cuda":
         binary = compiler.compile_cuda(source, spec.arch, spec.name, entry=main_entry_name(spec))
     else:
-        binary = compiler.compile_hip_offline(source, spec.arch, spec.name)
+        binary = compiler.compile_hip_offline(source, spec.arch, spec.name, entry=main_entry_name(spec))
     family = spec.family
     resources = dict(binary.resources, threads=family.threads(spec.tile),
                      dynamic_smem=family.smem_bytes(spec.tile, spec.head_dim))

@@ -116,7 +116,7 @@ def build_kernel(spec: KernelSpec, cache: KernelCache | None = None) -> Kernel:
         if spec.backend == "cuda":
             binary = compiler.compile_cuda(source, spec.arch, spec.name, options, entry=main_entry_name(spec))
         else:
-            binary = compiler.compile_hip_offline(source, spec.arch, spec.name)
+            binary = compiler.compile_hip_offline(source, spec.arch, spec.name, entry=main_entry_name(spec))
         resources = binary.resources
         meta = {"spec": spec.as_dict(), "name": spec.name, "options": options, "compiler": version,
                 "resources": resources, "build_seconds": round(time.perf_counter() - start, 4),

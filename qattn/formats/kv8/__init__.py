@@ -6,6 +6,7 @@ from ...engine import registry
 from .cache import KVCacheInt8, build_writer, writer_name
 from .emulate import EMULATORS, as_int8_cache
 from .host import attention_kv8, prefill_kv8
+from .launch import inspect_fields
 from .recipes import LAUNCH_TILES, LAUNCHER, RECIPES
 
 
@@ -31,6 +32,7 @@ FAMILY = registry.register(registry.FormatFamily(
     kv_cache=as_int8_cache,
     launch_tiles=LAUNCH_TILES,
     kernel_inputs=_kernel_inputs,
+    inspect=inspect_fields,
     companions=_companions,
 ))
 

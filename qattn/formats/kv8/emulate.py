@@ -95,15 +95,17 @@ def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     return s.astype(F32)
 
 
-def _split3_stack(x: np.ndarray) -> np.ndarray:
-    return np.stack([exact(part) for part in quant.split3(x)])
+def _split3_stack(x: np.ndarray, signed_low: bool) -> np.ndarray:
+    return np.stack([exact(part) for part in quant.split3(x, signed_low)])
 
 
 def _safe(scale: np.ndarray) -> np.ndarray:
     return np.where(scale > 0, scale, F32(1))
 
 
-def _kv8_imma_tiles(lay, q, k, v, scale, block_n):
+def _kv8_imma_tiles(lay, q, k, v, scale, block_n, *, signed_low=False):
+    """signed_low: the split's low byte signed too (quant.split3), as the HIP kernel's signed-only int8 ops take it:
+    the same X, other part sums, so the fp32 combination rounds otherwise."""
     if quant.partial_sum_bound(max(block_n, IMMA_GROUP)) >= 2 ** 31:
         raise ValueError(f"block_n: {block_n} keys per chunk can overflow kv8-imma's int32 sums")
     q2 = common.fold_softmax_scale(q, scale)
@@ -118,7 +120,7 @@ def _kv8_imma_tiles(lay, q, k, v, scale, block_n):
 
     qg = lay.q(by_group(q2))  # [B, Hkv, g, G, Lq, width]
     q_scale = (np.abs(qg).max(axis=(-2, -1), keepdims=True) / F32(common.INT8_MAX)).astype(F32)
-    q_parts = _split3_stack(qg / _safe(q_scale))  # [3, B, Hkv, g, G, Lq, width]
+    q_parts = _split3_stack(qg / _safe(q_scale), signed_low)  # [3, B, Hkv, g, G, Lq, width]
     q_unit = q_scale / F32(quant.SPLIT_ONE)
     kc = exact(lay.kv(by_group(k.codes.astype(F32))))  # [B, Hkv, 1, G, Lk, width]
     ks = lay.kv(k.scales)
@@ -135,7 +137,7 @@ def _kv8_imma_tiles(lay, q, k, v, scale, block_n):
         w = p * vs[..., None, j0:j1]
         w_scale = (w.max(axis=-1, keepdims=True) / F32(common.INT8_MAX)).astype(F32)
         to_split = (F32(1) / _safe(w_scale)) * F32(quant.SPLIT_ONE)  # w to X = x·65536
-        part_sums = _split3_stack((w * to_split).astype(np.float64) / quant.SPLIT_ONE) @ vc[..., j0:j1, :]
+        part_sums = _split3_stack((w * to_split).astype(np.float64) / quant.SPLIT_ONE, signed_low) @ vc[..., j0:j1, :]
         return _fma32(_combine3(part_sums), w_scale / F32(quant.SPLIT_ONE), acc)
 
     def pv(p, j0, j1):

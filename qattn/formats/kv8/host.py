@@ -5,7 +5,7 @@ the launcher of the kv8 kernel families and the choice of format.
 which are written into a temporary cache first, as parity runs do) lands in ``attention_kv8``:
 
 - ``format=None`` or ``"kv8"``: ``$QATTN_PREFILL_KV8`` (``imma``, ``split`` or ``f32``) when set,
-  else the arch's default (``kv8-imma`` on sm_80 and later: every arch with a kv8 kernel);
+  else the arch's default (``kv8-imma`` on sm_80 and later and on the HIP targets: every arch with a kv8 kernel);
 - ``format="kv8-imma"`` etc.: that format, whatever the variable says.
 
 With no ``tile=``, a call runs its spec's default tile (kv8-imma at d128 on sm_90a: three slots),
@@ -44,6 +44,7 @@ import os
 import numpy as np
 
 from .recipes import MMA_FORMATS
+from ...engine.family import HIP_ARCHS
 from ...engine.arrays import as_device_array, on_device, signature
 from ...engine.memory import CallMemory, lse_output
 from .launch import Kv8Plan
@@ -61,15 +62,19 @@ MIN_KEY_BLOCKS_PER_SPLIT = 4
 
 
 def default_format(arch: str | None = None) -> str:
-    """The kv8 format an arch runs by default: kv8-imma on sm_80+ (int8 mma.sync), else kv8-f32."""
+    """The kv8 format an arch runs by default: kv8-imma on sm_80+ (int8 mma.sync) and on the HIP targets (int8
+    MFMA / iu8 WMMA), else kv8-f32."""
     if arch is None:
         from ...engine.spec import device_arch
 
         arch = device_arch()
     if arch is None:
-        raise ValueError("arch: no CUDA device found to pick a kv8 format for; name an arch")
+        raise ValueError("arch: no GPU found to pick a kv8 format for; name an arch")
+    if arch in HIP_ARCHS:
+        return "kv8-imma"
     if not arch.startswith("sm_"):
-        raise ValueError(f"arch: expected a CUDA arch such as sm_90a, got {arch!r}")
+        raise ValueError(f"arch: expected a CUDA arch such as sm_90a or a HIP target ({', '.join(HIP_ARCHS)}), "
+                         f"got {arch!r}")
     major = int(arch[3:].rstrip("a")) // 10
     return "kv8-imma" if major >= 8 else "kv8-f32"
 

@@ -74,3 +74,17 @@ class Kv8Plan:
     def launch(self, pointers: dict, stream_ptr: int) -> None:
         for launch in self.launches:
             launch(pointers, stream_ptr)
+
+
+def emulator_options(spec) -> dict:
+    """The emulate() options under which the emulator models the kernel of spec: its key tile (the tile order, and
+    kv8-imma's w-scale chunk), and on HIP kv8-imma's signed low byte (its int8 ops take signed operands only)."""
+    options = {"block_n": spec.tile.block_n}
+    if spec.recipe == "kv8-imma" and spec.backend == "hip":
+        options["signed_low"] = True
+    return options
+
+
+def inspect_fields(spec) -> dict:
+    """What `qattn inspect` reports of a kv8 kernel beside its resources: the emulator's options for it."""
+    return {"emulator": emulator_options(spec)}

@@ -47,15 +47,17 @@ def quantize_kv_cache(x: np.ndarray) -> Int8Cache:
     return Int8Cache(q.codes, q.scale[..., 0])
 
 
-def split3(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def split3(x: np.ndarray, signed_low: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Exact 3-way byte split of x with |x| <= 127: X = rint(x·65536) clipped to ±127·65536,
-    X = h·65536 + l·256 + m with h, l int8 and m uint8. Returns (h, l, m)."""
+    X = h·65536 + l·256 + m with h, l int8 and m uint8. Returns (h, l, m). signed_low: m an int8 too
+    (-128..127), the digits for matrix ops whose 8-bit operands are all signed (AMD's int8 MFMA); h and l
+    then round accordingly (|h| <= 127 still)."""
     big = np.clip(np.rint(np.asarray(x, dtype=np.float64) * SPLIT_ONE), -SPLIT_MAX, SPLIT_MAX).astype(np.int64)
-    m = big & 0xFF  # two's complement: the low byte, unsigned
+    m = ((big + 128) & 0xFF) - 128 if signed_low else big & 0xFF  # the low byte (two's complement: unsigned)
     rest = (big - m) >> 8
     low = ((rest + 128) & 0xFF) - 128  # the middle byte, signed
     high = (rest - low) >> 8
-    return high.astype(np.int8), low.astype(np.int8), m.astype(np.uint8)
+    return high.astype(np.int8), low.astype(np.int8), m.astype(np.int8 if signed_low else np.uint8)
 
 
 def join3(h: np.ndarray, l: np.ndarray, m: np.ndarray) -> np.ndarray:
