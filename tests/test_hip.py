@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+from qattn.engine.family import Recipe
 from qattn.engine.registry import RECIPES
 from qattn.engine.render import entry_name, render
 from qattn.engine.spec import KernelSpec
@@ -60,8 +61,10 @@ def test_hip_tile_rules_are_checked():
         KernelSpec("prefill", "f16", 64, Tile(128, 32, 4, 1), False, "hip", "gfx942")
     with pytest.raises(ValueError, match="arch"):
         KernelSpec("prefill", "f16", 64, None, False, "hip", "sm_90a")
-    with pytest.raises(ValueError, match="no hip kernel"):
-        KernelSpec("prefill", "kv8-split", 64, None, False, "hip", "gfx942")
+    cuda_only = Recipe("x", "a CUDA-only format", ("float16",), RECIPES["f16"].tolerance,
+                       {"cuda": RECIPES["f16"].family("cuda")})
+    with pytest.raises(ValueError, match="format 'x': no hip kernel; backends with a kernel: cuda"):
+        cuda_only.arch_options("hip", "gfx942")
     with pytest.raises(ValueError, match="LDS"):  # the CUDA kernel's d256 tile is over 64 KB
         KernelSpec("prefill", "f32", 256, Tile(32, 32, 4, 1), False, "hip", "gfx942")
 

@@ -1,9 +1,9 @@
-"""The HIP kv8-imma kernel (kv8's hip/prefill_kv8_imma.hip.j2) run on the CPU, matrix ops included: its module's
-three entries in the order qattn.formats.kv8.launch plans them (the Q / V statistics, attention with the key range
+"""The HIP tensor-core kv8 kernels (kv8's hip/prefill_kv8_mma.hip.j2: kv8-imma, kv8-split) run on the CPU, matrix ops
+included: a module's three entries in the order qattn.formats.kv8.launch plans them (the Q / V statistics, attention with the key range
 split or not, the merge), under the host stand-ins for its headers (hip_offline.host_hip_environment) on CDNA's
-wave64 layouts (gfx942, gfx90a), RDNA3's (gfx1100) and RDNA4's (gfx1201). The output must be the emulator's with
-the split's low byte signed (the digits AMD's signed-only int8 ops take) to the rounding of the last fp32 sums, and
-within the format's 1e-5 of FP64 on the dequantized cache, with GQA, tails and causal rows (rows that see no key
+wave64 layouts (gfx942, gfx90a), RDNA3's (gfx1100) and RDNA4's (gfx1201). The output must be the emulator's under
+the kernel's options (its key tile; for kv8-imma the split's low byte signed, the digits AMD's signed-only int8 ops
+take) to the rounding of the last fp32 sums, and within the format's 1e-5 of FP64 on the dequantized cache, with GQA, tails and causal rows (rows that see no key
 come out 0 with LSE -inf)."""
 import ctypes
 import math
@@ -47,14 +47,18 @@ extern "C" void merge(const float* part_o, const float2* part_ml, int splits, i6
 }
 """
 
-CASES = [  # (target, head dim, causal, Lq, Lk, splits)
-    ("gfx942", 64, True, 70, 150, 1),
-    ("gfx942", 128, False, 33, 100, 3),
-    ("gfx90a", 64, False, 50, 90, 2),
-    ("gfx1100", 128, True, 66, 66, 1),  # its d128 tile: 32 keys a block
-    ("gfx1100", 64, True, 90, 40, 2),  # more queries than keys: the first 50 rows see none
-    ("gfx1201", 128, True, 40, 130, 3),
-    ("gfx1201", 64, False, 20, 70, 1),
+CASES = [  # (format, target, head dim, causal, Lq, Lk, splits)
+    ("kv8-imma", "gfx942", 64, True, 70, 150, 1),
+    ("kv8-imma", "gfx942", 128, False, 33, 100, 3),
+    ("kv8-imma", "gfx90a", 64, False, 50, 90, 2),
+    ("kv8-imma", "gfx1100", 128, True, 66, 66, 1),
+    ("kv8-imma", "gfx1100", 64, True, 90, 40, 2),  # more queries than keys: the first 50 rows see none
+    ("kv8-imma", "gfx1201", 128, True, 40, 130, 3),
+    ("kv8-imma", "gfx1201", 64, False, 20, 70, 1),
+    ("kv8-split", "gfx942", 128, True, 70, 100, 1),  # its d128 tile: 32 keys a block
+    ("kv8-split", "gfx90a", 64, False, 40, 90, 3),
+    ("kv8-split", "gfx1100", 128, False, 33, 70, 2),
+    ("kv8-split", "gfx1201", 64, True, 80, 50, 1),
 ]
 
 
@@ -87,12 +91,13 @@ def _run(lib, values, q, k, v, splits, scale_log2):
     return out, lse
 
 
-@pytest.mark.parametrize("target, d, causal, lq, lk, splits", CASES,
-                         ids=[f"{c[0]}-d{c[1]}-{'causal' if c[2] else 'full'}-{c[3]}x{c[4]}-splits{c[5]}" for c in CASES])
-def test_hip_kv8_imma_runs_as_its_emulator(tmp_path, target, d, causal, lq, lk, splits):
-    spec = KernelSpec(kind="prefill", recipe="kv8-imma", head_dim=d, causal=causal, backend="hip", arch=target)
+@pytest.mark.parametrize("fmt, target, d, causal, lq, lk, splits", CASES,
+                         ids=[f"{c[0]}-{c[1]}-d{c[2]}-{'causal' if c[3] else 'full'}-{c[4]}x{c[5]}-splits{c[6]}"
+                              for c in CASES])
+def test_hip_kv8_runs_as_its_emulator(tmp_path, fmt, target, d, causal, lq, lk, splits):
+    spec = KernelSpec(kind="prefill", recipe=fmt, head_dim=d, causal=causal, backend="hip", arch=target)
     values = context(spec)
-    env = host_hip_environment(target, eight=True)
+    env = host_hip_environment(target, eight=fmt == "kv8-imma")
     source = env.get_template(spec.family.template).render(**values).replace("extern __shared__", "extern")
     lib = host_library(tmp_path, source + env.from_string(DRIVER).render(**values), HOST_FLAGS)
 
@@ -105,11 +110,13 @@ def test_hip_kv8_imma_runs_as_its_emulator(tmp_path, target, d, causal, lq, lk, 
     scale = d ** -0.5
     out, lse = _run(lib, values, q, k, v, splits, np.float32(scale * math.log2(math.e)))
 
-    assert emulator_options(spec) == {"block_n": spec.tile.block_n, "signed_low": True}
-    want, want_lse = emulate("kv8-imma", q, k, v, causal=causal, return_lse=True, **emulator_options(spec))
+    assert emulator_options(spec) == {"block_n": spec.tile.block_n, **({"signed_low": True} if fmt == "kv8-imma" else {})}
+    want, want_lse = emulate(fmt, q, k, v, causal=causal, return_lse=True, **emulator_options(spec))
     errors = compare(out, want)
-    # splits == 1: the emulator's loop, but for the exp2 and the row sums' order; the merge adds a few roundings
-    assert errors.nonfinite == 0 and errors.rel_l2 <= (2e-7 if splits == 1 else 1e-6), errors
+    # splits == 1: the emulator's loop, but for the exp2 and the row sums' order (and kv8-split's fp16 products,
+    # which the matrix ops sum in their own order); the merge adds a few roundings
+    bound = (2e-7 if splits == 1 else 1e-6) * (1 if fmt == "kv8-imma" else 5)
+    assert errors.nonfinite == 0 and errors.rel_l2 <= bound, errors
     np.testing.assert_allclose(lse, want_lse, rtol=1e-6, atol=1e-6)
     exact, exact_lse = reference(q.astype(np.float64), k.dequantize(), v.dequantize(), causal=causal, return_lse=True)
     errors = compare(out, exact)

@@ -172,38 +172,52 @@ def _simt_family(backend: str = "cuda") -> Family:
     )
 
 
-# kv8-imma on the AMD matrix cores (hip/prefill_kv8_imma.hip.j2): 16 query rows per 32 lanes (a wave64 holds two
-# 16-row tiles), no pipelining, as the other HIP matrix kernels. LDS: the block's Q rows as three byte parts, the
-# K codes (rows of D + 16 bytes), V^T codes (rows of BN + 16 bytes) and both token-scale rows.
-HIP_IMMA_TEMPLATE = "hip/prefill_kv8_imma.hip.j2"
+# kv8-imma and kv8-split on the AMD matrix cores (hip/prefill_kv8_mma.hip.j2, the products from hip/kv8_imma.h.j2 or
+# hip/kv8_split.h.j2): 16 query rows per 32 lanes (a wave64 holds two 16-row tiles), no pipelining, as the other HIP
+# matrix kernels. LDS: the block's Q operand (kv8-imma: three byte planes of rows of D + 16 bytes; kv8-split: fp16 hi
+# and lo planes of rows of D + 8 elements), the K tile and V^T tile (kv8-imma: codes as stored, rows of D + 16 and
+# BN + 16 bytes; kv8-split: codes as fp16, rows of D + 8 and BN + 8 elements) and both token-scale rows.
+HIP_MMA_TEMPLATE = "hip/prefill_kv8_mma.hip.j2"
 
 
-def _hip_imma_smem(tile: Tile, d: int) -> int:
-    return (3 * tile.block_m + tile.block_n) * (d + 16) + d * (tile.block_n + 16) + 2 * tile.block_n * 4
+def hip_mma_smem(fmt: str) -> Callable[[Tile, int], int]:
+    def smem(tile: Tile, d: int) -> int:
+        scales = 2 * tile.block_n * 4
+        if fmt == "kv8-imma":
+            return (3 * tile.block_m + tile.block_n) * (d + 16) + d * (tile.block_n + 16) + scales
+        return 2 * ((2 * tile.block_m + tile.block_n) * (d + 8) + d * (tile.block_n + 8)) + scales
+
+    return smem
 
 
-def _hip_imma_problem(tile: Tile, d: int) -> str | None:
-    if tile.warps % 2:
-        return f"warps must be even (a 64-lane CDNA wave is two warps), got {tile.warps}"
-    if tile.block_m != 16 * tile.warps:
-        return f"block_m must be 16 rows per warp (16*warps), got {tile.block_m} with {tile.warps} warps"
-    if tile.block_n not in (32, 64, 128):
-        return f"block_n must be 32, 64 or 128 (whole 32-key steps; part sums below 2^22), got {tile.block_n}"
-    return unpipelined_problem(tile, "HIP kv8-imma") or smem_problem(_hip_imma_smem(tile, d), "hip")
+def _hip_mma_family(fmt: str) -> Family:
+    smem = hip_mma_smem(fmt)
+
+    def problem(tile: Tile, d: int) -> str | None:
+        if tile.warps % 2:
+            return f"warps must be even (a 64-lane CDNA wave is two warps), got {tile.warps}"
+        if tile.block_m != 16 * tile.warps:
+            return f"block_m must be 16 rows per warp (16*warps), got {tile.block_m} with {tile.warps} warps"
+        if tile.block_n not in (32, 64, 128):
+            return f"block_n must be 32, 64 or 128 (whole 32-key steps; part sums below 2^22), got {tile.block_n}"
+        return unpipelined_problem(tile, f"HIP {fmt}") or smem_problem(smem(tile, d), "hip")
+
+    # The CUDA kernels' 64 keys a block (for kv8-imma the emulator's w-scale chunk), but for kv8-split at d128, whose
+    # fp16 tiles take 71 KB of LDS with 64.
+    defaults = {d: Tile(64, 64 if fmt == "kv8-imma" or d == 64 else 32, 4, 1) for d in HEAD_DIMS}
+    return Family(
+        template=HIP_MMA_TEMPLATE,
+        head_dims=HEAD_DIMS,
+        default_tiles=defaults,
+        tile_problem=problem,
+        smem_bytes=smem,
+        archs=HIP_ARCHS,
+        align_bytes=4,
+        launcher=LAUNCHER,
+    )
 
 
-HIP_IMMA = Family(
-    template=HIP_IMMA_TEMPLATE,
-    head_dims=HEAD_DIMS,
-    default_tiles={d: Tile(64, 64, 4, 1) for d in HEAD_DIMS},  # the CUDA kernel's key block: the same w scales
-    # RDNA3 at d128: 64 keys a block spill 176-188 bytes a lane (its 16-byte operands; 256 VGPRs), 32 do not
-    tuned={(128, causal, "gfx1100"): Tile(64, 32, 4, 1) for causal in (False, True)},
-    tile_problem=_hip_imma_problem,
-    smem_bytes=_hip_imma_smem,
-    archs=HIP_ARCHS,
-    align_bytes=4,
-    launcher=LAUNCHER,
-)
+HIP_MMA = {fmt: _hip_mma_family(fmt) for fmt in MMA_FORMATS}
 
 
 FAMILY_BUILDERS: dict[str, Callable[[], Family]] = {
@@ -219,7 +233,7 @@ RECIPES = (
     Recipe("kv8-f32", "int8 KV cache dequantized to fp32, fp32 SIMT", ("float32",), _EXACT,
            {"cuda": FAMILIES["kv8-f32"], "hip": _simt_family("hip")}),
     Recipe("kv8-split", "int8 KV cache, fp16 hi+lo split of the other operand, two fp16 MMAs", ("float32",), _EXACT,
-           {"cuda": FAMILIES["kv8-split"]}),
+           {"cuda": FAMILIES["kv8-split"], "hip": HIP_MMA["kv8-split"]}),
     Recipe("kv8-imma", "int8 KV cache on int8 tensor cores, 24-bit 3-way split of the other operand", ("float32",),
-           _EXACT, {"cuda": FAMILIES["kv8-imma"], "hip": HIP_IMMA}, arch_families={("cuda", "sm_90a"): (FAMILIES["kv8-imma"], IMMA_WGMMA)}),
+           _EXACT, {"cuda": FAMILIES["kv8-imma"], "hip": HIP_MMA["kv8-imma"]}, arch_families={("cuda", "sm_90a"): (FAMILIES["kv8-imma"], IMMA_WGMMA)}),
 )
