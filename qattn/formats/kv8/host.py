@@ -25,8 +25,9 @@ order. ``splits=`` on the launcher (``kernel(q, cache, splits=n)``, ``attention_
 splits=n)``) overrides the choice; ``splits=1`` is the plain kernel (no workspace, no merge).
 kv8-f32, the fp32 baseline, does not split.
 
-What each kernel computes is what ``emulate.emulate(fmt, q, cache.k, cache.v, block_n=BN)`` computes
-with the kernel's key tile BN (64 for the tensor-core kernels, 32 for kv8-f32): the same operand
+What each kernel computes is what ``emulate.emulate(fmt, q, cache.k, cache.v, **launch.emulator_options(spec))``
+computes: with the kernel's key tile BN (64 for the CUDA tensor-core kernels, 32 for kv8-f32) and, for kv8-imma on
+HIP, the split's low byte signed (``signed_low``, the digits AMD's signed-only int8 ops take): the same operand
 splits and scales, the same exact integer sums, the fp32 operations in the same order (the
 tensor-core fp16 accumulation of kv8-split and the exp2 of every kernel round differently).
 The emulator runs the unsplit key loop only. With splits > 1 the kernel differs from it by what

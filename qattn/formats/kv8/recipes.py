@@ -1,7 +1,7 @@
-"""The int8-KV-cache formats' recipes and CUDA kernel families (DESIGN §2 "int8 KV cache, exact
+"""The int8-KV-cache formats' recipes and kernel families (DESIGN §2 "int8 KV cache, exact
 kernels"): ``kv8-f32`` (fp32 SIMT over codes dequantized on the way into shared memory), ``kv8-split``
 (fp16 hi + lo split, two m16n8k16 MMAs) and ``kv8-imma`` (24-bit 3-way byte split, m16n8k32 int8 MMAs
-on the codes as stored).
+on the codes as stored), each for CUDA and HIP (MFMA / WMMA; HIP_MMA below).
 
 The tensor-core kernels share one template (prefill_kv8_mma.cu.j2): each warp owns 16 query rows
 whose Q operand stays in registers; per pipeline slot shared memory holds the K and V codes of BN
