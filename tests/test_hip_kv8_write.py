@@ -29,6 +29,19 @@ def test_writer_source_names_its_backend():
         kvcache.writer_source("metal")
 
 
+def test_the_writer_a_hip_call_builds_is_the_hip_one(tmp_path):
+    """`qattn compile --backend hip` builds kv8's cache writer beside its kernels (the family's companions): for a HIP
+    target the HIP source, compiled offline and cached under the target's name."""
+    from qattn.engine.cache import KernelCache
+
+    store = KernelCache(tmp_path)
+    data, meta = kvcache.build_writer("gfx942", store)
+    assert data[:4] == b"\x7fELF" and meta["name"] == "kv8_write_gfx942" and meta["compiler"] == "clang-offline"
+    assert "--offload-arch=gfx942" in meta["options"] and meta["resources"]["registers"] > 0
+    assert kvcache.build_writer("gfx942", store) == (data, meta)  # from the cache
+    assert "__builtin_amdgcn" in next(tmp_path.rglob("source.*")).read_text()
+
+
 @pytest.mark.parametrize("arch", HIP_ARCHS)
 def test_hip_writer_compiles(arch):
     """Each input type's entry: a 32-lane max by lane exchanges, the IEEE division, rint; nothing in scratch."""

@@ -57,12 +57,18 @@ def writer_name(arch: str) -> str:
 
 
 def build_writer(arch: str, cache=None) -> tuple[bytes, dict]:
-    """The writer's cubin for arch and its meta (compiled on a miss, cached like every kernel)."""
+    """The writer's binary for arch (a cubin for a CUDA arch; for a HIP target the offline clang build, as `qattn
+    compile --backend hip` builds kernels) and its meta, compiled on a miss and cached like every kernel."""
     from ...engine import compile as compiler
     from ...engine.cache import KernelCache, KernelNotCached, content_key, jit_disabled
+    from ...engine.family import HIP_ARCHS
 
-    source = writer_source()
-    options, version = compiler.cuda_options(arch), compiler.nvrtc_version()
+    hip = arch in HIP_ARCHS
+    source = writer_source("hip" if hip else "cuda")
+    if hip:
+        options, version = compiler.hip_options(arch), "clang-offline"
+    else:
+        options, version = compiler.cuda_options(arch), compiler.nvrtc_version()
     key = content_key(source, options, version, arch)
     cache = cache or KernelCache()
     name = writer_name(arch)
@@ -71,7 +77,8 @@ def build_writer(arch: str, cache=None) -> tuple[bytes, dict]:
         if jit_disabled():
             raise KernelNotCached(f"{name}: not in the kernel cache at {cache.root} and QATTN_NO_JIT=1")
         start = time.perf_counter()
-        binary = compiler.compile_cuda(source, arch, name, options)
+        binary = compiler.compile_hip_offline(source, arch, name) if hip else \
+            compiler.compile_cuda(source, arch, name, options)
         meta = {"name": name, "options": options, "compiler": version, "resources": binary.resources,
                 "build_seconds": round(time.perf_counter() - start, 4),
                 "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
