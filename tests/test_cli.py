@@ -259,7 +259,7 @@ def test_inspect_hip():
 
 
 def test_inspect_hip_without_clang(monkeypatch):
-    def no_clang(source, arch, name):
+    def no_clang(source, arch, name, entry=None):
         raise RuntimeError("backend hip: offline compiles need clang-19 (apt-get install clang-19)")
 
     monkeypatch.setattr("qattn.engine.compile.compile_hip_offline", no_clang)
@@ -300,12 +300,14 @@ def test_compile_shows_progress_and_summary():
     assert "2 of 2 compiled, 0 failed" in result.stdout
 
 
-def test_compile_all_expands_what_is_left_out():
+def test_compile_all_expands_what_is_left_out(monkeypatch):
+    split = RECIPES["kv8-split"]  # as if it had a CUDA kernel only: --all --backend hip leaves it out
+    monkeypatch.setitem(RECIPES, "kv8-split", dataclasses.replace(split, families={"cuda": split.family("cuda")}))
     hip = compile_matrix("prefill", [], [64], None, None, None, None, "hip", ["gfx942"], True)
     with_hip = [name for name, rec in RECIPES.items() if "hip" in rec.families]
     assert [(s.recipe, s.head_dim, s.causal, s.arch) for s in hip] == [
         (f, 64, c, "gfx942") for f in with_hip for c in (False, True)]
-    assert "f16" in with_hip and "kv8-imma" not in with_hip
+    assert "kv8-imma" in with_hip and "kv8-split" not in with_hip
     cuda = compile_matrix("prefill", ["f32"], [], None, None, None, False, "cuda", [], True)
     family = RECIPES["f32"].family("cuda")
     assert {(s.head_dim, s.arch) for s in cuda} == {(d, a) for d in family.head_dims for a in family.archs}
