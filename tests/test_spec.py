@@ -2,6 +2,7 @@
 readable unique names, stable distinct keys, and Tile.parse. CPU only."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -87,10 +88,16 @@ def test_invalid_field_is_named(kwargs, field, mentions):
         assert word in msg, (word, msg)
 
 
-@pytest.mark.parametrize("name, backend", [("kv8-split", "hip"), ("kv8-imma", "hip")])
-def test_format_without_kernel_on_backend(name, backend):
+@pytest.mark.parametrize("name, backend", [("kv8-split", "hip"), ("f16", "cuda")])
+def test_format_without_kernel_on_backend(monkeypatch, name, backend):
+    """Every format has a kernel on both backends; one without (as a new format starts) is a clear error."""
+    from qattn.engine.registry import RECIPES
+
+    rec = RECIPES[name]
+    other = "cuda" if backend == "hip" else "hip"
+    monkeypatch.setitem(RECIPES, name, dataclasses.replace(rec, families={other: rec.family(other)}, arch_families={}))
     arch = "sm_90a" if backend == "cuda" else "gfx942"
-    with pytest.raises(ValueError, match=rf"format '{re.escape(name)}': no {backend} kernel"):
+    with pytest.raises(ValueError, match=rf"format '{re.escape(name)}': no {backend} kernel; backends with a kernel: {other}"):
         KernelSpec(recipe=name, head_dim=128, backend=backend, arch=arch)
 
 
