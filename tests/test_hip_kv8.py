@@ -98,3 +98,21 @@ def test_inspect_reports_the_attention_entry_and_the_emulator_options(fmt):
     assert report["emulator"] == {"block_n": spec.tile.block_n, **({"signed_low": True} if fmt == "kv8-imma" else {})}
     op, count = products(spec)
     assert report["instructions"]["matrix"] == {op: count}
+
+
+def _parameters(source: str, entry: str) -> list[str]:
+    """An entry point's parameter list as written, whitespace normalized."""
+    m = re.search(rf"\b{re.escape(entry)}\((.*?)\)\s*\{{", source, re.S)
+    assert m, entry
+    return [" ".join(p.split()) for p in m.group(1).split(",")]
+
+
+@pytest.mark.parametrize("fmt", MMA_FORMATS)
+def test_entries_take_the_cuda_modules_arguments(fmt):
+    """launch.Kv8Plan packs one argument list for both backends: each HIP entry's parameters are the CUDA entry's."""
+    cuda = KernelSpec("prefill", fmt, 128, None, True, "cuda", "sm_80")
+    hip = KernelSpec("prefill", fmt, 128, None, True, "hip", "gfx942")
+    for suffix in (STAT_ENTRY, "", MERGE_ENTRY):
+        want = _parameters(render(cuda), entry_name(cuda) + suffix)
+        assert _parameters(render(hip), entry_name(hip) + suffix) == want, suffix
+        assert len(want) >= 8
